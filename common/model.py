@@ -124,6 +124,44 @@ def _eos_ids(config: Any, tokenizer: Any) -> list[int]:
     return sorted(set(eos if isinstance(eos, list) else [eos]))
 
 
+@dataclass
+class ModelInfo:
+    """What the gateway needs without the weights: tokenizer, served id, context length (tokens), EOS ids."""
+
+    tokenizer: Any
+    model_id: str
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+def load_model_info(spec: str | None = None, *, served_name: str | None = None) -> ModelInfo:
+    """Load only the tokenizer and config of ``spec`` (see :func:`load_model`). Raises :class:`ModelLoadError`."""
+    spec = spec or os.environ.get("PRFAAS_MODEL") or DEFAULT_MODEL
+    if spec in ("tiny-hybrid", "tiny-dense"):
+        config, tokenizer = tiny_config(spec), build_byte_tokenizer()
+        return ModelInfo(tokenizer, served_name or f"prfaas/{spec}", TINY_MAX_MODEL_LEN, _eos_ids(config, tokenizer))
+    config = _checkpoint_config(spec)
+    tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    return ModelInfo(
+        tokenizer,
+        served_name or os.path.basename(os.path.normpath(spec)),
+        int(getattr(config, "max_position_embeddings", 4096)),
+        _eos_ids(config, tokenizer),
+    )
+
+
+def _checkpoint_config(spec: str) -> Any:
+    if not os.path.isdir(spec):
+        raise ModelLoadError(f"model {spec!r} is neither an embedded model (tiny-hybrid, tiny-dense) nor a directory")
+    try:
+        config = AutoConfig.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read the config in {spec}: {e}") from None
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise ModelLoadError(f"model family {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    return config
+
+
 def load_model(spec: str | None = None, *, seed: int = DEFAULT_SEED, served_name: str | None = None) -> LoadedModel:
     """Load ``spec`` (an embedded name or a checkpoint directory) in float32 eval mode on the CPU.
 
@@ -138,14 +176,7 @@ def load_model(spec: str | None = None, *, seed: int = DEFAULT_SEED, served_name
         model_id = served_name or f"prfaas/{spec}"
         max_len = TINY_MAX_MODEL_LEN
     else:
-        if not os.path.isdir(spec):
-            raise ModelLoadError(f"model {spec!r} is neither an embedded model (tiny-hybrid, tiny-dense) nor a directory")
-        try:
-            config = AutoConfig.from_pretrained(spec, local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot read the config in {spec}: {e}") from None
-        if config.model_type not in SUPPORTED_FAMILIES:
-            raise ModelLoadError(f"model family {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+        config = _checkpoint_config(spec)
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
         model_id = served_name or os.path.basename(os.path.normpath(spec))

@@ -107,6 +107,14 @@ class ServerConnection:
         self.writer.write(data)
         await self.writer.drain()
 
+    def post(self, data: bytes) -> bool:
+        """Best-effort write of one encoded frame if connected (no dial, no drain); returns whether written."""
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            return False
+        writer.write(data)
+        return True
+
     async def send_parts(self, parts: list) -> None:
         """Write one frame given as buffers (see ``encode_frame_parts``) and drain."""
         self.writer.writelines(parts)
@@ -416,6 +424,25 @@ class RpcClient:
             raise Unavailable(f"{self.service} at {self.addr}: not connected")
         writer.write(encode_frame(Kind.REQUEST, {"id": call_id, "method": method, "args": args}))
         await writer.drain()
+
+    def post(self, data: bytes) -> bool:
+        """Best-effort write of one encoded frame if connected (no dial, no drain); returns whether written."""
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            return False
+        writer.write(data)
+        return True
+
+    async def send_parts(self, parts: list, *, timeout: float = 30.0) -> None:
+        """Write one raw frame (buffers from ``encode_frame_parts``) on this connection, dialling first
+        if needed, and wait for drain. Used for one-way data frames such as ``KV_LAYER``."""
+        async with asyncio.timeout(timeout):
+            await self.connect(timeout)
+            writer = self._writer
+            if writer is None or writer.is_closing():
+                raise Unavailable(f"{self.service} at {self.addr}: not connected")
+            writer.writelines(parts)
+            await writer.drain()
 
     async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float = 10.0) -> Any:
         """Call a unary method; returns its result. ``timeout`` (seconds) covers connect and answer.

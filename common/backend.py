@@ -1,0 +1,264 @@
+"""The compute seam: prefill layer by layer, and one decode step over a batch.
+
+Services never touch the model directly; they call a :class:`Backend`. :class:`TorchBackend` runs
+the real transformers model. Backends are picked by name from :data:`BACKENDS` (a later backend
+replays measured accelerator timings and KV sizes, so many emulated workers fit on one machine).
+
+Layer states (what crosses the wire), per layer ``i``, as a dict of name to tensor, batch dim 1:
+- attention layer: ``"k"``, ``"v"``: ``[1, kv_heads, seq, head_dim]``, after RoPE;
+- linear layer (linear attention / conv / SSM): ``"conv.<j>"`` and ``"rec.<j>"`` for each state
+  slot ``j`` the layer uses; fixed size whatever the sequence length.
+
+Threading: :meth:`TorchBackend.prefill` and :meth:`TorchBackend.decode_step` are blocking and are
+meant to run in a worker thread (``asyncio.to_thread``); torch releases the GIL inside its kernels,
+so the event loop keeps sending layer ``i`` while layer ``i+1`` computes.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from common.model import LoadedModel
+
+LayerState = dict[str, torch.Tensor]
+OnLayer = Callable[[int, LayerState], None]
+
+
+class PrefillCancelled(Exception):
+    """Raised inside a prefill when its ``should_stop`` callback turned true; the compute stops at the next layer."""
+
+
+class Backend(ABC):
+    """Model compute behind a small interface. Implementations are not thread-safe: one call at a time."""
+
+    loaded: LoadedModel
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.loaded.layer_types)
+
+    @abstractmethod
+    def prefill(self, input_ids: list[int], on_layer: OnLayer, should_stop: Callable[[], bool] = lambda: False) -> torch.Tensor:
+        """Run prefill over ``input_ids`` (token ids); call ``on_layer(i, state)`` as soon as layer ``i``'s
+        state is final (in layer order). Returns the last position's logits, float32 ``[vocab]``.
+
+        Raises :class:`PrefillCancelled` when ``should_stop()`` turns true between layers.
+        """
+
+    @abstractmethod
+    def new_sequence(self, layers: list[LayerState], prompt_len: int) -> "Sequence":
+        """Build a decode-side sequence from received layer states (``len(layers) == num_layers``)."""
+
+    @abstractmethod
+    def decode_step(self, batch: "DecodeBatch", tokens: list[int]) -> torch.Tensor:
+        """Feed one token per running row of ``batch``; returns float32 logits ``[rows, vocab]``."""
+
+
+@dataclass
+class Sequence:
+    """One request's KVCache on the decode side before it joins a batch; ``length`` in tokens."""
+
+    layers: list[LayerState]
+    length: int
+
+
+def _has_kv(layer) -> bool:
+    return getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None and layer.keys.numel() > 0
+
+
+def export_layer(cache: DynamicCache, i: int) -> LayerState:
+    """Snapshot layer ``i`` of a (batch-1) cache as named tensors. Linear states are cloned because
+    transformers updates them in place; K/V are re-allocated on each update, so they are not copied."""
+    layer = cache.layers[i]
+    out: LayerState = {}
+    if _has_kv(layer):
+        out["k"] = layer.keys
+        out["v"] = layer.values
+    for j, ok in getattr(layer, "is_conv_states_initialized", {}).items():
+        if ok:
+            out[f"conv.{j}"] = layer.conv_states[j].clone()
+    for j, ok in getattr(layer, "is_recurrent_states_initialized", {}).items():
+        if ok:
+            out[f"rec.{j}"] = layer.recurrent_states[j].clone()
+    return out
+
+
+class DecodeBatch:
+    """The running batch on a decode worker: one batched transformers cache, left-padded.
+
+    Invariant: row ``r`` holds request ``ids[r]``; ``mask[r]`` has a 1 for each real cached token and
+    0 for left padding; ``lengths[r]`` counts its real tokens, which is also the position of its next
+    token. Rows join and leave only between steps (:meth:`add`, :meth:`remove`); both rebuild the
+    padded tensors once, and a step itself copies nothing but the growing K/V.
+    """
+
+    def __init__(self, backend: "TorchBackend"):
+        self.backend = backend
+        self.ids: list[str] = []
+        self.lengths: list[int] = []
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # int64 [rows, T]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def add(self, req_id: str, seq: Sequence) -> None:
+        """Append a sequence as a new row (left-padding whichever side is shorter)."""
+        new_cache = self.backend._cache_from_layers(seq.layers)
+        new_mask = torch.ones(1, seq.length, dtype=torch.long)
+        if self.cache is None:
+            self.cache, self.mask = new_cache, new_mask
+        else:
+            self.cache, self.mask = self.backend._merge(self.cache, self.mask, new_cache, new_mask)
+        self.ids.append(req_id)
+        self.lengths.append(seq.length)
+
+    def remove(self, req_id: str) -> None:
+        """Drop a row and trim columns that became padding for every remaining row."""
+        r = self.ids.index(req_id)
+        del self.ids[r]
+        del self.lengths[r]
+        if not self.ids:
+            self.cache, self.mask = None, None
+            return
+        keep = torch.tensor([i for i in range(len(self.ids) + 1) if i != r])
+        self._select_rows(keep)
+        self.mask = self.mask[keep]
+        live_cols = self.mask.any(dim=0).nonzero()
+        first = int(live_cols[0]) if len(live_cols) else self.mask.shape[1]
+        if first > 0:
+            self.mask = self.mask[:, first:]
+            for layer in self.cache.layers:
+                if _has_kv(layer):
+                    layer.keys = layer.keys[:, :, first:].contiguous()
+                    layer.values = layer.values[:, :, first:].contiguous()
+
+    def _select_rows(self, keep: torch.Tensor) -> None:
+        for layer in self.cache.layers:
+            if _has_kv(layer):
+                layer.keys = layer.keys[keep]
+                layer.values = layer.values[keep]
+            for j, ok in getattr(layer, "is_conv_states_initialized", {}).items():
+                if ok:
+                    layer.conv_states[j] = layer.conv_states[j][keep].contiguous()
+            for j, ok in getattr(layer, "is_recurrent_states_initialized", {}).items():
+                if ok:
+                    layer.recurrent_states[j] = layer.recurrent_states[j][keep].contiguous()
+
+
+class TorchBackend(Backend):
+    """Runs a transformers causal LM on the CPU (see ``common/model.py``)."""
+
+    def __init__(self, loaded: LoadedModel, threads: int | None = None):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = loaded.model.config
+        self._lock = threading.Lock()
+        if threads:
+            torch.set_num_threads(threads)
+
+    # -- prefill ------------------------------------------------------------------------------
+    def prefill(self, input_ids: list[int], on_layer: OnLayer, should_stop: Callable[[], bool] = lambda: False) -> torch.Tensor:
+        cache = DynamicCache(config=self.config)
+        layers = self._decoder_layers()
+        handles = []
+
+        def make_hook(i: int):
+            def hook(_module, _args, _output):
+                on_layer(i, export_layer(cache, i))
+                if should_stop():
+                    raise PrefillCancelled(f"prefill stopped after layer {i}")
+            return hook
+
+        def pre_hook(_module, _args):
+            if should_stop():
+                raise PrefillCancelled("prefill stopped before the first layer")
+
+        handles.append(layers[0].register_forward_pre_hook(pre_hook))
+        for i, layer in enumerate(layers):
+            handles.append(layer.register_forward_hook(make_hook(i)))
+        ids = torch.tensor([input_ids], dtype=torch.long)
+        pos = torch.arange(len(input_ids), dtype=torch.long).unsqueeze(0)
+        try:
+            with self._lock, torch.inference_mode():
+                out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+        finally:
+            for h in handles:
+                h.remove()
+        return out.logits[0, -1].float()
+
+    def _decoder_layers(self) -> torch.nn.ModuleList:
+        base = getattr(self.model, self.model.base_model_prefix, None) or self.model.model
+        return base.layers
+
+    # -- decode -------------------------------------------------------------------------------
+    def new_sequence(self, layers: list[LayerState], prompt_len: int) -> Sequence:
+        if len(layers) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} layer states, got {len(layers)}")
+        return Sequence(layers=layers, length=prompt_len)
+
+    def new_batch(self) -> DecodeBatch:
+        return DecodeBatch(self)
+
+    def _cache_from_layers(self, layers: list[LayerState]) -> DynamicCache:
+        cache = DynamicCache(config=self.config)
+        for i, state in enumerate(layers):
+            if "k" in state:
+                cache.layers[i].update(state["k"], state["v"])
+            for name, t in state.items():
+                kind, _, j = name.partition(".")
+                if kind == "conv":
+                    cache.update_conv_state(t.clone(), i, int(j))
+            for name, t in state.items():
+                kind, _, j = name.partition(".")
+                if kind == "rec":
+                    cache.update_recurrent_state(t.clone(), i, int(j))
+        return cache
+
+    def _merge(self, a: DynamicCache, mask_a: torch.Tensor, b: DynamicCache, mask_b: torch.Tensor):
+        ta, tb = mask_a.shape[1], mask_b.shape[1]
+        t = max(ta, tb)
+        pad = torch.nn.functional.pad
+        mask = torch.cat([pad(mask_a, (t - ta, 0)), pad(mask_b, (t - tb, 0))], dim=0)
+        for la, lb in zip(a.layers, b.layers):
+            if _has_kv(la):
+                la.keys = torch.cat([pad(la.keys, (0, 0, t - ta, 0)), pad(lb.keys, (0, 0, t - tb, 0))], dim=0)
+                la.values = torch.cat([pad(la.values, (0, 0, t - ta, 0)), pad(lb.values, (0, 0, t - tb, 0))], dim=0)
+            for j, ok in getattr(la, "is_conv_states_initialized", {}).items():
+                if ok:
+                    la.conv_states[j] = torch.cat([la.conv_states[j], lb.conv_states[j]], dim=0)
+            for j, ok in getattr(la, "is_recurrent_states_initialized", {}).items():
+                if ok:
+                    la.recurrent_states[j] = torch.cat([la.recurrent_states[j], lb.recurrent_states[j]], dim=0)
+        return a, mask
+
+    def decode_step(self, batch: DecodeBatch, tokens: list[int]) -> torch.Tensor:
+        rows = len(batch)
+        if rows != len(tokens) or rows == 0:
+            raise ValueError(f"decode_step needs one token per row: {rows} rows, {len(tokens)} tokens")
+        ids = torch.tensor(tokens, dtype=torch.long).view(rows, 1)
+        pos = torch.tensor(batch.lengths, dtype=torch.long).view(rows, 1)
+        mask = torch.cat([batch.mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)
+        with self._lock, torch.inference_mode():
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=batch.cache, use_cache=True)
+        batch.mask = mask
+        batch.lengths = [n + 1 for n in batch.lengths]
+        return out.logits[:, -1].float()
+
+
+BACKENDS: dict[str, Callable[..., Backend]] = {"torch": TorchBackend}
+
+
+def make_backend(name: str, loaded: LoadedModel, **kwargs) -> Backend:
+    """Build a backend by name (see :data:`BACKENDS`). Raises ``ValueError`` for an unknown name."""
+    try:
+        factory = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(sorted(BACKENDS))}") from None
+    return factory(loaded, **kwargs)

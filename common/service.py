@@ -1,0 +1,58 @@
+"""What every PrfaaS service process shares: flags with environment defaults, logging, the event loop.
+
+Addresses are never hard-coded: each comes from a flag or an environment variable (the Procfile
+passes them from ``.env``), and a missing one is a clear start-up error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+
+def env_default(var: str, fallback: str | None = None) -> str | None:
+    """The value of environment variable ``var``, or ``fallback``."""
+    value = os.environ.get(var)
+    return value if value not in (None, "") else fallback
+
+
+def require(args: argparse.Namespace, attr: str, var: str) -> str:
+    """Return ``args.<attr>``; exit with a clear message naming the flag and ``var`` if it is unset."""
+    value = getattr(args, attr)
+    if not value:
+        flag = "--" + attr.replace("_", "-")
+        sys.exit(f"error: set {flag} or the environment variable {var}")
+    return value
+
+
+def setup_logging(name: str) -> logging.Logger:
+    """Line-oriented logs on stderr (honcho prefixes each line with the process name)."""
+    level = env_default("PRFAAS_LOG_LEVEL", "INFO")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "aiohttp.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    return logging.getLogger(f"prfaas.{name}")
+
+
+def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run ``main(stop_event)`` on uvloop (when installed); SIGINT/SIGTERM set the event for a clean close."""
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a declared dependency
+        runner = asyncio.run
+
+    async def wrapper() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    runner(wrapper())

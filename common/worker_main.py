@@ -1,0 +1,32 @@
+"""Start-up shared by the prefill and decode worker processes: flags, model, backend, planner link."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from common import service
+from common.backend import BACKENDS
+
+
+def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
+    """Flags every worker takes, each defaulting from the environment."""
+    p.add_argument("--listen", help="host:port for RPC")
+    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
+    p.add_argument("--name", default=f"{role}-{os.getpid()}")
+    p.add_argument("--model", default=service.env_default("PRFAAS_MODEL"),
+                   help="tiny-hybrid (default), tiny-dense, or a local Hugging Face checkpoint directory")
+    p.add_argument("--served-model-name", default=service.env_default("PRFAAS_SERVED_MODEL_NAME"))
+    p.add_argument("--backend", default=service.env_default("PRFAAS_BACKEND", "torch"), choices=sorted(BACKENDS))
+    p.add_argument("--threads", type=int, default=int(service.env_default("PRFAAS_THREADS", "0")),
+                   help="torch intra-op threads (0 = torch's default)")
+    p.add_argument("--report-interval", type=float, default=0.5, help="seconds between load reports to the planner")
+
+
+def load_backend(args: argparse.Namespace):
+    """Load the model named by ``args.model`` and wrap it in the chosen backend."""
+    from common.backend import make_backend
+    from common.model import load_model
+
+    loaded = load_model(args.model, served_name=args.served_model_name)
+    return make_backend(args.backend, loaded, threads=args.threads or None)

@@ -1,0 +1,59 @@
+"""``python -m services.decode``: one decode worker (PD-D)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from common import service
+from common.planner_agent import PlannerAgent
+from common.rpc import RpcServer, parse_addr
+from common.worker_main import add_worker_flags, load_backend
+from services.decode.worker import DecodeWorker
+
+
+async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    listen = service.require(args, "listen", "PRFAAS_DECODE_ADDR")
+    kv_listen = service.require(args, "kv_listen", "PRFAAS_DECODE_KV_ADDR")
+    planner = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
+    backend = await asyncio.to_thread(load_backend, args)
+    worker = DecodeWorker(backend, args.name, kv_listen, prefill_timeout=args.prefill_timeout)
+    rpc = RpcServer("decode", args.name, stream_handlers={"generate": worker.generate}, handlers={"stats": _stats(worker)})
+    kv = RpcServer("decode-kv", args.name, fingerprint=backend.loaded.fingerprint, frame_handler=worker.on_kv_frame)
+    host, port = parse_addr(listen)
+    await rpc.start(host, port)
+    khost, kport = parse_addr(kv_listen)
+    await kv.start(khost, kport)
+    worker.start()
+    agent = PlannerAgent(planner, {
+        "name": args.name, "role": "decode", "cluster": "pd", "addr": listen, "kv_addr": kv_listen,
+        "fingerprint": backend.loaded.fingerprint,
+    }, worker.stats, args.report_interval)
+    agent.start()
+    print(f"READY decode {args.name} listening on {listen} kv={kv_listen} model={backend.loaded.model_id} "
+          f"weights={backend.loaded.weight_hash}", flush=True)
+    await stop.wait()
+    await agent.close()
+    await rpc.close()
+    await kv.close()
+    await worker.close()
+
+
+def _stats(worker: DecodeWorker):
+    async def stats(args: dict) -> dict:
+        return worker.stats()
+    return stats
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="PrfaaS decode worker (PD-D)")
+    add_worker_flags(p, "decode")
+    p.add_argument("--kv-listen", help="host:port where prefill workers stream KVCache")
+    p.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds from the prefill call to the last KV byte")
+    args = p.parse_args()
+    service.setup_logging("decode")
+    service.run(lambda stop: amain(args, stop))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""Gateway: the OpenAI-compatible HTTP front door (aiohttp), port 8000 by default like vLLM.
+
+Request lifecycle (who frees what):
+1. Parse and validate the body (``openai_api``); bad input is a 4xx OpenAI error body, nothing else runs.
+2. ``place`` at the router: a prefill worker (PrfaaS or PD-P by the threshold rule) and a decode worker.
+3. ``generate`` stream at the decode worker, which drives the prefill and streams tokens back.
+4. Tokens go to the client as one JSON body or as SSE chunks ending in ``data: [DONE]``.
+5. ``release`` at the router, always, in ``finally``. A client that disconnects cancels the handler
+   (``handler_cancellation``), which closes the decode stream; that sends ``CANCEL`` to the decode
+   worker, which cancels the prefill call, so the request stops everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from common import service
+from common.model import load_model_info
+from common.rpc import RpcClient, RpcError
+from proto.frames import ErrorCode
+from services.gateway import openai_api as oa
+
+log = logging.getLogger("prfaas.gateway")
+
+# Error codes from services mapped to HTTP statuses.
+HTTP_STATUS = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.OVERLOADED: 429,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.TIMEOUT: 504,
+}
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+def _error_response(err: oa.OpenAIError, headers: dict[str, str] | None = None) -> web.Response:
+    return _json(err.body(), err.status, headers)
+
+
+def _service_error(e: RpcError) -> oa.OpenAIError:
+    status = HTTP_STATUS.get(e.code, 500)
+    etype = "invalid_request_error" if status == 400 else ("server_error" if status >= 500 else "rate_limit_error")
+    return oa.OpenAIError(status=status, message=str(e.message), type=etype, param=None, code=e.code.value)
+
+
+class Gateway:
+    """The HTTP app and its clients: one to the router, one per decode worker address."""
+
+    def __init__(self, ctx: oa.ModelContext, router_addr: str, planner_addr: str, name: str = "gateway",
+                 request_timeout: float = 600.0):
+        self.ctx = ctx
+        self.name = name
+        self.request_timeout = request_timeout
+        self.router = RpcClient(router_addr, service="gateway", name=name, connect_timeout=2.0)
+        self.planner = RpcClient(planner_addr, service="gateway", name=name, connect_timeout=2.0)
+        self.decoders: dict[str, RpcClient] = {}
+        self.requests: Counter[tuple[str, int]] = Counter()
+        self.active = 0
+        self.app = web.Application(client_max_size=ctx.max_prompt_bytes + (64 << 10))
+        self.app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+        ])
+        self.app.on_cleanup.append(self._cleanup)
+
+    async def _cleanup(self, _app: web.Application) -> None:
+        for c in [self.router, self.planner, *self.decoders.values()]:
+            await c.close()
+
+    def _decoder(self, addr: str) -> RpcClient:
+        c = self.decoders.get(addr)
+        if c is None:
+            c = RpcClient(addr, service="gateway", name=self.name, connect_timeout=5.0)
+            self.decoders[addr] = c
+        return c
+
+    # -- OpenAI endpoints -------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        return _json(oa.models_response(self.ctx.model_id, self.ctx.max_model_len))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "completions", oa.parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "chat", oa.parse_chat)
+
+    async def _handle(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
+        status = 200
+        try:
+            body = await request.read()
+            req = parse(body, self.ctx)
+            resp = await (self._stream(request, req) if req.stream else self._unary(req))
+            status = resp.status
+            return resp
+        except oa.OpenAIError as e:
+            status = e.status
+            headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+            return _error_response(e, headers)
+        except asyncio.CancelledError:
+            status = 499  # client closed the connection
+            raise
+        finally:
+            self.requests[(endpoint, status)] += 1
+
+    async def _generate(self, req: oa.GenerateRequest):
+        """Yield decode stream items for ``req``; places it first and releases it at the end.
+        Raises :class:`oa.OpenAIError` for service errors raised before the first item."""
+        try:
+            placement = await self.router.call("place", {"req_id": req.request_id, "prompt_len": len(req.prompt_ids)}, timeout=10.0)
+        except RpcError as e:
+            raise _service_error(e) from None
+        except asyncio.TimeoutError:
+            raise oa.OpenAIError(status=503, message="router did not answer in time", type="server_error", param=None, code="unavailable") from None
+        self.active += 1
+        try:
+            decoder = self._decoder(placement["decode"]["addr"])
+            args = {
+                "req_id": req.request_id,
+                "input_ids": req.prompt_ids,
+                "sampling": req.sampling.to_wire(),
+                "prefill_addr": placement["prefill"]["addr"],
+                "route": placement["route"],
+            }
+            async with asyncio.timeout(self.request_timeout):
+                async for item in decoder.stream("generate", args):
+                    yield item
+        except RpcError as e:
+            raise _service_error(e) from None
+        except asyncio.TimeoutError:
+            raise oa.OpenAIError(status=504, message=f"request exceeded {self.request_timeout}s", type="server_error", param=None, code="timeout") from None
+        finally:
+            self.active -= 1
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.router.call("release", {"req_id": req.request_id}, timeout=2.0))
+
+    async def _unary(self, req: oa.GenerateRequest) -> web.Response:
+        text, reason, usage = [], None, None
+        async for item in self._generate(req):
+            text.append(item["text"])
+            reason = item["finish_reason"] or reason
+            usage = item.get("usage") or usage
+        prompt_tokens = usage["prompt_tokens"] if usage else len(req.prompt_ids)
+        completion_tokens = usage["completion_tokens"] if usage else 0
+        build = oa.completion_response if req.kind == "completion" else oa.chat_response
+        return _json(build(req, "".join(text), reason or "stop", prompt_tokens, completion_tokens))
+
+    async def _stream(self, request: web.Request, req: oa.GenerateRequest) -> web.StreamResponse:
+        gen = self._generate(req)
+        try:
+            first = await gen.__anext__()  # errors before the first token are still plain HTTP errors
+        except StopAsyncIteration:
+            first = None
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(obj: Any) -> None:
+            await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+        usage = None
+        try:
+            if req.kind == "chat":
+                await send(oa.chat_chunk(req, {"role": "assistant", "content": ""}, None))
+            item = first
+            while item is not None:
+                usage = item.get("usage") or usage
+                if not item["text"] and item["finish_reason"] is None:
+                    pass  # nothing to show yet (e.g. half of a UTF-8 character is held back)
+                elif req.kind == "completion":
+                    await send(oa.completion_chunk(req, item["text"], item["finish_reason"]))
+                else:
+                    delta = {"content": item["text"]} if item["text"] or not item["finish_reason"] else {}
+                    await send(oa.chat_chunk(req, delta, item["finish_reason"]))
+                try:
+                    item = await gen.__anext__()
+                except StopAsyncIteration:
+                    item = None
+            if req.include_usage:
+                p = usage["prompt_tokens"] if usage else len(req.prompt_ids)
+                c = usage["completion_tokens"] if usage else 0
+                await send(oa.usage_chunk(req, p, c))
+        except oa.OpenAIError as e:
+            await send(e.body())  # mid-stream failure: an SSE error event, then [DONE]
+        finally:
+            await gen.aclose()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # -- operations --------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when the router, the planner and at least one alive prefill and decode worker answer; else 503."""
+        report: dict[str, Any] = {"gateway": True, "model": self.ctx.model_id}
+        try:
+            view = await self.router.call("health", timeout=2.0)
+            report["router"] = True
+            report["planner"] = bool(view["planner"])
+            workers = view["workers"]
+        except (RpcError, asyncio.TimeoutError, OSError) as e:
+            report.update(router=False, planner=False, error=str(e))
+            workers = []
+        report["workers"] = {w["name"]: {"role": w["role"], "cluster": w["cluster"], "alive": w["alive"]} for w in workers}
+        alive = {(w["role"], w["cluster"]) for w in workers if w["alive"]}
+        report["prefill_remote"] = ("prefill", "prfaas") in alive
+        report["prefill_local"] = ("prefill", "pd") in alive
+        report["decode"] = ("decode", "pd") in alive
+        ok = report.get("router") and report.get("planner") and report["decode"] and (report["prefill_remote"] or report["prefill_local"])
+        report["status"] = "ok" if ok else "unavailable"
+        return _json(report, 200 if ok else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text: gateway counters, and the router's route decisions relayed."""
+        lines = [
+            "# HELP prfaas_requests_total HTTP requests by endpoint and status.",
+            "# TYPE prfaas_requests_total counter",
+        ]
+        for (endpoint, status), n in sorted(self.requests.items()):
+            lines.append(f'prfaas_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
+        lines += ["# HELP prfaas_requests_active Requests in flight at the gateway.", "# TYPE prfaas_requests_active gauge",
+                  f"prfaas_requests_active {self.active}"]
+        try:
+            stats = await self.router.call("stats", timeout=2.0)
+            lines += ["# HELP prfaas_route_decisions_total Router placements by route (remote = PrfaaS cluster, local = PD-P).",
+                      "# TYPE prfaas_route_decisions_total counter"]
+            decisions = stats["route_decisions"]
+            for route in sorted({"remote", "local", *decisions}):
+                lines.append(f'prfaas_route_decisions_total{{route="{route}"}} {decisions.get(route, 0)}')
+            lines += ["# TYPE prfaas_route_fallbacks_total counter", f"prfaas_route_fallbacks_total {stats['route_fallbacks']}",
+                      "# TYPE prfaas_route_threshold_tokens gauge", f"prfaas_route_threshold_tokens {stats['threshold_tokens']}"]
+        except (RpcError, asyncio.TimeoutError, OSError):
+            lines.append("# router unreachable: route counters omitted")
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    info = await asyncio.to_thread(load_model_info, args.model, served_name=args.served_model_name)
+    ctx = oa.ModelContext(model_id=info.model_id, tokenizer=info.tokenizer, max_model_len=info.max_model_len,
+                          eos_token_ids=info.eos_token_ids)
+    gw = Gateway(ctx, service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service.require(args, "planner", "PRFAAS_PLANNER_ADDR"))
+    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    print(f"READY gateway on http://{args.host}:{args.port} serving {ctx.model_id}", flush=True)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="PrfaaS OpenAI-compatible gateway")
+    p.add_argument("--host", default=service.env_default("PRFAAS_GATEWAY_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(service.env_default("PRFAAS_GATEWAY_PORT", "8000")))
+    p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"))
+    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
+    p.add_argument("--model", default=service.env_default("PRFAAS_MODEL"))
+    p.add_argument("--served-model-name", default=service.env_default("PRFAAS_SERVED_MODEL_NAME"))
+    args = p.parse_args()
+    service.setup_logging("gateway")
+    service.run(lambda stop: amain(args, stop))
+
+
+if __name__ == "__main__":
+    main()
