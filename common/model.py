@@ -47,7 +47,7 @@ def tiny_config(name: str) -> Any:
         max_position_embeddings=TINY_MAX_MODEL_LEN,
         initializer_range=0.1,  # std 0.02 makes a random model alternate between two tokens
         bos_token_id=None,
-        eos_token_id=256,
+        eos_token_id=[256, 258],  # <|endoftext|> and <|im_end|> (end of a chat turn)
         pad_token_id=259,
         tie_word_embeddings=False,
     )

@@ -7,8 +7,17 @@ token (the prefill worker samples step 0, the decode worker the rest).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 @dataclass(frozen=True)
@@ -57,3 +66,102 @@ class SamplingParams:
             stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())),
             ignore_eos=bool(d.get("ignore_eos", False)),
         )
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One round of SplitMix64 (Steele et al.): a bijective 64-bit mixer with good avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed for output position ``step`` of a request seeded with ``seed``.
+
+    ``splitmix64(splitmix64(seed mod 2**64) XOR (step mod 2**64))``, truncated to 63 bits (so it is a
+    valid ``torch.Generator.manual_seed`` argument). It depends on ``(seed, step)`` only: no process,
+    device or batch state enters it, so any worker sampling position ``step`` draws the same token.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) & ((1 << 63) - 1)
+
+
+def _warpers(params: SamplingParams) -> LogitsProcessorList:
+    """Hugging Face warpers in ``generate``'s order: temperature, top-k, top-p (disabled ones omitted)."""
+    procs = LogitsProcessorList()
+    if params.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k > 0:
+        procs.append(TopKLogitsWarper(top_k=params.top_k))
+    if params.top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p=params.top_p))
+    return procs
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+    """Pick the token for output position ``step`` from one row of logits.
+
+    Args:
+        logits: 1-D float tensor ``[vocab]`` (float32 expected; any floating dtype, any device).
+        params: the request's sampling settings.
+        step: 0-based output position (0 is the token the prefill worker samples).
+
+    Returns:
+        The token id, a Python ``int`` in ``[0, vocab)``.
+
+    ``temperature == 0`` is greedy: ``torch.argmax`` (ties go to the lowest index). Otherwise the
+    logits are copied to CPU float32, warped by temperature, top-k and top-p (Hugging Face logits
+    warpers, same semantics as ``generate``; top-k/top-p always keep at least one token),
+    softmaxed, and one token is drawn with ``torch.multinomial`` from a CPU ``torch.Generator``
+    seeded with :func:`step_seed` ``(params.seed, step)``. Sampling on CPU keeps the draw
+    independent of the device the logits came from.
+    """
+    if logits.dim() != 1:
+        raise ValueError(f"sample_next expects 1-D logits [vocab], got shape {tuple(logits.shape)}")
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scores = logits.detach().to(device="cpu", dtype=torch.float32).unsqueeze(0)  # [1, vocab]
+    no_input_ids = torch.empty((1, 0), dtype=torch.long)  # the warpers ignore input_ids
+    scores = _warpers(params)(no_input_ids, scores)
+    probs = torch.softmax(scores, dim=-1)[0]  # [vocab] float32
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(step_seed(params.seed, step))
+    return int(torch.multinomial(probs, num_samples=1, generator=gen))
+
+
+def sample_batch(
+    logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int]
+) -> list[int]:
+    """Pick one token per row; row ``i`` gives exactly ``sample_next(logits[i], params[i], steps[i])``.
+
+    Args:
+        logits: 2-D float tensor ``[batch, vocab]`` (float32 expected; any device).
+        params: ``batch`` sampling settings, one per row.
+        steps: ``batch`` output positions, one per row.
+
+    Returns:
+        ``batch`` token ids as Python ints.
+
+    Greedy rows are resolved with one vectorised ``argmax``; the others go row by row through
+    :func:`sample_next` (each needs its own seeded generator).
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"sample_batch expects 2-D logits [batch, vocab], got shape {tuple(logits.shape)}")
+    batch = logits.shape[0]
+    if len(params) != batch or len(steps) != batch:
+        raise ValueError(
+            f"sample_batch: {batch} rows but {len(params)} params and {len(steps)} steps"
+        )
+    out = [0] * batch
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if greedy_rows:
+        index = torch.tensor(greedy_rows, dtype=torch.long, device=logits.device)
+        for i, tok in zip(greedy_rows, logits.index_select(0, index).argmax(dim=-1).tolist()):
+            out[i] = int(tok)
+    for i, p in enumerate(params):
+        if not p.greedy:
+            out[i] = sample_next(logits[i], p, steps[i])
+    return out

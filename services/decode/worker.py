@@ -93,6 +93,7 @@ class DecodeWorker:
         self._loop_task: asyncio.Task | None = None
         self._prefill_clients: dict[str, RpcClient] = {}
         self.steps = 0
+        self.max_batch_size = 0
         self.step_time_ewma = 0.0
         self.completed = 0
         self.dropped_kv_frames = 0
@@ -118,6 +119,7 @@ class DecodeWorker:
             "kv_bytes_inflight": sum(a.nbytes for a in self.assemblies.values()),
             "batch_size": len(self.batch),
             "steps": self.steps,
+            "max_batch_size": self.max_batch_size,
             "step_time_s": round(self.step_time_ewma, 6),
             "completed": self.completed,
         }
@@ -246,6 +248,7 @@ class DecodeWorker:
             if not self.running:
                 continue
             reqs = [self.running[rid] for rid in self.batch.ids]
+            self.max_batch_size = max(self.max_batch_size, len(reqs))
             t = time.monotonic()
             try:
                 logits = await asyncio.to_thread(self.backend.decode_step, self.batch, [r.generated[-1] for r in reqs])

@@ -149,15 +149,19 @@ class Gateway:
                 await asyncio.shield(self.router.call("release", {"req_id": req.request_id}, timeout=2.0))
 
     async def _unary(self, req: oa.GenerateRequest) -> web.Response:
-        text, reason, usage = [], None, None
+        text, ids, reason, usage = [], [], None, None
         async for item in self._generate(req):
             text.append(item["text"])
+            ids += item["token_ids"]
             reason = item["finish_reason"] or reason
             usage = item.get("usage") or usage
         prompt_tokens = usage["prompt_tokens"] if usage else len(req.prompt_ids)
         completion_tokens = usage["completion_tokens"] if usage else 0
         build = oa.completion_response if req.kind == "completion" else oa.chat_response
-        return _json(build(req, "".join(text), reason or "stop", prompt_tokens, completion_tokens))
+        body = build(req, "".join(text), reason or "stop", prompt_tokens, completion_tokens)
+        if req.return_token_ids:
+            body["choices"][0]["token_ids"] = ids
+        return _json(body)
 
     async def _stream(self, request: web.Request, req: oa.GenerateRequest) -> web.StreamResponse:
         gen = self._generate(req)
@@ -174,17 +178,22 @@ class Gateway:
         usage = None
         try:
             if req.kind == "chat":
-                await send(oa.chat_chunk(req, {"role": "assistant", "content": ""}, None))
-            item = first
+                await send(oa.chat_role_chunk(req))
+            item, held_ids = first, []
             while item is not None:
                 usage = item.get("usage") or usage
-                if not item["text"] and item["finish_reason"] is None:
+                held_ids += item["token_ids"]
+                if not item["text"] and item["finish_reason"] is None and not req.return_token_ids:
                     pass  # nothing to show yet (e.g. half of a UTF-8 character is held back)
-                elif req.kind == "completion":
-                    await send(oa.completion_chunk(req, item["text"], item["finish_reason"]))
                 else:
-                    delta = {"content": item["text"]} if item["text"] or not item["finish_reason"] else {}
-                    await send(oa.chat_chunk(req, delta, item["finish_reason"]))
+                    if req.kind == "completion":
+                        chunk = oa.completion_chunk(req, item["text"], item["finish_reason"])
+                    else:
+                        delta = {"content": item["text"]} if item["text"] or not item["finish_reason"] else {}
+                        chunk = oa.chat_chunk(req, delta, item["finish_reason"])
+                    if req.return_token_ids:
+                        chunk["choices"][0]["token_ids"], held_ids = held_ids, []
+                    await send(chunk)
                 try:
                     item = await gen.__anext__()
                 except StopAsyncIteration:

@@ -17,7 +17,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     planner = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
     backend = await asyncio.to_thread(load_backend, args)
     worker = PrefillWorker(backend, args.name, chunk_bytes=args.chunk_bytes)
-    server = RpcServer("prefill", args.name, handlers={"prefill": worker.prefill, "health": _health})
+    server = RpcServer("prefill", args.name, handlers={"prefill": worker.prefill, "inject_fault": worker.inject_fault, "health": _health})
     host, port = parse_addr(listen)
     await server.start(host, port)
     agent = PlannerAgent(planner, {

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from common.backend import Backend
+from common.faults import Faults, FaultsDisabled
 from common.kv_stream import DEFAULT_CHUNK_BYTES, layer_frames
 from common.rpc import RpcClient, RpcError
 from common.sampling import SamplingParams, sample_next
@@ -51,6 +52,7 @@ class PrefillWorker:
         self.chunk_bytes = chunk_bytes
         self.fingerprint = backend.loaded.fingerprint
         self.vocab_size = int(backend.loaded.model.config.vocab_size)
+        self.faults = Faults()
         self._slot = asyncio.Semaphore(1)
         self._kv_clients: dict[str, RpcClient] = {}
         self.waiting = 0
@@ -77,6 +79,13 @@ class PrefillWorker:
     async def close(self) -> None:
         for c in self._kv_clients.values():
             await c.close()
+
+    async def inject_fault(self, args: dict[str, Any]) -> dict[str, Any]:
+        """RPC for tests: see :class:`~common.faults.Faults`. Refused unless injection is enabled."""
+        try:
+            return self.faults.configure(args)
+        except (FaultsDisabled, ValueError) as e:
+            raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
 
     async def prefill(self, args: dict[str, Any]) -> dict[str, Any]:
         """RPC: ``{req_id, input_ids, sampling, kv_addr}`` -> ``{first_token, prompt_len, timings}``."""
@@ -130,6 +139,7 @@ class PrefillWorker:
                     compute.result()  # re-raises a compute failure
                     getter = asyncio.ensure_future(ready.get())  # compute ended: the rest is queued
                 i, state = await getter
+                state = self.faults.on_layer(i, state)
                 for parts in layer_frames(req_id, i, state, self.chunk_bytes):
                     n = sum(len(p) for p in parts)
                     self.kv_bytes_inflight += n

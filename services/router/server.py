@@ -41,7 +41,8 @@ class Router:
         self.fallbacks = 0
         self.server = RpcServer(
             "router", name,
-            handlers={"place": self.place, "release": self.release, "stats": self.stats, "health": self.health},
+            handlers={"place": self.place, "release": self.release, "stats": self.stats, "health": self.health,
+                      "set_threshold": self.set_threshold},
         )
         self._task: asyncio.Task | None = None
 
@@ -106,6 +107,16 @@ class Router:
             "prefill": {k: p.prefill[k] for k in ("name", "addr", "cluster")},
             "decode": {k: p.decode[k] for k in ("name", "addr", "kv_addr")},
         }
+
+    async def set_threshold(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Replace ``t`` (tokens). One assignment on the event loop: a placement sees the old or the new
+        value, never a mix, and no request is dropped."""
+        t = args.get("threshold")
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise RpcError(ErrorCode.BAD_REQUEST, "threshold must be a non-negative integer (tokens)")
+        old, self.threshold = self.threshold, t
+        log.info("threshold changed from %d to %d tokens", old, t)
+        return {"threshold": t, "previous": old}
 
     def _release(self, req_id: str) -> bool:
         entry = self.placed.pop(req_id, None)

@@ -1,0 +1,103 @@
+"""Start the whole PrfaaS system as real subprocesses on free ports, the way honcho would.
+
+Used by the end-to-end tests and by scripts. Each service gets its addresses from flags, exactly as
+in the Procfile; ``Cluster.stop`` terminates them all (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Cluster:
+    """A running system: ``url`` is the gateway's base URL; ``addrs`` maps service name to host:port."""
+
+    model: str
+    threshold: int = 1024
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path | None = None
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    addrs: dict[str, str] = field(default_factory=dict)
+    url: str = ""
+
+    def commands(self) -> dict[str, list[str]]:
+        a = {n: f"127.0.0.1:{free_port()}" for n in ("router", "planner", "prefill_remote", "prefill_local", "decode", "decode_kv")}
+        gw_port = free_port()
+        self.addrs = dict(a, gateway=f"127.0.0.1:{gw_port}")
+        self.url = f"http://127.0.0.1:{gw_port}"
+        py = [sys.executable, "-m"]
+        model = ["--model", self.model]
+        return {
+            "planner": py + ["services.planner", "--listen", a["planner"]],
+            "router": py + ["services.router", "--listen", a["router"], "--planner", a["planner"], "--threshold", str(self.threshold)],
+            "gateway": py + ["services.gateway", "--host", "127.0.0.1", "--port", str(gw_port), "--router", a["router"],
+                             "--planner", a["planner"]] + model,
+            "prefill_remote": py + ["services.prefill", "--name", "prefill-remote-0", "--cluster", "prfaas", "--listen",
+                                    a["prefill_remote"], "--planner", a["planner"]] + model,
+            "prefill_local": py + ["services.prefill", "--name", "prefill-local-0", "--cluster", "pd", "--listen",
+                                   a["prefill_local"], "--planner", a["planner"]] + model,
+            "decode": py + ["services.decode", "--name", "decode-0", "--listen", a["decode"], "--kv-listen", a["decode_kv"],
+                            "--planner", a["planner"]] + model,
+        }
+
+    def start(self, timeout: float = 180.0) -> "Cluster":
+        """Start every service (all at once: order must not matter) and wait for ``GET /health`` = 200."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PRFAAS_THREADS="1", **self.env)
+        env.pop("PRFAAS_MODEL", None)
+        for name, cmd in self.commands().items():
+            out = open(self.log_dir / f"{name}.log", "wb") if self.log_dir else subprocess.DEVNULL
+            self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            dead = [n for n, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                self.stop()
+                raise RuntimeError(f"services exited during start-up: {dead}; logs in {self.log_dir}")
+            if self.health()[0] == 200:
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"cluster not healthy within {timeout}s; logs in {self.log_dir}")
+
+    def health(self) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+        except OSError:
+            return 0, b""
+
+    def stop(self, grace: float = 10.0) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace") if self.log_dir else ""
