@@ -1,0 +1,116 @@
+"""Measure the main job end to end: TTFT and decode tokens/s for a short and a long prompt through the
+whole system (HTTP to the gateway), and how much the layer-by-layer KV send overlaps the prefill compute.
+
+Usage: python scripts/measure_e2e.py [--model tiny-hybrid] [--long 6000] [--runs 3]
+
+Overlap: for a remote prefill, the time from the last layer computed (prefill worker) to the last layer
+received (decode worker), against one layer's mean compute time. Both stamps come from
+CLOCK_MONOTONIC, which all processes on one machine share. With no overlap the tail would be the
+whole transfer; with full overlap it is one layer's send.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.rpc import RpcClient  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
+from tests.cluster import Cluster  # noqa: E402
+
+
+async def stream_once(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
+    """One streaming request: returns (TTFT s, total s, completion tokens)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    async with session.post(url + "/v1/completions", json=body) as r:
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk.get("choices", []):
+                k = len(c.get("token_ids") or [])
+                if k and first is None:
+                    first = time.perf_counter() - t0
+                n += k
+    return first or float("nan"), time.perf_counter() - t0, n
+
+
+async def overlap_once(cluster: Cluster, prompt: list[int]) -> dict:
+    """Drive the decode worker directly so the per-layer timings come back with the first token."""
+    client = RpcClient(cluster.addrs["decode"], service="measure", name="measure")
+    try:
+        args = {"req_id": f"overlap-{random.random()}", "input_ids": prompt, "prefill_addr": cluster.addrs["prefill_remote"],
+                "sampling": SamplingParams(max_tokens=1, temperature=0).to_wire()}
+        async for item in client.stream("generate", args):
+            t = item["timings"]
+            layer = t["layer_compute_s"]
+            return {
+                "prefill_s": t["prefill_s"],
+                "tail_s": t["last_received_at"] - t["last_computed_at"],
+                "mean_layer_s": statistics.mean(layer),
+                "max_layer_s": max(layer),
+                "kv_done_s": t["kv_done_s"],
+            }
+    finally:
+        await client.close()
+
+
+async def run(args: argparse.Namespace) -> None:
+    rng = random.Random(0)
+    short = [rng.randrange(256) for _ in range(args.short)]
+    long = [rng.randrange(256) for _ in range(args.long)]
+    with tempfile.TemporaryDirectory() as logs:
+        cluster = Cluster(model=args.model, log_dir=Path(logs)).start()
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(cluster.url + "/v1/models") as r:
+                    model = (await r.json())["data"][0]["id"]
+                await stream_once(s, cluster.url, model, short, 4)  # warm-up
+                rows = []
+                for name, prompt in (("short", short), ("long", long)):
+                    res = [await stream_once(s, cluster.url, model, prompt, args.max_tokens) for _ in range(args.runs)]
+                    ttft = statistics.median(r[0] for r in res)
+                    tps = statistics.median((r[2] - 1) / (r[1] - r[0]) for r in res)
+                    rows.append((name, len(prompt), ttft, tps))
+            ov = [await overlap_once(cluster, long) for _ in range(args.runs)]
+        finally:
+            cluster.stop()
+    print(f"model={args.model} runs={args.runs} (medians) max_tokens={args.max_tokens}")
+    print(f"{'prompt':<8}{'tokens':>8}{'route':>8}{'TTFT s':>10}{'decode tok/s':>14}")
+    for name, n, ttft, tps in rows:
+        print(f"{name:<8}{n:>8}{'remote' if n > 1024 else 'local':>8}{ttft:>10.3f}{tps:>14.1f}")
+    tail = statistics.median(o["tail_s"] for o in ov)
+    layer = statistics.median(o["mean_layer_s"] for o in ov)
+    print(f"overlap (remote prefill of {len(long)} tokens): prefill {statistics.median(o['prefill_s'] for o in ov):.3f} s, "
+          f"last layer computed -> last layer received {tail * 1000:.1f} ms, one layer's compute {layer * 1000:.1f} ms "
+          f"(tail/layer = {tail / layer:.2f})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny-hybrid")
+    p.add_argument("--short", type=int, default=30, help="short prompt, tokens")
+    p.add_argument("--long", type=int, default=6000, help="long prompt, tokens")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    asyncio.run(run(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
