@@ -56,7 +56,11 @@ class RpcError(Exception):
 
     def __init__(self, code: ErrorCode | str, message: str, **data: Any):
         super().__init__(message)
-        self.code = ErrorCode(code)
+        try:
+            self.code = ErrorCode(code)
+        except ValueError:  # a newer peer's code we do not know: keep it, treat it as internal
+            self.code = ErrorCode.INTERNAL
+            data = {**data, "peer_code": str(code)}
         self.message = message
         self.data = data
 
@@ -174,28 +178,36 @@ class RpcServer:
         self._conns.add(task)
         conn = ServerConnection(reader, writer)
         try:
-            if await self._handshake(conn):
-                await self._read_loop(conn)
-        except (ConnectionError, asyncio.IncompleteReadError):
+            try:
+                if await self._handshake(conn):
+                    await self._read_loop(conn)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                pass
+            except ProtocolError as e:
+                log.warning("%s: bad frame from %s: %s", self.name, conn.peer_name, e)
+                with contextlib.suppress(Exception):
+                    await conn.send(encode_error(e.code, str(e)))
+            finally:
+                for t in conn.tasks.values():
+                    t.cancel()
+                try:
+                    await asyncio.gather(*conn.tasks.values(), return_exceptions=True)
+                finally:  # even if close() cancels us while we wait for the calls
+                    if self.on_disconnect is not None:
+                        self.on_disconnect(conn)
+                    writer.close()
+                    self._conns.discard(task)
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
+        except asyncio.CancelledError:
+            # Only close() cancels a connection task, and the connection is torn down above. Ending
+            # normally matters: on Python 3.11 asyncio's start_server callback calls
+            # task.exception() on a cancelled task and logs a spurious CancelledError.
             pass
-        except ProtocolError as e:
-            log.warning("%s: bad frame from %s: %s", self.name, conn.peer_name, e)
-            with contextlib.suppress(Exception):
-                await conn.send(encode_error(e.code, str(e)))
-        finally:
-            for t in conn.tasks.values():
-                t.cancel()
-            await asyncio.gather(*conn.tasks.values(), return_exceptions=True)
-            if self.on_disconnect is not None:
-                self.on_disconnect(conn)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-            self._conns.discard(task)
 
     async def _handshake(self, conn: ServerConnection) -> bool:
         try:
-            frame = await asyncio.wait_for(read_frame(conn.reader), HANDSHAKE_TIMEOUT_S)
+            frame = await asyncio.wait_for(read_frame(conn.reader, max_payload=self.max_payload), HANDSHAKE_TIMEOUT_S)
         except asyncio.TimeoutError:
             await conn.send(encode_error(ErrorCode.TIMEOUT, "no HELLO within the handshake timeout"))
             return False
@@ -206,7 +218,11 @@ class RpcServer:
             return False
         conn.peer_name = str(frame.header["name"])
         conn.peer_service = str(frame.header["service"])
-        why = fingerprint_mismatch(self.fingerprint, frame.header.get("fingerprint"))
+        theirs = frame.header.get("fingerprint")
+        if theirs is not None and not isinstance(theirs, dict):
+            await conn.send(encode_error(ErrorCode.BAD_REQUEST, "fingerprint must be a map"))
+            return False
+        why = fingerprint_mismatch(self.fingerprint, theirs)
         if why is not None:
             log.warning("%s: refused %s (%s): %s", self.name, conn.peer_name, conn.peer_service, why)
             await conn.send(encode_error(ErrorCode.FINGERPRINT_MISMATCH, f"{self.name} refused the peer: {why}"))
@@ -222,7 +238,8 @@ class RpcServer:
             if frame.kind is Kind.REQUEST:
                 self._start_call(conn, frame.header)
             elif frame.kind is Kind.CANCEL:
-                task = conn.tasks.get(frame.header["id"])
+                call_id = frame.header["id"]
+                task = conn.tasks.get(call_id) if _valid_call_id(call_id) else None
                 if task is not None:
                     task.cancel()
             elif frame.kind is Kind.PING:
@@ -234,6 +251,12 @@ class RpcServer:
 
     def _start_call(self, conn: ServerConnection, header: dict[str, Any]) -> None:
         call_id, method, args = header["id"], header["method"], header["args"]
+        if not _valid_call_id(call_id):
+            conn.writer.write(encode_error(ErrorCode.BAD_REQUEST, "call id must be an int or a str"))
+            return
+        if not isinstance(method, str):
+            conn.writer.write(encode_error(ErrorCode.BAD_REQUEST, "method must be a str", id=call_id))
+            return
         if call_id in conn.tasks:
             conn.writer.write(encode_error(ErrorCode.BAD_REQUEST, f"call id {call_id!r} is already running", id=call_id))
             return
@@ -275,6 +298,11 @@ class RpcServer:
                 await conn.send(encode_error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", id=call_id))
         finally:
             conn.tasks.pop(call_id, None)
+
+
+def _valid_call_id(call_id: Any) -> bool:
+    """Call ids are ints (RpcClient) or strs; anything else (e.g. an unhashable list) is refused."""
+    return isinstance(call_id, (int, str))
 
 
 _STREAM_END = object()
@@ -400,6 +428,7 @@ class RpcClient:
             if q is not None:
                 if q.qsize() >= self.max_stream_backlog:
                     self._streams.pop(call_id, None)
+                    self._send_cancel(call_id)  # stop the producer; its items would be dropped
                     q.put_nowait(RpcError(ErrorCode.OVERLOADED, "stream consumer fell behind"))
                 else:
                     q.put_nowait(h["item"])

@@ -167,7 +167,8 @@ def encode_frame(kind: Kind, header: dict[str, Any], payload: bytes | bytearray 
     copying the payload into a new bytes object.
     """
     hb = _pack_header(header)
-    return encode_prefix(kind, hb, len(payload)) + hb + bytes(payload)
+    pb = bytes(payload)  # len() of a typed or multi-dimensional memoryview counts items, not bytes
+    return encode_prefix(kind, hb, len(pb)) + hb + pb
 
 
 def encode_frame_parts(
@@ -227,10 +228,13 @@ async def read_frame(
     header = parse_header(kind, header_bytes, max_header)
     if payload_len == 0:
         return Frame(kind, header, b"")
-    if payload_into is not None and len(payload_into) >= payload_len:
-        view = memoryview(payload_into)[:payload_len]
-        await _read_into(reader, view)
-        return Frame(kind, header, view)
+    if payload_into is not None:
+        # Work in bytes: a typed view (e.g. a float32 tensor's memory) has len() in items, not bytes.
+        dest = memoryview(payload_into).cast("B")
+        if dest.nbytes >= payload_len:
+            view = dest[:payload_len]
+            await _read_into(reader, view)
+            return Frame(kind, header, view)
     return Frame(kind, header, await _read_exactly(reader, payload_len))
 
 
@@ -253,22 +257,32 @@ async def _read_into(reader: asyncio.StreamReader, view: memoryview) -> None:
 
 
 def parse_header(kind: Kind, header_bytes: bytes, max_len: int = DEFAULT_MAX_HEADER) -> dict[str, Any]:
-    """Decode and validate a msgpack header for ``kind``. Raises :class:`BadHeader`."""
+    """Decode and validate a msgpack header for ``kind``. Raises :class:`BadHeader`.
+
+    The decoder's container limits are derived from the bytes actually present (never more than
+    ``max_len``): a string or bin cannot be longer than the header, an array needs at least one byte
+    per item and a map two per entry. So a declared length that cannot fit is refused before any
+    container is allocated, whatever the msgpack version.
+    """
+    limit = min(len(header_bytes), max_len)
     try:
         header = msgpack.unpackb(
             header_bytes,
             raw=False,
             strict_map_key=True,
-            max_str_len=max_len,
-            max_bin_len=max_len,
-            max_array_len=max_len // 1,
-            max_map_len=max_len // 2,
-            max_ext_len=0,
+            max_str_len=limit,
+            max_bin_len=limit,
+            max_array_len=limit,
+            max_map_len=limit // 2,
+            max_ext_len=0,  # no ext types (timestamps included) on this wire
         )
     except Exception as e:  # msgpack raises several unrelated types for malformed input
         raise BadHeader(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise BadHeader(f"header must be a map, got {type(header).__name__}")
+    bad_keys = [k for k in header if not isinstance(k, str)]
+    if bad_keys:  # strict_map_key still admits bin keys; handlers index by str
+        raise BadHeader(f"header keys must be str, got {bad_keys[:3]!r}")
     missing = [f for f in REQUIRED_FIELDS[kind] if f not in header]
     if missing:
         raise BadHeader(f"{kind.name} frame lacks required field(s) {missing}")
