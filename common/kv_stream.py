@@ -84,6 +84,8 @@ class KvAssembly:
         self.buffers: dict[int, bytearray] = {}
         self.descs: dict[int, list[dict[str, Any]]] = {}
         self.received: dict[int, set[int]] = {}
+        self.received_bytes: dict[int, int] = {}
+        self.num_chunks: dict[int, int] = {}
         self.layers: dict[int, LayerState] = {}
         self.layer_ready = [asyncio.Event() for _ in range(num_layers)]
         self.done = asyncio.Event()
@@ -112,13 +114,23 @@ class KvAssembly:
             self.buffers[layer] = bytearray(total)
             self.descs[layer] = descs
             self.received[layer] = set()
+            self.received_bytes[layer] = 0
+            self.num_chunks[layer] = n
             self.nbytes += total
+        elif total != len(self.buffers[layer]) or n != self.num_chunks[layer]:
+            raise KvError(
+                f"chunk {chunk} of layer {layer} says {total} bytes in {n} chunks; the layer has "
+                f"{len(self.buffers[layer])} bytes in {self.num_chunks[layer]} chunks"
+            )
         if chunk in self.received[layer]:
             return False
         self.buffers[layer][offset : offset + len(payload)] = payload
         self.received[layer].add(chunk)
+        self.received_bytes[layer] += len(payload)
         if len(self.received[layer]) < n:
             return False
+        if self.received_bytes[layer] != total:
+            raise KvError(f"layer {layer}: its {n} chunks carried {self.received_bytes[layer]} bytes, expected {total}")
         self.layers[layer] = self._tensors(layer)
         self.layer_ready[layer].set()
         self._maybe_done()

@@ -1,0 +1,484 @@
+"""Unit tests for ``common/backend.py`` (TorchBackend) and ``common/model.py`` on the real tiny models.
+
+References are plain transformers calls in this process: a full forward for the prefill logits and
+``model.generate`` (greedy, no EOS stop) for decode tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import random
+
+import pytest
+import torch
+from transformers import GPT2Config
+
+from common.backend import DecodeBatch, PrefillCancelled, Sequence, TorchBackend, make_backend
+from common.kv_stream import KvAssembly, layer_frames
+from proto.frames import read_frame
+from common.model import (
+    TINY_MAX_MODEL_LEN,
+    LoadedModel,
+    ModelLoadError,
+    load_model,
+    load_model_info,
+    weight_hash,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+torch.set_num_threads(1)
+
+SPECS = ["tiny-dense", "tiny-hybrid"]
+PAD = 259
+LENGTHS = [1, 16, 33]
+
+
+@functools.lru_cache(maxsize=None)
+def loaded(spec: str) -> LoadedModel:
+    return load_model(spec)
+
+
+@functools.lru_cache(maxsize=None)
+def backend(spec: str) -> TorchBackend:
+    return TorchBackend(loaded(spec))
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed * 1000 + n)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(spec: str, ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    lm = loaded(spec)
+    x = torch.tensor([list(ids)])
+    with torch.inference_mode():
+        out = lm.model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=None, pad_token_id=PAD,
+        )
+    return tuple(out[0, len(ids):].tolist())
+
+
+def reference(spec: str, ids: list[int], max_new_tokens: int) -> list[int]:
+    return list(_reference(spec, tuple(ids), max_new_tokens))
+
+
+def run_prefill(be: TorchBackend, ids: list[int]):
+    """(layers, logits, call order) from one prefill."""
+    calls, layers = [], []
+
+    def on_layer(i, state):
+        calls.append(i)
+        layers.append(state)
+
+    logits = be.prefill(ids, on_layer)
+    return layers, logits, calls
+
+
+def expected_names(layer_type: str) -> tuple[str, ...]:
+    return ("k", "v") if layer_type == "attention" else ()
+
+
+# ------------------------------------------------------------------------------------------ prefill
+
+
+def test_layer_types():
+    assert loaded("tiny-dense").layer_types == ["attention"] * 4
+    assert loaded("tiny-hybrid").layer_types == (["linear"] * 3 + ["attention"]) * 2
+    assert loaded("tiny-hybrid").fingerprint["layer_types"] == "LLLALLLA"
+    assert backend("tiny-hybrid").num_layers == 8
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("n", [1, 16, 33])
+def test_prefill_on_layer_order_and_names(spec, n):
+    be = backend(spec)
+    lm = loaded(spec)
+    ids = prompt(n)
+    layers, logits, calls = run_prefill(be, ids)
+    assert calls == list(range(be.num_layers))
+    cfg = lm.model.config
+    for i, (kind, state) in enumerate(zip(lm.layer_types, layers)):
+        assert state, f"layer {i} exported nothing"
+        if kind == "attention":
+            assert sorted(state) == ["k", "v"], (i, sorted(state))
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            for name in ("k", "v"):
+                assert tuple(state[name].shape) == (1, cfg.num_key_value_heads, n, head_dim)
+                assert state[name].dtype == torch.float32
+        else:
+            names = sorted(state)
+            assert all(x.startswith(("conv.", "rec.")) for x in names), (i, names)
+            assert any(x.startswith("conv.") for x in names) and any(x.startswith("rec.") for x in names)
+            assert "k" not in state and "v" not in state
+            for t in state.values():
+                assert t.shape[0] == 1
+    assert logits.shape == (lm.model.config.vocab_size,)
+    assert logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_linear_state_size_is_fixed(spec):
+    be, lm = backend(spec), loaded(spec)
+    short, _, _ = run_prefill(be, prompt(5))
+    long, _, _ = run_prefill(be, prompt(30))
+    for kind, a, b in zip(lm.layer_types, short, long):
+        assert sorted(a) == sorted(b)
+        for name in a:
+            if kind == "linear":
+                assert a[name].shape == b[name].shape
+            else:
+                assert a[name].shape[2] == 5 and b[name].shape[2] == 30
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("n", [1, 16, 33])
+def test_prefill_logits_equal_plain_forward(spec, n):
+    """Bitwise equal to a plain cache-less forward's last-position logits. The reference projects only
+    the last position (``logits_to_keep=1``, as ``generate`` does): projecting all ``n`` rows runs a
+    different GEMM shape whose float32 rounding differs in the last bits (~1e-6), so that one is
+    compared with a tolerance."""
+    lm, be = loaded(spec), backend(spec)
+    ids = prompt(n, seed=1)
+    _, logits, _ = run_prefill(be, ids)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        ref = lm.model(input_ids=x, attention_mask=torch.ones_like(x), logits_to_keep=1).logits[0, -1].float()
+        hidden = lm.model.model(input_ids=x).last_hidden_state
+        ref_head = lm.model.lm_head(hidden[:, -1:])[0, -1].float()
+        full = lm.model(input_ids=x).logits[0, -1].float()
+    assert torch.equal(logits, ref)
+    assert torch.equal(logits, ref_head)
+    torch.testing.assert_close(logits, full, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_prefill_exported_states_survive_later_prefills(spec):
+    # what on_layer got must stay valid (no aliasing into buffers a later prefill overwrites)
+    be = backend(spec)
+    a1, _, _ = run_prefill(be, prompt(12, seed=2))
+    snapshot = [{k: v.clone() for k, v in s.items()} for s in a1]
+    run_prefill(be, prompt(12, seed=3))
+    for s, snap in zip(a1, snapshot):
+        for k in snap:
+            assert torch.equal(s[k], snap[k]), k
+
+
+# ------------------------------------------------------------------------------------------ cancel
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("stop_after", [1, 2])
+def test_should_stop_cancels_between_layers(spec, stop_after):
+    be = backend(spec)
+    calls = []
+    with pytest.raises(PrefillCancelled):
+        be.prefill(prompt(8), lambda i, s: calls.append(i), should_stop=lambda: len(calls) >= stop_after)
+    assert calls == list(range(stop_after))
+    assert len(calls) < be.num_layers
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_should_stop_before_first_layer(spec):
+    be = backend(spec)
+    calls = []
+    with pytest.raises(PrefillCancelled):
+        be.prefill(prompt(8), lambda i, s: calls.append(i), should_stop=lambda: True)
+    assert calls == []
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_backend_usable_after_cancel(spec):
+    # the hooks of a cancelled prefill are removed: a later prefill calls on_layer exactly once per layer
+    be = backend(spec)
+    with pytest.raises(PrefillCancelled):
+        be.prefill(prompt(8), lambda i, s: None, should_stop=lambda: True)
+    with pytest.raises(PrefillCancelled):
+        n = []
+        be.prefill(prompt(8), lambda i, s: n.append(i), should_stop=lambda: len(n) >= 1)
+    layers, logits, calls = run_prefill(be, prompt(8))
+    assert calls == list(range(be.num_layers))
+    _, logits2, _ = run_prefill(be, prompt(8))
+    assert torch.equal(logits, logits2)
+    assert not be._lock.locked()
+
+
+# ------------------------------------------------------------------------------------------ decode
+
+
+def greedy_single(be: TorchBackend, ids: list[int], max_new: int, via_wire: bool = False) -> list[int]:
+    layers, logits, _ = run_prefill(be, ids)
+    if via_wire:
+        layers = wire_round_trip(layers)
+    tokens = [int(logits.argmax())]
+    batch = be.new_batch()
+    batch.add("r", be.new_sequence(layers, len(ids)))
+    while len(tokens) < max_new:
+        out = be.decode_step(batch, [tokens[-1]])
+        assert out.shape == (1, be.loaded.model.config.vocab_size)
+        tokens.append(int(out[0].argmax()))
+    return tokens
+
+
+async def _parse(frames: list[list]) -> list:
+    reader = asyncio.StreamReader()
+    for parts in frames:
+        reader.feed_data(b"".join(bytes(p) for p in parts))
+    reader.feed_eof()
+    out = []
+    while (f := await read_frame(reader)) is not None:
+        out.append(f)
+    return out
+
+
+def wire_round_trip(layers):
+    """Through layer_frames, read_frame and KvAssembly (no sockets), chunks shuffled across layers."""
+    raw = [parts for i, state in enumerate(layers) for parts in layer_frames("r", i, state, chunk_bytes=3000)]
+    frames = asyncio.run(_parse(raw))
+    random.Random(0).shuffle(frames)
+    asm = KvAssembly("r", len(layers))
+    for f in frames:
+        asm.add_chunk(f.header, f.payload)
+    asm.finish({"req_id": "r", "first_token": 0})
+    assert asm.done.is_set() and asm.error is None
+    return asm.ordered_layers()
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_decode_single_matches_generate(spec, n):
+    be = backend(spec)
+    ids = prompt(n, seed=4)
+    max_new = 10
+    assert greedy_single(be, ids, max_new) == reference(spec, ids, max_new)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_decode_after_wire_round_trip_matches_generate(spec):
+    be = backend(spec)
+    ids = prompt(21, seed=5)
+    assert greedy_single(be, ids, 8, via_wire=True) == reference(spec, ids, 8)
+
+
+def test_max_tokens_one_is_prefill_argmax():
+    for spec in SPECS:
+        ids = prompt(16, seed=6)
+        _, logits, _ = run_prefill(backend(spec), ids)
+        assert [int(logits.argmax())] == reference(spec, ids, 1)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("remove_idx", [0, 1, 2])
+def test_decode_batch_of_three_with_removal(spec, remove_idx):
+    """Rows of lengths 1, 16 and 33 decode together; one leaves midway; the others go on, each row
+    giving exactly its own ``model.generate`` tokens."""
+    be = backend(spec)
+    prompts = {f"r{n}": prompt(n, seed=7) for n in LENGTHS}
+    max_new = 12
+    stop_removed_at = 5  # tokens generated before the removed row leaves
+    removed = f"r{LENGTHS[remove_idx]}"
+    refs = {rid: reference(spec, ids, max_new) for rid, ids in prompts.items()}
+
+    batch = be.new_batch()
+    out: dict[str, list[int]] = {}
+    for rid, ids in prompts.items():
+        layers, logits, _ = run_prefill(be, ids)
+        batch.add(rid, be.new_sequence(layers, len(ids)))
+        out[rid] = [int(logits.argmax())]
+    assert len(batch) == 3
+    assert batch.lengths == LENGTHS
+    assert batch.mask.shape == (3, max(LENGTHS))
+    assert batch.mask.sum(dim=1).tolist() == LENGTHS
+
+    while any(len(out[r]) < (stop_removed_at if r == removed else max_new) for r in batch.ids):
+        logits = be.decode_step(batch, [out[r][-1] for r in batch.ids])
+        assert logits.shape[0] == len(batch)
+        for row, rid in enumerate(list(batch.ids)):
+            out[rid].append(int(logits[row].argmax()))
+        if removed in batch.ids and len(out[removed]) >= stop_removed_at:
+            batch.remove(removed)
+            assert removed not in batch.ids and len(batch) == 2
+            # padding columns that no remaining row uses are trimmed
+            assert bool(batch.mask[:, 0].any())
+            assert batch.mask.sum(dim=1).tolist() == batch.lengths
+
+    for rid in prompts:
+        want = refs[rid][: stop_removed_at] if rid == removed else refs[rid]
+        assert out[rid] == want, rid
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_decode_row_joins_running_batch(spec):
+    be = backend(spec)
+    a, b = prompt(20, seed=8), prompt(3, seed=8)
+    batch = be.new_batch()
+    la, lg, _ = run_prefill(be, a)
+    batch.add("a", be.new_sequence(la, len(a)))
+    out = {"a": [int(lg.argmax())]}
+    for _ in range(4):
+        out["a"].append(int(be.decode_step(batch, [out["a"][-1]])[0].argmax()))
+    lb, lg, _ = run_prefill(be, b)
+    batch.add("b", be.new_sequence(lb, len(b)))
+    out["b"] = [int(lg.argmax())]
+    for _ in range(5):
+        logits = be.decode_step(batch, [out[r][-1] for r in batch.ids])
+        for row, rid in enumerate(batch.ids):
+            out[rid].append(int(logits[row].argmax()))
+    batch.remove("a")
+    batch.remove("b")
+    assert len(batch) == 0 and batch.cache is None
+    assert out["a"] == reference(spec, a, 10)
+    assert out["b"] == reference(spec, b, 6)
+
+
+def test_decode_step_row_count_mismatch():
+    be = backend("tiny-dense")
+    layers, _, _ = run_prefill(be, prompt(4))
+    batch = be.new_batch()
+    with pytest.raises(ValueError):
+        be.decode_step(batch, [])
+    batch.add("x", be.new_sequence(layers, 4))
+    with pytest.raises(ValueError):
+        be.decode_step(batch, [1, 2])
+
+
+def test_new_sequence_wrong_layer_count():
+    be = backend("tiny-dense")
+    layers, _, _ = run_prefill(be, prompt(4))
+    with pytest.raises(ValueError):
+        be.new_sequence(layers[:-1], 4)
+    seq = be.new_sequence(layers, 4)
+    assert isinstance(seq, Sequence) and seq.length == 4
+
+
+def test_make_backend():
+    assert isinstance(make_backend("torch", loaded("tiny-dense")), TorchBackend)
+    with pytest.raises(ValueError, match="unknown backend"):
+        make_backend("nope", loaded("tiny-dense"))
+    assert isinstance(backend("tiny-dense").new_batch(), DecodeBatch)
+
+
+# ------------------------------------------------------------------------------------------- model
+
+
+def test_weight_hash_deterministic_per_seed():
+    a = load_model("tiny-dense", seed=1234)
+    b = load_model("tiny-dense", seed=1234)
+    c = load_model("tiny-dense", seed=99)
+    assert a.weight_hash == b.weight_hash == weight_hash(a.model)
+    assert a.weight_hash == loaded("tiny-dense").weight_hash  # 1234 is the default seed
+    assert c.weight_hash != a.weight_hash
+    assert len(a.weight_hash) == 16
+    assert a.fingerprint == b.fingerprint
+    assert c.fingerprint != a.fingerprint
+
+
+def test_weight_hash_sees_any_single_changed_tensor():
+    lm = load_model("tiny-dense")
+    before = weight_hash(lm.model)
+    sd = lm.model.state_dict()
+    names = sorted(sd)
+    # the first, a middle and the last tensor in hash order, one element each
+    for name in (names[0], names[len(names) // 2], names[-1]):
+        t = sd[name]
+        with torch.no_grad():
+            old = t.view(-1)[-1].item()
+            t.view(-1)[-1] += 1e-3
+            assert weight_hash(lm.model) != before, name
+            t.view(-1)[-1] = old
+        assert weight_hash(lm.model) == before
+
+
+def test_hybrid_and_dense_differ():
+    assert loaded("tiny-hybrid").weight_hash != loaded("tiny-dense").weight_hash
+    fd, fh = loaded("tiny-dense").fingerprint, loaded("tiny-hybrid").fingerprint
+    assert fd["model_id"] == "prfaas/tiny-dense" and fh["model_id"] == "prfaas/tiny-hybrid"
+    assert fd["dtype"] == fh["dtype"] == "float32"
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("ckpt") / "my-dense"
+    lm = loaded("tiny-dense")
+    lm.model.save_pretrained(path)
+    lm.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_load_checkpoint_dir(dense_dir):
+    ref = loaded("tiny-dense")
+    lm = load_model(dense_dir)
+    assert lm.weight_hash == ref.weight_hash
+    assert lm.model_id == "my-dense"
+    fp, fr = dict(lm.fingerprint), dict(ref.fingerprint)
+    assert fp.pop("model_id") == "my-dense"
+    fr.pop("model_id")
+    assert fp == fr
+    assert lm.layer_types == ref.layer_types
+    assert lm.eos_token_ids == ref.eos_token_ids == [256, 258]
+    assert lm.max_model_len == TINY_MAX_MODEL_LEN
+    assert lm.tokenizer.encode("hé!") == ref.tokenizer.encode("hé!")
+    assert not lm.model.training
+    # the served name may be overridden without touching the rest
+    assert load_model(dense_dir, served_name="x").fingerprint["model_id"] == "x"
+    # it computes the same function. Not bitwise: the checkpoint's tensors are memory-mapped from the
+    # safetensors file at offsets that are not 64-byte aligned, and the CPU GEMV kernel rounds
+    # differently on unaligned memory (~1e-6); within one spec, prefill and generate agree exactly.
+    ids = prompt(9, seed=9)
+    be = TorchBackend(lm)
+    _, l1, _ = run_prefill(be, ids)
+    _, l2, _ = run_prefill(backend("tiny-dense"), ids)
+    torch.testing.assert_close(l1, l2, rtol=0, atol=1e-4)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        ref = lm.model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=PAD
+        )[0, len(ids):].tolist()
+    assert greedy_single(be, ids, 6) == ref
+
+
+def test_load_checkpoint_info(dense_dir):
+    info = load_model_info(dense_dir)
+    ref = loaded("tiny-dense")
+    assert info.model_id == "my-dense"
+    assert info.max_model_len == TINY_MAX_MODEL_LEN
+    assert info.eos_token_ids == [256, 258]
+    text = "Hello, wörld"
+    assert info.tokenizer.encode(text) == ref.tokenizer.encode(text) == list(text.encode())
+    assert info.tokenizer.decode(list(text.encode())) == text
+    assert info.tokenizer.pad_token_id == PAD
+    assert load_model_info(dense_dir, served_name="srv").model_id == "srv"
+
+
+def test_load_model_info_embedded():
+    info = load_model_info("tiny-hybrid")
+    assert info.model_id == "prfaas/tiny-hybrid"
+    assert info.max_model_len == TINY_MAX_MODEL_LEN
+    assert info.eos_token_ids == [256, 258]
+
+
+def test_load_model_not_a_directory(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\x00")
+    for spec in (str(f), str(tmp_path / "missing"), "tiny-nonexistent"):
+        with pytest.raises(ModelLoadError, match="directory"):
+            load_model(spec)
+        with pytest.raises(ModelLoadError, match="directory"):
+            load_model_info(spec)
+
+
+def test_load_model_dir_without_config(tmp_path):
+    with pytest.raises(ModelLoadError):
+        load_model(str(tmp_path))
+
+
+def test_load_model_unsupported_family(tmp_path):
+    GPT2Config().save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="gpt2"):
+        load_model(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="gpt2"):
+        load_model_info(str(tmp_path))
+    assert issubclass(ModelLoadError, ValueError)
