@@ -35,6 +35,9 @@ class Cluster:
     threshold: int = 1024
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
+    late: tuple[str, ...] = ()  # services started only after the others have been up for ``late_delay`` s
+    late_delay: float = 0.0
+    health_before_late: int | None = None  # gateway /health status just before the late services started
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     addrs: dict[str, str] = field(default_factory=dict)
     url: str = ""
@@ -63,9 +66,15 @@ class Cluster:
         """Start every service (all at once: order must not matter) and wait for ``GET /health`` = 200."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", PRFAAS_THREADS="1", **self.env)
         env.pop("PRFAAS_MODEL", None)
-        for name, cmd in self.commands().items():
+        commands = self.commands()
+        order = [n for n in commands if n not in self.late] + [n for n in self.late]
+        for name in order:
+            if name == (self.late or (None,))[0]:
+                self._wait_ready([n for n in commands if n not in self.late], timeout)
+                self.health_before_late = self.health()[0]
+                time.sleep(self.late_delay)
             out = open(self.log_dir / f"{name}.log", "wb") if self.log_dir else subprocess.DEVNULL
-            self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            self.procs[name] = subprocess.Popen(commands[name], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
@@ -77,6 +86,14 @@ class Cluster:
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"cluster not healthy within {timeout}s; logs in {self.log_dir}")
+
+    def _wait_ready(self, names: list[str], timeout: float) -> None:
+        """Wait until each named service has printed its READY line (needs ``log_dir``)."""
+        deadline = time.monotonic() + timeout
+        while not all("READY" in self.log(n) for n in names):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not all of {names} became ready")
+            time.sleep(0.2)
 
     def health(self) -> tuple[int, bytes]:
         try:
