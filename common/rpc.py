@@ -111,14 +111,6 @@ class ServerConnection:
         self.writer.write(data)
         await self.writer.drain()
 
-    def post(self, data: bytes) -> bool:
-        """Best-effort write of one encoded frame if connected (no dial, no drain); returns whether written."""
-        writer = self._writer
-        if writer is None or writer.is_closing():
-            return False
-        writer.write(data)
-        return True
-
     async def send_parts(self, parts: list) -> None:
         """Write one frame given as buffers (see ``encode_frame_parts``) and drain."""
         self.writer.writelines(parts)

@@ -111,6 +111,10 @@ class Gateway:
             status = e.status
             headers = {"Retry-After": "1"} if e.status in (429, 503) else None
             return _error_response(e, headers)
+        except ConnectionResetError:
+            status = 499  # the client went away mid-stream; the stream's cleanup already ran
+            log.info("client closed the connection during %s", endpoint)
+            return web.Response(status=499)
         except asyncio.CancelledError:
             status = 499  # client closed the connection
             raise
@@ -124,7 +128,13 @@ class Gateway:
             placement = await self.router.call("place", {"req_id": req.request_id, "prompt_len": len(req.prompt_ids)}, timeout=10.0)
         except RpcError as e:
             raise _service_error(e) from None
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+            # The router may have placed the request before its answer was lost (client gone, or
+            # timeout): release it, or its in-flight counts stay until the lease expires.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.router.call("release", {"req_id": req.request_id}, timeout=2.0))
+            if isinstance(e, asyncio.CancelledError):
+                raise
             raise oa.OpenAIError(status=503, message="router did not answer in time", type="server_error", param=None, code="unavailable") from None
         self.active += 1
         try:
@@ -137,8 +147,9 @@ class Gateway:
                 "route": placement["route"],
             }
             async with asyncio.timeout(self.request_timeout):
-                async for item in decoder.stream("generate", args):
-                    yield item
+                async with contextlib.aclosing(decoder.stream("generate", args)) as items:  # CANCEL at once on close
+                    async for item in items:
+                        yield item
         except RpcError as e:
             raise _service_error(e) from None
         except asyncio.TimeoutError:
@@ -170,13 +181,13 @@ class Gateway:
         except StopAsyncIteration:
             first = None
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
 
         async def send(obj: Any) -> None:
             await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
         usage = None
         try:
+            await resp.prepare(request)  # inside the try: a client already gone must still close gen
             if req.kind == "chat":
                 await send(oa.chat_role_chunk(req))
             item, held_ids = first, []

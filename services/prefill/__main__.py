@@ -17,7 +17,8 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     planner = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
     backend = await asyncio.to_thread(load_backend, args)
     worker = PrefillWorker(backend, args.name, chunk_bytes=args.chunk_bytes)
-    server = RpcServer("prefill", args.name, handlers={"prefill": worker.prefill, "inject_fault": worker.inject_fault, "health": _health})
+    server = RpcServer("prefill", args.name, handlers={"prefill": worker.prefill, "inject_fault": worker.inject_fault, "health": _health,
+                                                  "stats": _stats(worker)})
     host, port = parse_addr(listen)
     await server.start(host, port)
     agent = PlannerAgent(planner, {
@@ -35,6 +36,12 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 async def _health(args: dict) -> dict:
     return {"ok": True}
+
+
+def _stats(worker: PrefillWorker):
+    async def stats(args: dict) -> dict:
+        return worker.stats()
+    return stats
 
 
 def main() -> None:
