@@ -16,6 +16,7 @@ so the event loop keeps sending layer ``i`` while layer ``i+1`` computes.
 
 from __future__ import annotations
 
+import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from transformers import DynamicCache
 from common.model import LoadedModel
 
 LayerState = dict[str, torch.Tensor]
-OnLayer = Callable[[int, LayerState], None]
+OnLayer = Callable[[int, LayerState, "int | None"], None]
 
 
 class PrefillCancelled(Exception):
@@ -44,12 +45,23 @@ class Backend(ABC):
         return len(self.loaded.layer_types)
 
     @abstractmethod
-    def prefill(self, input_ids: list[int], on_layer: OnLayer, should_stop: Callable[[], bool] = lambda: False) -> torch.Tensor:
-        """Run prefill over ``input_ids`` (token ids); call ``on_layer(i, state)`` as soon as layer ``i``'s
-        state is final (in layer order). Returns the last position's logits, float32 ``[vocab]``.
+    def prefill(self, input_ids: list[int], on_layer: OnLayer, should_stop: Callable[[], bool] = lambda: False,
+                chunk_tokens: int = 0) -> torch.Tensor:
+        """Run prefill over ``input_ids`` (token ids); call ``on_layer(i, state, seq_from)`` as soon as
+        layer ``i``'s state (or, in a chunked prefill, the K/V of tokens ``seq_from..``) is final, in
+        layer order. ``seq_from`` None means the whole state. Returns the last position's logits,
+        float32 ``[vocab]``.
 
         Raises :class:`PrefillCancelled` when ``should_stop()`` turns true between layers.
         """
+
+    @abstractmethod
+    def layer_layouts(self, prompt_len: int) -> list[dict]:
+        """Every layer's KVCache layout for ``prompt_len`` tokens (see ``common/kv_stream.py``)."""
+
+    def kv_bytes(self, prompt_len: int) -> int:
+        """Bytes of KVCache a prompt of ``prompt_len`` tokens produces (all layers)."""
+        return sum(lay["total"] for lay in self.layer_layouts(prompt_len))
 
     @abstractmethod
     def new_sequence(self, layers: list[LayerState], prompt_len: int) -> "Sequence":
@@ -164,14 +176,25 @@ class TorchBackend(Backend):
             torch.set_num_threads(threads)
 
     # -- prefill ------------------------------------------------------------------------------
-    def prefill(self, input_ids: list[int], on_layer: OnLayer, should_stop: Callable[[], bool] = lambda: False) -> torch.Tensor:
+    def prefill(self, input_ids: list[int], on_layer: OnLayer, should_stop: Callable[[], bool] = lambda: False,
+                chunk_tokens: int = 0) -> torch.Tensor:
+        """See :meth:`Backend.prefill`. ``chunk_tokens`` > 0 runs a chunked prefill: each chunk's
+        attention K/V is reported as soon as that layer finishes the chunk (``seq_from`` = the chunk's
+        first token), and linear states once, after the last chunk (``seq_from`` None)."""
         cache = DynamicCache(config=self.config)
         layers = self._decoder_layers()
-        handles = []
+        n = len(input_ids)
+        step = chunk_tokens if chunk_tokens > 0 else n
+        bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
+        current = {"a": 0, "final": True}
+        kinds = self.loaded.layer_types
 
         def make_hook(i: int):
             def hook(_module, _args, _output):
-                on_layer(i, export_layer(cache, i))
+                if kinds[i] == "attention" and len(bounds) > 1:
+                    on_layer(i, export_layer(cache, i), current["a"])
+                elif current["final"]:
+                    on_layer(i, export_layer(cache, i), None)
                 if should_stop():
                     raise PrefillCancelled(f"prefill stopped after layer {i}")
             return hook
@@ -180,18 +203,41 @@ class TorchBackend(Backend):
             if should_stop():
                 raise PrefillCancelled("prefill stopped before the first layer")
 
-        handles.append(layers[0].register_forward_pre_hook(pre_hook))
-        for i, layer in enumerate(layers):
-            handles.append(layer.register_forward_hook(make_hook(i)))
-        ids = torch.tensor([input_ids], dtype=torch.long)
-        pos = torch.arange(len(input_ids), dtype=torch.long).unsqueeze(0)
+        handles = [layers[0].register_forward_pre_hook(pre_hook)]
+        handles += [layer.register_forward_hook(make_hook(i)) for i, layer in enumerate(layers)]
         try:
             with self._lock, torch.inference_mode():
-                out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+                for a, b in bounds:
+                    current.update(a=a, final=b == n)
+                    ids = torch.tensor([input_ids[a:b]], dtype=torch.long)
+                    pos = torch.arange(a, b, dtype=torch.long).unsqueeze(0)
+                    out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
         finally:
             for h in handles:
                 h.remove()
         return out.logits[0, -1].float()
+
+    def layer_layouts(self, prompt_len: int) -> list[dict]:
+        """Every layer's KVCache layout for a prompt of ``prompt_len`` tokens (see ``common/kv_stream.py``)."""
+        from common.kv_stream import make_layout
+
+        return [make_layout([(name, dtype, [d if d != -1 else prompt_len for d in shape]) for name, (dtype, shape) in spec.items()])
+                for spec in self.state_specs]
+
+    @functools.cached_property
+    def state_specs(self) -> list[dict[str, tuple[str, list[int]]]]:
+        """Per layer, each state tensor's dtype name and shape, with -1 for the sequence dimension.
+        Learned once from a 2-token prefill (linear states do not depend on the length)."""
+        specs: list[dict] = [{} for _ in range(self.num_layers)]
+
+        def record(i: int, state: LayerState, _seq_from: int | None) -> None:
+            specs[i] = {
+                name: (str(t.dtype).removeprefix("torch."), [-1 if (name in ("k", "v") and j == 2) else int(d) for j, d in enumerate(t.shape)])
+                for name, t in state.items()
+            }
+
+        self.prefill([0, 0], record)
+        return specs
 
     def _decoder_layers(self) -> torch.nn.ModuleList:
         base = getattr(self.model, self.model.base_model_prefix, None) or self.model.model

@@ -1,172 +1,307 @@
-"""KVCache layer states to wire frames and back.
+"""KVCache layouts, byte ranges and reassembly: what the transfer engine moves, independent of sockets.
 
-Sender side (:func:`layer_frames`): one layer's named tensors are viewed as one logical byte string
-(tensors back to back, in name order) and cut into chunks of at most ``chunk_bytes``; each chunk is
-one ``KV_LAYER`` frame whose payload is a memoryview of the tensor memory itself (no copy, no pickle).
-Every chunk header repeats the layer's tensor descriptors, so chunks may arrive in any order.
+A request's KVCache is one buffer per layer. The sender announces every layer's *layout* in
+``KV_BEGIN`` (each tensor's name, dtype, shape, offset and size inside the layer buffer), so the
+receiver can allocate the destination before any byte moves. After that, data frames carry only
+``(layer, offset)`` and raw bytes, which land straight in place (see ``common/kv_receiver.py``).
 
-Receiver side (:class:`KvAssembly`): the first chunk of a layer allocates that layer's destination
-buffer (``total`` bytes); each chunk is copied once into place; a layer is complete when all of its
-bytes are in, and its tensors are then views of that buffer.
+Layouts keep each tensor in the model's own memory order, so the sender never copies:
+- attention layer: ``k`` and ``v`` of shape ``[1, kv_heads, L, head_dim]``; the tokens ``[a, b)`` of
+  head ``h`` are one contiguous range, so a sequence chunk of a chunked prefill is ``kv_heads`` ranges
+  per tensor;
+- linear layer: fixed-size state tensors (``conv.<j>``, ``rec.<j>``), sent whole once final.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 from typing import Any
 
 import torch
 
-from common.backend import LayerState
-from proto.frames import Kind, encode_frame_parts
-
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB per KV_LAYER frame
+DEFAULT_CHUNK_BYTES = 1 << 20  # bytes per KV_LAYER frame at most
+
+Layout = dict[str, Any]  # {"total": bytes, "tensors": [{"name", "dtype", "shape", "offset", "nbytes"}]}
+Range = tuple[int, memoryview]  # (offset in the layer buffer, bytes)
 
 
 class KvError(ValueError):
-    """A KV chunk is inconsistent with its layer (bad layer index, offsets, dtype or sizes)."""
+    """A KV frame or layout is inconsistent (bad layer, range outside the buffer, sizes that disagree)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def make_layout(tensors: list[tuple[str, str, list[int]]]) -> Layout:
+    """Lay tensors ``(name, dtype name, shape)`` out back to back in name order. Raises :class:`KvError`."""
+    out, pos = [], 0
+    for name, dtype, shape in sorted(tensors):
+        if dtype not in DTYPES:
+            raise KvError(f"unsupported dtype {dtype!r}")
+        count = 1
+        for s in shape:
+            count *= int(s)
+        nbytes = count * DTYPES[dtype].itemsize
+        out.append({"name": name, "dtype": dtype, "shape": [int(s) for s in shape], "offset": pos, "nbytes": nbytes})
+        pos += nbytes
+    return {"total": pos, "tensors": out}
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
-    t = t.detach().contiguous()
+    if not t.is_contiguous():
+        raise KvError("tensor ranges must come from contiguous memory")
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
-def layer_frames(req_id: str, layer: int, state: LayerState, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[list]:
-    """Encode one layer's state as ``KV_LAYER`` frames, each a list of buffers for ``writelines``.
+def tensor_ranges(layout: Layout, name: str, tensor: torch.Tensor, seq_from: int | None = None) -> list[Range]:
+    """Byte ranges of ``tensor`` (named ``name`` in ``layout``) to send, as views of its own memory.
 
-    ``state`` maps names to CPU tensors; ``chunk_bytes`` (> 0) caps each frame's payload. A layer with
-    no tensors still yields one empty frame, so the receiver marks it complete.
+    ``seq_from=None``: the whole tensor (its shape must equal the layout's). Otherwise ``tensor`` is a
+    4-D ``[1, heads, T, d]`` prefix (T <= the layout's L) and only tokens ``[seq_from, T)`` are sent.
+    Raises :class:`KvError` on a shape or dtype mismatch.
     """
+    desc = next((d for d in layout["tensors"] if d["name"] == name), None)
+    if desc is None:
+        raise KvError(f"layout has no tensor {name!r}")
+    if dtype_name(tensor.dtype) != desc["dtype"]:
+        raise KvError(f"{name}: dtype {tensor.dtype} != layout {desc['dtype']}")
+    tensor = tensor.detach()
+    if seq_from is None:
+        if list(tensor.shape) != desc["shape"]:
+            raise KvError(f"{name}: shape {list(tensor.shape)} != layout {desc['shape']}")
+        return [(desc["offset"], _byte_view(tensor.contiguous()))]
+    _, heads, total_len, d = desc["shape"]
+    if tensor.dim() != 4 or tensor.shape[1] != heads or tensor.shape[3] != d or tensor.shape[2] > total_len:
+        raise KvError(f"{name}: prefix shape {list(tensor.shape)} does not fit layout {desc['shape']}")
+    t_len = tensor.shape[2]
+    if not 0 <= seq_from <= t_len:
+        raise KvError(f"{name}: seq_from {seq_from} outside [0, {t_len}]")
+    item = DTYPES[desc["dtype"]].itemsize
+    out = []
+    for h in range(heads):
+        rows = tensor[0, h, seq_from:t_len]
+        if rows.numel():
+            out.append((desc["offset"] + (h * total_len + seq_from) * d * item, _byte_view(rows.contiguous())))
+    return out
+
+
+def split_ranges(ranges: list[Range], chunk_bytes: int) -> list[Range]:
+    """Cut ranges into pieces of at most ``chunk_bytes`` (> 0). Piece offsets are deterministic, so a
+    resent piece has the same ``(layer, offset)`` key as the original."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
-    names = sorted(state)
-    views = [_byte_view(state[n]) for n in names]
-    descs = [
-        {"name": n, "dtype": str(state[n].dtype).removeprefix("torch."), "shape": list(state[n].shape), "nbytes": v.nbytes}
-        for n, v in zip(names, views)
-    ]
-    total = sum(v.nbytes for v in views)
-    num_chunks = max(1, -(-total // chunk_bytes))
-    frames = []
-    starts = []
-    pos = 0
-    for v in views:
-        starts.append(pos)
-        pos += v.nbytes
-    for c in range(num_chunks):
-        lo, hi = c * chunk_bytes, min(total, (c + 1) * chunk_bytes)
-        parts = []
-        for v, s in zip(views, starts):
-            a, b = max(lo, s), min(hi, s + v.nbytes)
-            if a < b:
-                parts.append(v[a - s : b - s])
-        header = {
-            "req_id": req_id, "layer": layer, "chunk": c, "num_chunks": num_chunks,
-            "offset": lo, "total": total, "tensors": descs,
-        }
-        frames.append(encode_frame_parts(Kind.KV_LAYER, header, parts))
-    return frames
+    out = []
+    for off, view in ranges:
+        for a in range(0, view.nbytes, chunk_bytes):
+            out.append((off + a, view[a : a + chunk_bytes]))
+    return out
+
+
+def check_layouts(layouts: Any, num_layers: int, max_total: int) -> list[Layout]:
+    """Validate layouts received in ``KV_BEGIN``. Raises :class:`KvError`."""
+    if not isinstance(layouts, list) or len(layouts) != num_layers:
+        raise KvError(f"expected {num_layers} layer layouts")
+    total = 0
+    for i, lay in enumerate(layouts):
+        try:
+            pos = 0
+            for d in lay["tensors"]:
+                if d["dtype"] not in DTYPES or int(d["offset"]) != pos:
+                    raise KvError(f"layer {i}: tensor {d.get('name')} has a bad dtype or offset")
+                count = 1
+                for s in d["shape"]:
+                    count *= int(s)
+                if count * DTYPES[d["dtype"]].itemsize != int(d["nbytes"]):
+                    raise KvError(f"layer {i}: tensor {d['name']} shape does not match its size")
+                pos += int(d["nbytes"])
+            if pos != int(lay["total"]):
+                raise KvError(f"layer {i}: tensors add up to {pos} bytes, layout says {lay['total']}")
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, KvError):
+                raise
+            raise KvError(f"layer {i}: malformed layout: {e}") from None
+        total += pos
+    if total > max_total:
+        raise KvError(f"layouts need {total} bytes, more than the {max_total} reserved")
+    return layouts
+
+
+class _Coverage:
+    """Merged byte intervals of one layer buffer; ``covered`` counts distinct bytes received."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.covered = 0
+
+    def add(self, a: int, b: int) -> None:
+        i = bisect.bisect_left(self.ends, a)
+        j = bisect.bisect_right(self.starts, b)
+        if i < j:
+            a = min(a, self.starts[i])
+            b = max(b, self.ends[j - 1])
+            self.covered -= sum(e - s for s, e in zip(self.starts[i:j], self.ends[i:j]))
+        self.starts[i:j] = [a]
+        self.ends[i:j] = [b]
+        self.covered += b - a
+
+
+class BufferPool:
+    """Recycles layer buffers by exact size, so a steady stream of transfers writes into memory that is
+    already mapped (no page faults, no zeroing). Holds at most ``max_bytes`` of free buffers (oldest
+    dropped first). Pure bookkeeping; the caller must hand back only buffers nothing else still reads."""
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = max_bytes
+        self.free: dict[int, list[bytearray]] = {}
+        self.order: list[bytearray] = []
+        self.free_bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def take(self, n: int) -> bytearray:
+        """A buffer of exactly ``n`` bytes (contents undefined)."""
+        bucket = self.free.get(n)
+        if bucket:
+            buf = bucket.pop()
+            self.order.remove(buf)
+            self.free_bytes -= n
+            self.hits += 1
+            return buf
+        self.misses += 1
+        return bytearray(n)
+
+    def give(self, buf: bytearray) -> None:
+        """Return a buffer for reuse."""
+        n = len(buf)
+        if n == 0 or n > self.max_bytes:
+            return
+        self.free.setdefault(n, []).append(buf)
+        self.order.append(buf)
+        self.free_bytes += n
+        while self.free_bytes > self.max_bytes:
+            old = self.order.pop(0)
+            self.free[len(old)].remove(old)
+            self.free_bytes -= len(old)
 
 
 class KvAssembly:
-    """Reassembles one request's layers from ``KV_LAYER`` chunks, in any order.
+    """The destination of one request's transfer: one pre-allocated buffer per layer.
 
-    ``layer_ready[i]`` is set when layer ``i`` is complete; ``done`` when ``KV_DONE`` arrived and every
-    layer is complete. ``nbytes`` counts the destination bytes allocated so far.
+    Call :meth:`allocate` with the announced layouts (this is the reservation turning into memory),
+    then :meth:`dest` / :meth:`commit` per data frame, in any order and over any connection.
+    ``layer_ready[i]`` is set when layer ``i`` has every byte; ``done`` when every layer is complete and
+    ``KV_DONE`` arrived, or on :meth:`abort` (then ``error`` says why). ``nbytes`` = bytes allocated.
     """
 
-    def __init__(self, req_id: str, num_layers: int, max_layer_bytes: int = 1 << 31):
+    def __init__(self, req_id: str, num_layers: int, reserved_bytes: int = 1 << 62, pool: BufferPool | None = None):
         self.req_id = req_id
+        self.pool = pool
         self.num_layers = num_layers
-        self.max_layer_bytes = max_layer_bytes
-        self.buffers: dict[int, bytearray] = {}
-        self.descs: dict[int, list[dict[str, Any]]] = {}
-        self.received: dict[int, set[int]] = {}
-        self.received_bytes: dict[int, int] = {}
-        self.num_chunks: dict[int, int] = {}
-        self.layers: dict[int, LayerState] = {}
+        self.reserved_bytes = reserved_bytes
+        self.layouts: list[Layout] | None = None
+        self.buffers: list[bytearray] = []
+        self.coverage: list[_Coverage] = []
         self.layer_ready = [asyncio.Event() for _ in range(num_layers)]
         self.done = asyncio.Event()
         self.final: dict[str, Any] | None = None
         self.error: str | None = None
         self.nbytes = 0
+        self.bytes_received = 0
+        self.layer_done_at: list[float | None] = [None] * num_layers
 
-    def add_chunk(self, header: dict[str, Any], payload: bytes | bytearray | memoryview) -> bool:
-        """Place one chunk; returns True if it completed its layer. Raises :class:`KvError`."""
-        try:
-            layer, chunk, n = int(header["layer"]), int(header["chunk"]), int(header["num_chunks"])
-            offset, total, descs = int(header["offset"]), int(header["total"]), header["tensors"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise KvError(f"malformed KV_LAYER header: {e}") from None
+    @property
+    def allocated(self) -> bool:
+        return self.layouts is not None
+
+    def allocate(self, layouts: Any) -> None:
+        """Validate ``layouts`` against the reservation and allocate every layer buffer. Raises :class:`KvError`."""
+        if self.layouts is not None:
+            if layouts != self.layouts:
+                raise KvError("a second KV_BEGIN announced different layouts")
+            return
+        self.layouts = check_layouts(layouts, self.num_layers, self.reserved_bytes)
+        take = self.pool.take if self.pool is not None else bytearray
+        self.buffers = [take(int(lay["total"])) for lay in self.layouts]
+        self.coverage = [_Coverage() for _ in self.layouts]
+        self.nbytes = sum(len(b) for b in self.buffers)
+        for i, buf in enumerate(self.buffers):
+            if not buf:
+                self._complete(i)
+
+    def dest(self, layer: int, offset: int, n: int) -> memoryview:
+        """Where ``n`` bytes at ``offset`` of ``layer`` go. Raises :class:`KvError` if out of bounds."""
+        if self.layouts is None:
+            raise KvError("data before KV_BEGIN")
         if not 0 <= layer < self.num_layers:
             raise KvError(f"layer {layer} out of range 0..{self.num_layers - 1}")
-        if layer in self.layers:
-            return False  # a duplicate of a completed layer
-        if not 0 <= chunk < n or total < 0 or total > self.max_layer_bytes:
-            raise KvError(f"bad chunk {chunk}/{n} or layer size {total}")
-        if offset < 0 or offset + len(payload) > total:
-            raise KvError(f"chunk [{offset}, {offset + len(payload)}) outside layer of {total} bytes")
-        if layer not in self.buffers:
-            if not isinstance(descs, list) or sum(int(d["nbytes"]) for d in descs) != total:
-                raise KvError("tensor descriptors do not add up to the layer size")
-            self.buffers[layer] = bytearray(total)
-            self.descs[layer] = descs
-            self.received[layer] = set()
-            self.received_bytes[layer] = 0
-            self.num_chunks[layer] = n
-            self.nbytes += total
-        elif total != len(self.buffers[layer]) or n != self.num_chunks[layer]:
-            raise KvError(
-                f"chunk {chunk} of layer {layer} says {total} bytes in {n} chunks; the layer has "
-                f"{len(self.buffers[layer])} bytes in {self.num_chunks[layer]} chunks"
-            )
-        if chunk in self.received[layer]:
+        size = len(self.buffers[layer])
+        if offset < 0 or n < 0 or offset + n > size:
+            raise KvError(f"range [{offset}, {offset + n}) outside layer {layer} of {size} bytes")
+        return memoryview(self.buffers[layer])[offset : offset + n]
+
+    def commit(self, layer: int, offset: int, n: int, now: float = 0.0) -> bool:
+        """Record that ``dest(layer, offset, n)`` now holds its bytes; True if that completed the layer."""
+        cov = self.coverage[layer]
+        before = cov.covered
+        cov.add(offset, offset + n)
+        self.bytes_received += cov.covered - before
+        if self.layer_ready[layer].is_set() or cov.covered < len(self.buffers[layer]):
             return False
-        self.buffers[layer][offset : offset + len(payload)] = payload
-        self.received[layer].add(chunk)
-        self.received_bytes[layer] += len(payload)
-        if len(self.received[layer]) < n:
-            return False
-        if self.received_bytes[layer] != total:
-            raise KvError(f"layer {layer}: its {n} chunks carried {self.received_bytes[layer]} bytes, expected {total}")
-        self.layers[layer] = self._tensors(layer)
-        self.layer_ready[layer].set()
-        self._maybe_done()
+        self._complete(layer, now)
         return True
 
-    def _tensors(self, layer: int) -> LayerState:
-        buf, out, pos = self.buffers[layer], {}, 0
-        for d in self.descs[layer]:
-            dtype = DTYPES.get(d["dtype"])
-            if dtype is None:
-                raise KvError(f"unsupported dtype {d['dtype']!r}")
-            shape, nbytes = [int(x) for x in d["shape"]], int(d["nbytes"])
-            count = 1
-            for s in shape:
-                count *= s
-            if count * dtype.itemsize != nbytes:
-                raise KvError(f"tensor {d['name']} shape {shape} does not match {nbytes} bytes")
-            t = torch.frombuffer(buf, dtype=dtype, count=count, offset=pos) if count else torch.empty(0, dtype=dtype)
-            out[str(d["name"])] = t.view(shape)
-            pos += nbytes
-        return out
+    def write(self, layer: int, offset: int, data: bytes | bytearray | memoryview, now: float = 0.0) -> bool:
+        """Copy ``data`` into place and commit it (for tests and non-zero-copy paths)."""
+        self.dest(layer, offset, len(data))[:] = data
+        return self.commit(layer, offset, len(data), now)
+
+    def _complete(self, layer: int, now: float = 0.0) -> None:
+        self.layer_done_at[layer] = now
+        self.layer_ready[layer].set()
+        self._maybe_done()
 
     def finish(self, header: dict[str, Any]) -> None:
-        """Record ``KV_DONE`` (first token, prompt length)."""
+        """Record ``KV_DONE`` (first token, prompt length, sender timings)."""
         self.final = header
         self._maybe_done()
 
     def abort(self, reason: str) -> None:
-        """Mark the transfer failed (``KV_ABORT`` or a bad chunk); waiters on :attr:`done` wake up."""
-        self.error = reason
+        """Mark the transfer failed; waiters on :attr:`done` wake up and read :attr:`error`."""
+        if self.error is None:
+            self.error = reason
         self.done.set()
 
+    @property
+    def complete(self) -> bool:
+        return self.final is not None and all(e.is_set() for e in self.layer_ready)
+
     def _maybe_done(self) -> None:
-        if self.final is not None and len(self.layers) == self.num_layers:
+        if self.complete:
             self.done.set()
 
-    def ordered_layers(self) -> list[LayerState]:
-        """All layers in order; call only once :attr:`done` is set."""
-        return [self.layers[i] for i in range(self.num_layers)]
+    def tensors(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s tensors as views of its buffer (no copy); call once it is ready."""
+        out = {}
+        buf = self.buffers[layer]
+        for d in self.layouts[layer]["tensors"]:
+            dtype = DTYPES[d["dtype"]]
+            count = int(d["nbytes"]) // dtype.itemsize
+            t = torch.frombuffer(buf, dtype=dtype, count=count, offset=int(d["offset"])) if count else torch.empty(0, dtype=dtype)
+            out[d["name"]] = t.view(d["shape"])
+        return out
+
+    def recycle(self) -> None:
+        """Give the layer buffers back to the pool; the assembly must not be read afterwards."""
+        if self.pool is not None:
+            for buf in self.buffers:
+                self.pool.give(buf)
+        self.buffers = []
+
+    def ordered_layers(self) -> list[dict[str, torch.Tensor]]:
+        """All layers in order; call only once :attr:`done` is set without error."""
+        return [self.tensors(i) for i in range(self.num_layers)]

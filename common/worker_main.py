@@ -21,6 +21,28 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--threads", type=int, default=int(service.env_default("PRFAAS_THREADS", "0")),
                    help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--report-interval", type=float, default=0.5, help="seconds between load reports to the planner")
+    add_tls_flags(p)
+
+
+def add_tls_flags(p: argparse.ArgumentParser) -> None:
+    """TLS for the cross-datacenter KV link (PEM files); off unless a certificate or CA is given."""
+    p.add_argument("--tls-cert", default=service.env_default("PRFAAS_TLS_CERT"))
+    p.add_argument("--tls-key", default=service.env_default("PRFAAS_TLS_KEY"))
+    p.add_argument("--tls-ca", default=service.env_default("PRFAAS_TLS_CA"))
+
+
+def tls_server_context(args: argparse.Namespace):
+    """A server ``SSLContext`` when ``--tls-cert`` is set, else ``None``."""
+    from common.peer_auth import server_context
+
+    return server_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+
+
+def tls_client_context(args: argparse.Namespace):
+    """A client ``SSLContext`` trusting ``--tls-ca`` when it is set, else ``None``."""
+    from common.peer_auth import client_context
+
+    return client_context(args.tls_ca) if args.tls_ca else None
 
 
 def load_backend(args: argparse.Namespace):

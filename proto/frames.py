@@ -48,12 +48,15 @@ class Kind(enum.IntEnum):
     STREAM_ITEM = 6  # one item of a streaming call: {"id", "item"}
     STREAM_END = 7  # end of a streaming call: {"id", "result"?}
     CANCEL = 8  # caller abandons call "id": {"id"}
-    KV_BEGIN = 9  # a KVCache transfer starts: {"req_id", "num_layers", "prompt_len"}
-    KV_LAYER = 10  # one chunk of one layer's state: {"req_id", "layer", "chunk", "num_chunks", "tensors"}
-    KV_DONE = 11  # transfer finished: {"req_id", "first_token", "prompt_len", ...}
-    KV_ABORT = 12  # sender gives up on a transfer: {"req_id", "reason"}
+    KV_BEGIN = 9  # a KVCache transfer asks to start: {"req_id", "num_layers", "prompt_len", "layers": [layout...]}
+    KV_LAYER = 10  # one byte range of one layer's buffer: {"req_id", "layer", "offset"} + payload
+    KV_DONE = 11  # sender finished: {"req_id", "first_token", "prompt_len", "timings"?}
+    KV_ABORT = 12  # either side gives up on a transfer: {"req_id", "reason"}
     PING = 13  # {"t": sender clock, seconds}
     PONG = 14  # {"t": echoed}
+    KV_ADMIT = 15  # receiver reserved the destination memory: {"req_id"}
+    KV_REFUSE = 16  # receiver cannot reserve now: {"req_id", "reason", "retry_after"} (seconds)
+    KV_ACK = 17  # receiver holds every byte and the KV_DONE of a transfer: {"req_id", "bytes"}
 
 
 class ErrorCode(str, enum.Enum):
@@ -63,6 +66,7 @@ class ErrorCode(str, enum.Enum):
     BAD_REQUEST = "bad_request"
     UNKNOWN_METHOD = "unknown_method"
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+    AUTH_FAILED = "auth_failed"
     VERSION_MISMATCH = "version_mismatch"
     UNAVAILABLE = "unavailable"
     OVERLOADED = "overloaded"
@@ -133,12 +137,15 @@ REQUIRED_FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.STREAM_ITEM: ("id", "item"),
     Kind.STREAM_END: ("id",),
     Kind.CANCEL: ("id",),
-    Kind.KV_BEGIN: ("req_id", "num_layers"),
-    Kind.KV_LAYER: ("req_id", "layer", "chunk", "num_chunks", "tensors"),
+    Kind.KV_BEGIN: ("req_id", "num_layers", "layers"),
+    Kind.KV_LAYER: ("req_id", "layer", "offset"),
     Kind.KV_DONE: ("req_id", "first_token"),
     Kind.KV_ABORT: ("req_id", "reason"),
     Kind.PING: ("t",),
     Kind.PONG: ("t",),
+    Kind.KV_ADMIT: ("req_id",),
+    Kind.KV_REFUSE: ("req_id", "reason"),
+    Kind.KV_ACK: ("req_id",),
 }
 
 

@@ -15,8 +15,7 @@ import torch
 from transformers import GPT2Config
 
 from common.backend import DecodeBatch, PrefillCancelled, Sequence, TorchBackend, make_backend
-from common.kv_stream import KvAssembly, layer_frames
-from proto.frames import read_frame
+from common.kv_stream import KvAssembly, make_layout, split_ranges, tensor_ranges
 from common.model import (
     TINY_MAX_MODEL_LEN,
     LoadedModel,
@@ -70,7 +69,7 @@ def run_prefill(be: TorchBackend, ids: list[int]):
     """(layers, logits, call order) from one prefill."""
     calls, layers = [], []
 
-    def on_layer(i, state):
+    def on_layer(i, state, seq_from=None):
         calls.append(i)
         layers.append(state)
 
@@ -176,7 +175,7 @@ def test_should_stop_cancels_between_layers(spec, stop_after):
     be = backend(spec)
     calls = []
     with pytest.raises(PrefillCancelled):
-        be.prefill(prompt(8), lambda i, s: calls.append(i), should_stop=lambda: len(calls) >= stop_after)
+        be.prefill(prompt(8), lambda i, s, _=None: calls.append(i), should_stop=lambda: len(calls) >= stop_after)
     assert calls == list(range(stop_after))
     assert len(calls) < be.num_layers
 
@@ -186,7 +185,7 @@ def test_should_stop_before_first_layer(spec):
     be = backend(spec)
     calls = []
     with pytest.raises(PrefillCancelled):
-        be.prefill(prompt(8), lambda i, s: calls.append(i), should_stop=lambda: True)
+        be.prefill(prompt(8), lambda i, s, _=None: calls.append(i), should_stop=lambda: True)
     assert calls == []
 
 
@@ -195,10 +194,10 @@ def test_backend_usable_after_cancel(spec):
     # the hooks of a cancelled prefill are removed: a later prefill calls on_layer exactly once per layer
     be = backend(spec)
     with pytest.raises(PrefillCancelled):
-        be.prefill(prompt(8), lambda i, s: None, should_stop=lambda: True)
+        be.prefill(prompt(8), lambda i, s, _=None: None, should_stop=lambda: True)
     with pytest.raises(PrefillCancelled):
         n = []
-        be.prefill(prompt(8), lambda i, s: n.append(i), should_stop=lambda: len(n) >= 1)
+        be.prefill(prompt(8), lambda i, s, _=None: n.append(i), should_stop=lambda: len(n) >= 1)
     layers, logits, calls = run_prefill(be, prompt(8))
     assert calls == list(range(be.num_layers))
     _, logits2, _ = run_prefill(be, prompt(8))
@@ -223,25 +222,18 @@ def greedy_single(be: TorchBackend, ids: list[int], max_new: int, via_wire: bool
     return tokens
 
 
-async def _parse(frames: list[list]) -> list:
-    reader = asyncio.StreamReader()
-    for parts in frames:
-        reader.feed_data(b"".join(bytes(p) for p in parts))
-    reader.feed_eof()
-    out = []
-    while (f := await read_frame(reader)) is not None:
-        out.append(f)
-    return out
-
-
 def wire_round_trip(layers):
-    """Through layer_frames, read_frame and KvAssembly (no sockets), chunks shuffled across layers."""
-    raw = [parts for i, state in enumerate(layers) for parts in layer_frames("r", i, state, chunk_bytes=3000)]
-    frames = asyncio.run(_parse(raw))
-    random.Random(0).shuffle(frames)
+    """Through layouts, byte ranges cut into 3000-byte chunks and KvAssembly (no sockets), chunks shuffled across layers."""
+    layouts = [make_layout([(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in st.items()]) for st in layers]
+    pieces = []
+    for i, st in enumerate(layers):
+        ranges = [r for n, t in st.items() for r in tensor_ranges(layouts[i], n, t)]
+        pieces += [(i, off, bytes(v)) for off, v in split_ranges(ranges, 3000)]
+    random.Random(0).shuffle(pieces)
     asm = KvAssembly("r", len(layers))
-    for f in frames:
-        asm.add_chunk(f.header, f.payload)
+    asm.allocate(layouts)
+    for i, off, data in pieces:
+        asm.write(i, off, data)
     asm.finish({"req_id": "r", "first_token": 0})
     assert asm.done.is_set() and asm.error is None
     return asm.ordered_layers()

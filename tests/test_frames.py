@@ -236,7 +236,7 @@ def _tensors() -> list[tuple[str, array.array]]:
 def test_tensor_payload_round_trip_via_parts() -> None:
     tensors = _tensors()
     descs = [tensor_desc(dt, [len(a)], a.itemsize * len(a)) for dt, a in tensors]
-    header = {"req_id": "r1", "layer": 3, "chunk": 0, "num_chunks": 1, "tensors": descs}
+    header = {"req_id": "r1", "layer": 3, "offset": 0, "tensors": descs}
     parts = [memoryview(a).cast("B") for _, a in tensors]
     frame = read_one(b"".join(bytes(p) for p in encode_frame_parts(Kind.KV_LAYER, header, parts)))
     assert frame.header["tensors"] == descs

@@ -7,8 +7,10 @@ import asyncio
 
 from common import service
 from common.planner_agent import PlannerAgent
+from common import peer_auth
+from common.kv_receiver import KvReceiver
 from common.rpc import RpcServer, parse_addr
-from common.worker_main import add_worker_flags, load_backend
+from common.worker_main import add_worker_flags, load_backend, tls_server_context
 from services.decode.worker import DecodeWorker
 
 
@@ -17,16 +19,19 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     kv_listen = service.require(args, "kv_listen", "PRFAAS_DECODE_KV_ADDR")
     planner = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
     backend = await asyncio.to_thread(load_backend, args)
-    worker = DecodeWorker(backend, args.name, kv_listen, prefill_timeout=args.prefill_timeout)
+    receiver = KvReceiver(args.name, backend.loaded.fingerprint, backend.num_layers, budget_bytes=args.kv_budget_bytes,
+                          lease_s=args.kv_lease_s, secret=peer_auth.load_secret(), ssl=tls_server_context(args))
+    advertise = args.kv_advertise or kv_listen
+    worker = DecodeWorker(backend, args.name, advertise, receiver, prefill_timeout=args.prefill_timeout)
     rpc = RpcServer("decode", args.name, stream_handlers={"generate": worker.generate}, handlers={"stats": _stats(worker)})
-    kv = RpcServer("decode-kv", args.name, fingerprint=backend.loaded.fingerprint, frame_handler=worker.on_kv_frame)
+    kv = receiver
     host, port = parse_addr(listen)
     await rpc.start(host, port)
     khost, kport = parse_addr(kv_listen)
     await kv.start(khost, kport)
     worker.start()
     agent = PlannerAgent(planner, {
-        "name": args.name, "role": "decode", "cluster": "pd", "addr": listen, "kv_addr": kv_listen,
+        "name": args.name, "role": "decode", "cluster": "pd", "addr": listen, "kv_addr": advertise,
         "fingerprint": backend.loaded.fingerprint,
     }, worker.stats, args.report_interval)
     agent.start()
@@ -49,7 +54,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description="PrfaaS decode worker (PD-D)")
     add_worker_flags(p, "decode")
     p.add_argument("--kv-listen", help="host:port where prefill workers stream KVCache")
+    p.add_argument("--kv-advertise", default=service.env_default("PRFAAS_DECODE_KV_ADVERTISE"),
+                   help="host:port prefill workers should dial for KV (e.g. a proxy or NAT address); default --kv-listen")
     p.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds from the prefill call to the last KV byte")
+    p.add_argument("--kv-budget-bytes", type=int, default=int(service.env_default("PRFAAS_KV_BUDGET_BYTES", str(4 << 30))),
+                   help="most KVCache bytes reserved for incoming transfers at once")
+    p.add_argument("--kv-lease-s", type=float, default=600.0, help="seconds before an unreleased KV reservation is freed")
     args = p.parse_args()
     service.setup_logging("decode")
     service.run(lambda stop: amain(args, stop))

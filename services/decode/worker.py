@@ -26,10 +26,11 @@ from typing import Any
 
 from common.backend import Backend
 from common.detok import IncrementalDetokenizer
-from common.kv_stream import KvAssembly, KvError
-from common.rpc import RpcClient, RpcError, ServerConnection
+from common.kv_receiver import KvReceiver, Overloaded
+from common.kv_stream import KvError
+from common.rpc import RpcClient, RpcError
 from common.sampling import SamplingParams, sample_batch
-from proto.frames import ErrorCode, Frame, Kind, encode_error
+from proto.frames import ErrorCode
 from services.prefill.worker import validate_prompt
 
 log = logging.getLogger("prfaas.decode")
@@ -78,14 +79,15 @@ class DecodeWorker:
     ``prefill_timeout`` (seconds) bounds the wait from the prefill call to the last KV byte.
     """
 
-    def __init__(self, backend: Backend, name: str, kv_addr: str, prefill_timeout: float = 300.0):
+    def __init__(self, backend: Backend, name: str, kv_addr: str, receiver: KvReceiver, prefill_timeout: float = 300.0):
         self.backend = backend
         self.name = name
         self.kv_addr = kv_addr
+        self.receiver = receiver
         self.prefill_timeout = prefill_timeout
         self.tokenizer = backend.loaded.tokenizer
         self.vocab_size = int(backend.loaded.model.config.vocab_size)
-        self.assemblies: dict[str, KvAssembly] = {}
+        self.transferring: set[str] = set()
         self.joining: deque[DecodeRequest] = deque()
         self.running: dict[str, DecodeRequest] = {}
         self.batch = backend.new_batch()
@@ -96,8 +98,6 @@ class DecodeWorker:
         self.max_batch_size = 0
         self.step_time_ewma = 0.0
         self.completed = 0
-        self.dropped_kv_frames = 0
-        self.layer_received_at: dict[str, list[float]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -115,8 +115,11 @@ class DecodeWorker:
         """Load report for the planner: counts, bytes, seconds."""
         return {
             "running": len(self.running),
-            "waiting": len(self.joining) + len(self.assemblies),
-            "kv_bytes_inflight": sum(a.nbytes for a in self.assemblies.values()),
+            "waiting": len(self.joining) + len(self.transferring),
+            "kv_bytes_inflight": sum(self.receiver.reservations[r].asm.nbytes - self.receiver.reservations[r].asm.bytes_received
+                                     for r in self.transferring if r in self.receiver.reservations),
+            "kv_reserved_bytes": self.receiver.reserved_bytes,
+            "kv_receiver": self.receiver.stats(),
             "batch_size": len(self.batch),
             "steps": self.steps,
             "max_batch_size": self.max_batch_size,
@@ -131,31 +134,6 @@ class DecodeWorker:
             self._prefill_clients[addr] = c
         return c
 
-    # -- KV receive path ---------------------------------------------------------------------
-    async def on_kv_frame(self, conn: ServerConnection, frame: Frame) -> None:
-        """Frame handler of the KV listener: route each KV frame to its request's assembly."""
-        h = frame.header
-        asm = self.assemblies.get(str(h.get("req_id")))
-        if asm is None:
-            self.dropped_kv_frames += 1  # the request was cancelled or never existed here
-            return
-        try:
-            if frame.kind is Kind.KV_LAYER:
-                if asm.add_chunk(h, frame.payload):
-                    self.layer_received_at.setdefault(asm.req_id, []).append(time.monotonic())
-            elif frame.kind is Kind.KV_DONE:
-                asm.finish(h)
-            elif frame.kind is Kind.KV_ABORT:
-                asm.abort(str(h.get("reason")))
-            elif frame.kind is Kind.KV_BEGIN:
-                if int(h["num_layers"]) != asm.num_layers:
-                    raise KvError(f"sender has {h['num_layers']} layers, this worker {asm.num_layers}")
-            else:
-                await conn.send(encode_error(ErrorCode.BAD_FRAME, f"KV listener does not accept {frame.kind.name}"))
-        except KvError as e:
-            asm.abort(str(e))
-            await conn.send(encode_error(ErrorCode.BAD_REQUEST, str(e), req_id=asm.req_id))
-
     # -- generate ----------------------------------------------------------------------------
     async def generate(self, args: dict[str, Any]):
         """Stream RPC: ``{req_id, input_ids, sampling, prefill_addr}`` -> items
@@ -167,12 +145,17 @@ class DecodeWorker:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed generate request: {e}") from None
         if sampling.max_tokens < 1:
             raise RpcError(ErrorCode.BAD_REQUEST, "max_tokens must be at least 1")
-        if req_id in self.assemblies or req_id in self.running:
+        if req_id in self.receiver.reservations or req_id in self.running:
             raise RpcError(ErrorCode.BAD_REQUEST, f"request {req_id} is already running")
         input_ids = validate_prompt(args.get("input_ids"), self.vocab_size, self.backend.loaded.max_model_len)
         req = DecodeRequest(req_id, sampling, len(input_ids), self.tokenizer)
-        asm = KvAssembly(req_id, self.backend.num_layers)
-        self.assemblies[req_id] = asm
+        try:
+            asm = self.receiver.expect(req_id, self.backend.kv_bytes(len(input_ids)))
+        except Overloaded as e:
+            raise RpcError(ErrorCode.OVERLOADED, str(e), retry_after=e.retry_after) from None
+        except KvError as e:
+            raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
+        self.transferring.add(req_id)
         call: asyncio.Task | None = None
         try:
             t0 = time.monotonic()
@@ -196,10 +179,10 @@ class DecodeWorker:
             ttft_s = time.monotonic() - t0
             final = asm.final or {}
             req.seq = self.backend.new_sequence(asm.ordered_layers(), int(final.get("prompt_len", len(input_ids))))
-            self.assemblies.pop(req_id, None)
-            recv = self.layer_received_at.pop(req_id, [])
+            self.transferring.discard(req_id)
             timings = dict(final.get("timings") or {})
-            timings.update({"kv_done_s": ttft_s, "last_received_at": recv[-1] if recv else None})
+            timings.update({"kv_done_s": ttft_s, "last_received_at": max(t for t in asm.layer_done_at if t is not None),
+                            "kv_bytes": asm.nbytes})
             req.push(int(final["first_token"]))
             first = req.out.get_nowait()
             first["timings"] = timings
@@ -218,8 +201,8 @@ class DecodeWorker:
         finally:
             req.cancelled = True
             self._wakeup.set()
-            self.assemblies.pop(req_id, None)
-            self.layer_received_at.pop(req_id, None)
+            self.transferring.discard(req_id)
+            self.receiver.release(req_id)
             if call is not None and not call.done():
                 call.cancel()
                 with contextlib.suppress(BaseException):

@@ -7,8 +7,9 @@ import asyncio
 
 from common import service
 from common.planner_agent import PlannerAgent
+from common import peer_auth
 from common.rpc import RpcServer, parse_addr
-from common.worker_main import add_worker_flags, load_backend
+from common.worker_main import add_worker_flags, load_backend, tls_client_context
 from services.prefill.worker import PrefillWorker
 
 
@@ -16,7 +17,11 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     listen = service.require(args, "listen", "PRFAAS_PREFILL_ADDR")
     planner = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
     backend = await asyncio.to_thread(load_backend, args)
-    worker = PrefillWorker(backend, args.name, chunk_bytes=args.chunk_bytes)
+    worker = PrefillWorker(
+        backend, args.name, prefill_chunk_tokens=args.prefill_chunk_tokens, kv_stream=args.kv_stream, connections=args.kv_connections,
+        chunk_bytes=args.kv_chunk_bytes, max_inflight_bytes=args.kv_max_inflight_bytes, stall_timeout=args.kv_stall_timeout,
+        secret=peer_auth.load_secret(), ssl=tls_client_context(args),
+    )
     server = RpcServer("prefill", args.name, handlers={"prefill": worker.prefill, "inject_fault": worker.inject_fault, "health": _health,
                                                   "stats": _stats(worker)})
     host, port = parse_addr(listen)
@@ -49,7 +54,15 @@ def main() -> None:
     add_worker_flags(p, "prefill")
     p.add_argument("--cluster", choices=["prfaas", "pd"], default="pd",
                    help="prfaas: the remote PrfaaS cluster; pd: the local PD cluster's prefill (PD-P)")
-    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="maximum KV bytes per frame")
+    p.add_argument("--kv-connections", type=int, default=int(service.env_default("PRFAAS_KV_CONNECTIONS", "4")),
+                   help="TCP connections per decode peer; chunks are striped across them")
+    p.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="most KV bytes per frame")
+    p.add_argument("--kv-max-inflight-bytes", type=int, default=64 << 20, help="KV bytes written but not drained, per peer")
+    p.add_argument("--kv-stall-timeout", type=float, default=5.0, help="seconds a write may take to drain before its connection is replaced")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=int(service.env_default("PRFAAS_PREFILL_CHUNK_TOKENS", "0")),
+                   help="chunked prefill: stream each chunk's K/V while the next computes (0 = one pass)")
+    p.add_argument("--kv-stream", choices=["layer", "after"], default="layer",
+                   help="layer: send each layer (or chunk) as soon as it is computed; after: send once prefill ends (baseline)")
     args = p.parse_args()
     service.setup_logging("prefill")
     service.run(lambda stop: amain(args, stop))

@@ -24,10 +24,11 @@ from typing import Any
 
 from common.backend import Backend
 from common.faults import Faults, FaultsDisabled
-from common.kv_stream import DEFAULT_CHUNK_BYTES, layer_frames
-from common.rpc import RpcClient, RpcError
+from common.kv_sender import KvLink
+from common.kv_stream import tensor_ranges
+from common.rpc import RpcError
 from common.sampling import SamplingParams, sample_next
-from proto.frames import ErrorCode, Kind, encode_frame, encode_frame_parts
+from proto.frames import ErrorCode
 
 log = logging.getLogger("prfaas.prefill")
 
@@ -46,15 +47,20 @@ def validate_prompt(input_ids: Any, vocab_size: int, max_len: int) -> list[int]:
 class PrefillWorker:
     """Serves ``prefill`` over RPC and streams KVCache to decode workers; ``chunk_bytes`` per KV frame."""
 
-    def __init__(self, backend: Backend, name: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(self, backend: Backend, name: str, *, prefill_chunk_tokens: int = 0, kv_stream: str = "layer",
+                 **link_options: Any):
+        if kv_stream not in ("layer", "after"):
+            raise ValueError("kv_stream must be 'layer' (send each layer as it is computed) or 'after' (send after prefill)")
         self.backend = backend
         self.name = name
-        self.chunk_bytes = chunk_bytes
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.kv_stream = kv_stream
+        self.link_options = link_options
         self.fingerprint = backend.loaded.fingerprint
         self.vocab_size = int(backend.loaded.model.config.vocab_size)
         self.faults = Faults()
         self._slot = asyncio.Semaphore(1)
-        self._kv_clients: dict[str, RpcClient] = {}
+        self._links: dict[str, KvLink] = {}
         self.waiting = 0
         self.running = 0
         self.kv_bytes_inflight = 0
@@ -67,18 +73,23 @@ class PrefillWorker:
         return {
             "waiting": self.waiting, "running": self.running, "kv_bytes_inflight": self.kv_bytes_inflight,
             "completed": self.completed, "cancelled": self.cancelled, "prompt_tokens": self.prompt_tokens,
+            "links": self.link_stats(),
         }
 
-    def _kv_client(self, kv_addr: str) -> RpcClient:
-        client = self._kv_clients.get(kv_addr)
-        if client is None:
-            client = RpcClient(kv_addr, service="prefill", name=self.name, fingerprint=self.fingerprint, connect_timeout=5.0)
-            self._kv_clients[kv_addr] = client
-        return client
+    def _link(self, kv_addr: str) -> KvLink:
+        link = self._links.get(kv_addr)
+        if link is None:
+            link = KvLink(kv_addr, name=self.name, fingerprint=self.fingerprint, **self.link_options)
+            self._links[kv_addr] = link
+        return link
+
+    def link_stats(self) -> dict[str, Any]:
+        """Congestion signals of every KV link, keyed by the receiver's address."""
+        return {addr: link.snapshot() for addr, link in self._links.items()}
 
     async def close(self) -> None:
-        for c in self._kv_clients.values():
-            await c.close()
+        for link in self._links.values():
+            await link.close()
 
     async def inject_fault(self, args: dict[str, Any]) -> dict[str, Any]:
         """RPC for tests: see :class:`~common.faults.Faults`. Refused unless injection is enabled."""
@@ -114,55 +125,64 @@ class PrefillWorker:
             self._slot.release()
 
     async def _run(self, req_id: str, input_ids: list[int], sampling: SamplingParams, kv_addr: str) -> dict[str, Any]:
-        kv = self._kv_client(kv_addr)
-        await kv.connect()
+        link = self._link(kv_addr)
         loop = asyncio.get_running_loop()
         ready: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
         computed_at: list[float] = []
+        prompt_len = len(input_ids)
+        layouts = self.backend.layer_layouts(prompt_len)
 
-        def on_layer(i: int, state: dict) -> None:  # runs in the compute thread
+        def on_layer(i: int, state: dict, seq_from: int | None) -> None:  # runs in the compute thread
             computed_at.append(time.monotonic())
-            loop.call_soon_threadsafe(ready.put_nowait, (i, state))
+            loop.call_soon_threadsafe(ready.put_nowait, (i, state, seq_from))
 
-        num_layers = self.backend.num_layers
         t0 = time.monotonic()
-        await kv.send_parts([encode_frame(Kind.KV_BEGIN, {"req_id": req_id, "num_layers": num_layers, "prompt_len": len(input_ids)})])
-        compute = asyncio.ensure_future(asyncio.to_thread(self.backend.prefill, input_ids, on_layer, stop.is_set))
-        sent_at: list[float] = []
+        compute = asyncio.ensure_future(asyncio.to_thread(
+            self.backend.prefill, input_ids, on_layer, stop.is_set, self.prefill_chunk_tokens))
+        transfer = None
+        sent_at = 0.0
         try:
-            for _ in range(num_layers):
+            transfer = await link.begin(req_id, layouts, prompt_len)
+            if self.kv_stream == "after":  # the non-pipelined baseline: nothing leaves before the prefill ends
+                await asyncio.shield(compute)
+            while True:
                 getter = asyncio.ensure_future(ready.get())
                 await asyncio.wait({getter, compute}, return_when=asyncio.FIRST_COMPLETED)
                 if not getter.done():
                     getter.cancel()
                     compute.result()  # re-raises a compute failure
-                    getter = asyncio.ensure_future(ready.get())  # compute ended: the rest is queued
-                i, state = await getter
+                    if ready.empty():
+                        break
+                    getter = asyncio.ensure_future(ready.get())
+                i, state, seq_from = await getter
                 state = self.faults.on_layer(i, state)
-                for parts in layer_frames(req_id, i, state, self.chunk_bytes):
-                    n = sum(len(p) for p in parts)
-                    self.kv_bytes_inflight += n
-                    try:
-                        await kv.send_parts(parts)
-                    finally:
-                        self.kv_bytes_inflight -= n
-                sent_at.append(time.monotonic())
+                ranges = []
+                for name, t in state.items():
+                    ranges += tensor_ranges(layouts[i], name, t, seq_from)
+                n = sum(v.nbytes for _, v in ranges)
+                self.kv_bytes_inflight += n
+                try:
+                    await link.send(transfer, i, ranges)
+                finally:
+                    self.kv_bytes_inflight -= n
+                sent_at = time.monotonic()
             logits = await compute
             first = sample_next(logits, sampling, 0)
+            last_computed = computed_at[-1]
             timings = {
-                "prefill_s": computed_at[-1] - t0,
+                "prefill_s": last_computed - t0,
                 "layer_compute_s": [b - a for a, b in zip([t0] + computed_at[:-1], computed_at)],
-                "last_computed_at": computed_at[-1],
-                "last_sent_at": sent_at[-1],
+                "last_computed_at": last_computed,
+                "last_queued_at": sent_at,
             }
-            await kv.send_parts([encode_frame(Kind.KV_DONE, {"req_id": req_id, "first_token": first, "prompt_len": len(input_ids), "timings": timings})])
-            return {"first_token": first, "prompt_len": len(input_ids), "timings": timings}
+            await link.finish(transfer, {"first_token": first, "prompt_len": prompt_len, "timings": timings})
+            timings["acked_at"] = time.monotonic()
+            return {"first_token": first, "prompt_len": prompt_len, "timings": timings}
         except BaseException as e:
             stop.set()
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(compute), 60)
-            with contextlib.suppress(Exception):
-                reason = "cancelled" if isinstance(e, asyncio.CancelledError) else f"{type(e).__name__}: {e}"
-                kv.post(encode_frame(Kind.KV_ABORT, {"req_id": req_id, "reason": reason}))
+            if transfer is not None:
+                link.abort(transfer, "cancelled" if isinstance(e, asyncio.CancelledError) else f"{type(e).__name__}: {e}")
             raise

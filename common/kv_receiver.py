@@ -1,0 +1,347 @@
+"""The receiving end of the KV transfer engine: a listener whose connections read straight into the
+destination buffers (``asyncio.BufferedProtocol``: the kernel copies each payload byte once, into the
+layer buffer reserved for it; there is no intermediate bytes object).
+
+Transfer lifecycle on the receiver (who frees what):
+1. ``expect(req_id, nbytes)``: the owner (the decode worker) reserves ``nbytes`` of its budget
+   *before* it asks a prefill worker to start. Over budget raises :class:`Overloaded` at once.
+2. ``KV_BEGIN`` (any connection) with every layer's layout: checked against the reservation, the
+   buffers are allocated, and ``KV_ADMIT`` answers. No reservation, or layouts too large: ``KV_REFUSE``.
+3. ``KV_LAYER`` frames land in place, over any of the sender's connections, in any order;
+   duplicates (resends after a connection failure) are harmless.
+4. ``KV_DONE`` plus every byte: the assembly is done and ``KV_ACK`` goes back, so the sender may free.
+5. ``release(req_id)`` by the owner returns the reservation, whatever happened (done, aborted,
+   cancelled). A lease (``lease_s``) releases reservations whose owner never does.
+
+Each connection starts with HELLO: fingerprint (model, weights, dtype, layer layout, block size) and,
+when a shared secret is set, authentication are checked there, and a mismatch is refused at connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl as ssl_mod
+import time
+from typing import Any
+
+from common.kv_stream import BufferPool, KvAssembly, KvError
+from common.peer_auth import AuthError, AuthVerifier, reply_mac
+from common.rpc import fingerprint_mismatch
+from proto.frames import (
+    DEFAULT_MAX_HEADER,
+    PREFIX,
+    PREFIX_SIZE,
+    ErrorCode,
+    Kind,
+    ProtocolError,
+    encode_error,
+    encode_frame,
+    parse_header,
+)
+from proto.frames import MAGIC, VERSION, BadMagic, FrameTooLarge, UnknownKind, UnsupportedVersion
+
+log = logging.getLogger("prfaas.kv.recv")
+
+
+class Overloaded(KvError):
+    """The receiver's KV budget cannot take ``nbytes`` more now. ``retry_after`` in seconds."""
+
+    def __init__(self, nbytes: int, free: int, retry_after: float = 0.5):
+        super().__init__(f"KV budget exhausted: need {nbytes} bytes, {free} free")
+        self.nbytes, self.free, self.retry_after = nbytes, free, retry_after
+
+
+class _Reservation:
+    def __init__(self, asm: KvAssembly, nbytes: int, now: float):
+        self.asm = asm
+        self.nbytes = nbytes
+        self.created = now
+
+
+class KvReceiver:
+    """KV listener with a byte budget. ``budget_bytes``: most bytes reserved at once; ``lease_s``:
+    seconds after which an unreleased reservation is freed. ``secret`` enables peer auth; ``ssl``
+    (a server ``SSLContext``) enables TLS."""
+
+    def __init__(self, name: str, fingerprint: dict[str, Any] | None, num_layers: int, *, budget_bytes: int = 8 << 30,
+                 lease_s: float = 600.0, secret: bytes | None = None, ssl: ssl_mod.SSLContext | None = None,
+                 max_header: int = DEFAULT_MAX_HEADER):
+        self.name = name
+        self.fingerprint = fingerprint
+        self.num_layers = num_layers
+        self.budget_bytes = budget_bytes
+        self.lease_s = lease_s
+        self.auth = AuthVerifier(secret)
+        self.ssl = ssl
+        self.max_header = max_header
+        self.pool = BufferPool(max_bytes=min(budget_bytes, 1 << 30))
+        self.reservations: dict[str, _Reservation] = {}
+        self.reserved_bytes = 0
+        self.connections: set[_KvConnection] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self._lease_task: asyncio.Task | None = None
+        self.counters = {"admitted": 0, "refused": 0, "acked": 0, "bytes_received": 0, "frames": 0,
+                         "dropped_frames": 0, "expired_leases": 0, "refused_peers": 0}
+
+    # -- owner API ---------------------------------------------------------------------------
+    def expect(self, req_id: str, nbytes: int) -> KvAssembly:
+        """Reserve ``nbytes`` for ``req_id`` and return its assembly. Raises :class:`Overloaded`, :class:`KvError`."""
+        if req_id in self.reservations:
+            raise KvError(f"request {req_id} already has a reservation")
+        free = self.budget_bytes - self.reserved_bytes
+        if nbytes > free:
+            raise Overloaded(nbytes, free)
+        asm = KvAssembly(req_id, self.num_layers, reserved_bytes=nbytes, pool=self.pool)
+        self.reservations[req_id] = _Reservation(asm, nbytes, time.monotonic())
+        self.reserved_bytes += nbytes
+        return asm
+
+    def release(self, req_id: str, recycle: bool = True) -> bool:
+        """Return ``req_id``'s reservation to the budget; with ``recycle`` its layer buffers go back to
+        the pool for the next transfer (pass False if anything may still read them). False if none."""
+        res = self.reservations.pop(req_id, None)
+        if res is None:
+            return False
+        self.reserved_bytes -= res.nbytes
+        if not res.asm.done.is_set():
+            res.asm.abort("released by its owner")
+        if recycle:
+            res.asm.recycle()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges (bytes, counts) for the planner and /metrics."""
+        return {**self.counters, "reserved_bytes": self.reserved_bytes, "budget_bytes": self.budget_bytes,
+                "transfers": len(self.reservations), "connections": len(self.connections)}
+
+    # -- server ------------------------------------------------------------------------------
+    async def start(self, host: str, port: int) -> int:
+        """Listen; returns the bound port."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _KvConnection(self), host, port, ssl=self.ssl)
+        self._lease_task = asyncio.create_task(self._lease_loop(), name=f"{self.name}:kv-leases")
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        """Stop listening, close every connection, abort every pending transfer."""
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lease_task
+        if self._server is not None:
+            self._server.close()
+        for c in list(self.connections):
+            c.transport.abort()
+        for req_id in list(self.reservations):
+            self.release(req_id)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(5.0, self.lease_s / 4))
+            now = time.monotonic()
+            for req_id, res in list(self.reservations.items()):
+                if now - res.created > self.lease_s:
+                    log.warning("KV lease of %s expired after %.0fs", req_id, self.lease_s)
+                    self.counters["expired_leases"] += 1
+                    self.release(req_id)
+
+    # -- frame handling (called by connections, synchronously) -------------------------------
+    def on_hello(self, conn: "_KvConnection", h: dict[str, Any]) -> bool:
+        why = fingerprint_mismatch(self.fingerprint, h.get("fingerprint") if isinstance(h.get("fingerprint"), dict) else None)
+        if why is None and self.fingerprint and not isinstance(h.get("fingerprint"), dict):
+            why = "the peer sent no fingerprint"
+        if why is not None:
+            self.counters["refused_peers"] += 1
+            conn.send(encode_error(ErrorCode.FINGERPRINT_MISMATCH, f"{self.name} refused the peer: {why}"))
+            return False
+        try:
+            nonce = self.auth.check(h)
+        except AuthError as e:
+            self.counters["refused_peers"] += 1
+            conn.send(encode_error(ErrorCode.AUTH_FAILED, f"{self.name} refused the peer: {e}"))
+            return False
+        ok: dict[str, Any] = {"service": "kv-receiver", "name": self.name}
+        if nonce is not None:
+            ok["mac"] = reply_mac(self.auth.secret, nonce, self.name)
+        conn.send(encode_frame(Kind.HELLO_OK, ok))
+        return True
+
+    def on_begin(self, conn: "_KvConnection", h: dict[str, Any]) -> None:
+        req_id = str(h["req_id"])
+        res = self.reservations.get(req_id)
+        if res is None:
+            self.counters["refused"] += 1
+            conn.send(encode_frame(Kind.KV_REFUSE, {"req_id": req_id, "reason": "no reservation for this request", "retry_after": None}))
+            return
+        try:
+            if int(h["num_layers"]) != self.num_layers:
+                raise KvError(f"sender has {h['num_layers']} layers, this receiver {self.num_layers}")
+            res.asm.allocate(h["layers"])
+        except (KvError, TypeError, ValueError) as e:
+            self.counters["refused"] += 1
+            res.asm.abort(f"bad KV_BEGIN: {e}")
+            conn.send(encode_frame(Kind.KV_REFUSE, {"req_id": req_id, "reason": str(e), "retry_after": None}))
+            return
+        self.counters["admitted"] += 1
+        conn.send(encode_frame(Kind.KV_ADMIT, {"req_id": req_id}))
+
+    def assembly(self, req_id: Any) -> KvAssembly | None:
+        res = self.reservations.get(str(req_id))
+        return None if res is None else res.asm
+
+    def maybe_ack(self, conn: "_KvConnection", asm: KvAssembly) -> None:
+        if asm.complete and asm.error is None and not getattr(asm, "acked", False):
+            asm.acked = True
+            self.counters["acked"] += 1
+            conn.send(encode_frame(Kind.KV_ACK, {"req_id": asm.req_id, "bytes": asm.bytes_received}))
+
+
+_PREFIX, _HEADER, _PAYLOAD, _DISCARD = range(4)
+
+
+class _KvConnection(asyncio.BufferedProtocol):
+    """One sender connection. A small state machine: prefix -> header -> payload (into the layer
+    buffer, or discarded) -> prefix ... ``get_buffer`` never offers more than the current part, so a
+    read never crosses a frame boundary."""
+
+    def __init__(self, rx: KvReceiver):
+        self.rx = rx
+        self.transport: asyncio.Transport | None = None
+        self.small = bytearray(max(PREFIX_SIZE, 64 << 10))
+        self.state = _PREFIX
+        self.pos = 0
+        self.need = PREFIX_SIZE
+        self.hello_done = False
+        self.kind: Kind | None = None
+        self.header_len = 0
+        self.payload_len = 0
+        self.header: dict[str, Any] = {}
+        self.dest: memoryview | None = None
+        self.scratch = bytearray(1 << 16)
+        self.target: tuple[KvAssembly, int, int] | None = None
+
+    # asyncio protocol callbacks ------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.rx.connections.add(self)
+
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.rx.connections.discard(self)
+
+    def send(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.state == _PAYLOAD:
+            return self.dest[self.pos :]
+        if self.state == _DISCARD:
+            return memoryview(self.scratch)[: min(len(self.scratch), self.need - self.pos)]
+        return memoryview(self.small)[self.pos : self.need]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.pos += nbytes
+        if self.pos < self.need:
+            return
+        try:
+            self._advance()
+        except ProtocolError as e:
+            log.warning("%s: bad frame from a KV peer: %s", self.rx.name, e)
+            self.send(encode_error(e.code, str(e)))
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        return False
+
+    # state machine --------------------------------------------------------------------------
+    def _expect(self, state: int, need: int) -> None:
+        self.state, self.pos, self.need = state, 0, need
+
+    def _advance(self) -> None:
+        if self.state == _PREFIX:
+            magic, version, kind_no, self.header_len, self.payload_len = PREFIX.unpack_from(self.small, 0)
+            if magic != MAGIC:
+                raise BadMagic(bytes(magic))
+            if version != VERSION:
+                raise UnsupportedVersion(version)
+            try:
+                self.kind = Kind(kind_no)
+            except ValueError:
+                raise UnknownKind(kind_no) from None
+            if self.header_len > min(self.rx.max_header, len(self.small)):
+                raise FrameTooLarge("header", self.header_len, min(self.rx.max_header, len(self.small)))
+            if self.kind is not Kind.KV_LAYER and self.payload_len > 0:
+                raise FrameTooLarge("payload", self.payload_len, 0)
+            self._expect(_HEADER, self.header_len)
+            if self.header_len == 0:
+                self._advance()
+        elif self.state == _HEADER:
+            self.header = parse_header(self.kind, bytes(self.small[: self.header_len]), self.rx.max_header)
+            self._on_header()
+        elif self.state == _PAYLOAD:
+            asm, layer, offset = self.target
+            now = time.monotonic()
+            asm.commit(layer, offset, self.payload_len, now)
+            self.rx.counters["bytes_received"] += self.payload_len
+            self.rx.maybe_ack(self, asm)
+            self.dest, self.target = None, None
+            self._expect(_PREFIX, PREFIX_SIZE)
+        elif self.state == _DISCARD:
+            self._expect(_PREFIX, PREFIX_SIZE)
+
+    def _on_header(self) -> None:
+        kind, h = self.kind, self.header
+        self.rx.counters["frames"] += 1
+        if not self.hello_done:
+            if kind is not Kind.HELLO:
+                self.send(encode_error(ErrorCode.BAD_FRAME, f"expected HELLO, got {kind.name}"))
+                self.transport.close()
+                return
+            if not self.rx.on_hello(self, h):
+                self.transport.close()
+                return
+            self.hello_done = True
+        elif kind is Kind.KV_LAYER:
+            asm = self.rx.assembly(h["req_id"])
+            try:
+                if asm is None or asm.error is not None:
+                    raise LookupError
+                layer, offset = int(h["layer"]), int(h["offset"])
+                self.dest = asm.dest(layer, offset, self.payload_len)
+                self.target = (asm, layer, offset)
+            except LookupError:
+                self.rx.counters["dropped_frames"] += 1  # cancelled or unknown request: discard its bytes
+            except (KvError, TypeError, ValueError) as e:
+                self.rx.counters["dropped_frames"] += 1
+                asm.abort(f"bad KV_LAYER: {e}")
+                self.send(encode_frame(Kind.KV_ABORT, {"req_id": asm.req_id, "reason": str(e)}))
+            if self.target is not None and self.payload_len > 0:
+                self._expect(_PAYLOAD, self.payload_len)
+                return
+            if self.target is not None:  # an empty range
+                self.target = None
+            if self.payload_len > 0:
+                self._expect(_DISCARD, self.payload_len)
+                return
+        elif kind is Kind.KV_BEGIN:
+            self.rx.on_begin(self, h)
+        elif kind is Kind.KV_DONE:
+            asm = self.rx.assembly(h["req_id"])
+            if asm is not None:
+                asm.finish(h)
+                self.rx.maybe_ack(self, asm)
+        elif kind is Kind.KV_ABORT:
+            asm = self.rx.assembly(h["req_id"])
+            if asm is not None:
+                asm.abort(f"sender aborted: {h['reason']}")
+        elif kind is Kind.PING:
+            self.send(encode_frame(Kind.PONG, {"t": h["t"]}))
+        else:
+            self.send(encode_error(ErrorCode.BAD_FRAME, f"KV listener does not accept {kind.name}"))
+        self._expect(_PREFIX, PREFIX_SIZE)

@@ -1,0 +1,412 @@
+"""KV transfer benchmark: goodput of the KV transfer engine against baselines measured in the same run.
+
+Sections (each prints a table of what it measured):
+1. Loopback goodput, 16 MiB and 256 MiB, 1/2/4/8 connections: the engine (KvLink -> KvReceiver) against a
+   raw-socket baseline moving the same bytes with plain ``sendall`` / ``recv_into`` over the same number of
+   connections, one sending process and one receiving process in both cases; ``iperf3`` where installed;
+   and a naive baseline that pickles the whole cache and POSTs it over HTTP.
+2. Shaped link (needs root and ``ip netns``; skipped otherwise): two network namespaces joined by a veth
+   pair shaped with ``tc`` tbf to 1 Gbit/s and 100 Mbit/s; engine goodput with 4 connections and 1.
+3. Overlap: a remote prefill of a long prompt on the default model, over a link shaped so that the KV
+   transfer takes about as long as the prefill compute: TTFT with chunked streaming, with layer-only
+   streaming, and with the send after the whole prefill.
+
+The last line is ``loopback_ratio=<x> shaped_ratio=<y> overlap_ratio=<z>``:
+- loopback_ratio: engine goodput / raw-socket goodput, 4 connections, 256 MiB;
+- shaped_ratio: engine goodput / the tbf rate at 1 Gbit/s (``nan`` without root);
+- overlap_ratio: pipelined TTFT / max(prefill, transfer).
+
+Usage: python scripts/bench_transfer.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import pickle
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+MiB = 1 << 20
+LAYERS = 8  # the payload is cut into this many layers of two tensors (k, v), like a small model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_layers(nbytes: int):
+    """LAYERS layers x {k, v} float32 tensors adding up to ``nbytes``, with their layouts."""
+    import torch
+
+    from common.kv_stream import make_layout
+
+    per_tensor = nbytes // (2 * LAYERS) // 4
+    heads, dim = 8, 128
+    seq = max(1, per_tensor // (heads * dim))
+    g = torch.Generator().manual_seed(0)
+    layers = [{"k": torch.randn(1, heads, seq, dim, generator=g), "v": torch.randn(1, heads, seq, dim, generator=g)} for _ in range(LAYERS)]
+    layouts = [make_layout([(n, "float32", list(t.shape)) for n, t in st.items()]) for st in layers]
+    return layers, layouts, seq
+
+
+# ----------------------------------------------------------------------------------------------
+# engine roles
+
+async def engine_recv(listen: str, ctl: str) -> None:
+    from common.kv_receiver import KvReceiver
+    from common.rpc import RpcServer, parse_addr
+
+    rx = KvReceiver("bench-rx", {"model_id": "bench"}, LAYERS, budget_bytes=2 << 30)
+
+    async def expect(args):
+        rx.expect(args["req_id"], int(args["nbytes"]))
+        return {"ok": True}
+
+    async def release(args):
+        asm = rx.assembly(args["req_id"])
+        ok = asm is not None and asm.done.is_set() and asm.error is None
+        rx.release(args["req_id"])
+        return {"complete": ok}
+
+    server = RpcServer("bench-ctl", "bench-ctl", handlers={"expect": expect, "release": release})
+    await server.start(*parse_addr(ctl))
+    await rx.start(*parse_addr(listen))
+    print("READY", flush=True)
+    await asyncio.Event().wait()
+
+
+async def engine_send(target: str, ctl: str, plan: list[dict]) -> None:
+    from common.kv_sender import KvLink
+    from common.kv_stream import tensor_ranges
+    from common.rpc import RpcClient
+
+    control = RpcClient(ctl, service="bench", name="bench", connect_timeout=20)
+    results = []
+    cache: dict[int, tuple] = {}
+    for step in plan:
+        nbytes, conns, reps = step["bytes"], step["conns"], step["reps"]
+        if nbytes not in cache:
+            cache.clear()
+            cache[nbytes] = make_layers(nbytes)
+        layers, layouts, seq = cache[nbytes]
+        total = sum(lay["total"] for lay in layouts)
+        link = KvLink(target, name="bench-tx", fingerprint={"model_id": "bench"}, connections=conns,
+                      chunk_bytes=step.get("chunk", MiB), max_inflight_bytes=64 * MiB, connect_timeout=20)
+        await link.ensure_connected()
+        times = []
+        for r in range(reps + 1):  # the first run warms up
+            req = f"b{nbytes}-{conns}-{r}-{time.monotonic()}"
+            await control.call("expect", {"req_id": req, "nbytes": total}, timeout=20)
+            t0 = time.perf_counter()
+            tr = await link.begin(req, layouts, seq)
+            for i, st in enumerate(layers):
+                await link.send(tr, i, [rg for n, t in st.items() for rg in tensor_ranges(layouts[i], n, t)])
+            await link.finish(tr, {"first_token": 0, "prompt_len": seq}, timeout=600)
+            dt = time.perf_counter() - t0
+            done = await control.call("release", {"req_id": req}, timeout=20)
+            if not done["complete"]:
+                raise RuntimeError("receiver did not hold the whole transfer")
+            if r:
+                times.append(dt)
+        snap = link.snapshot()
+        await link.close()
+        results.append({**step, "total": total, "seconds": times, "goodput_bps": total * 8 / statistics.median(times),
+                        "retransmits": snap.get("retransmits", 0)})
+    print("RESULT " + json.dumps(results), flush=True)
+    await control.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# raw-socket baseline: plain sendall / recv_into, blocking sockets, one thread per connection
+
+def raw_recv(listen: str) -> None:
+    from common.rpc import parse_addr
+
+    host, port = parse_addr(listen)
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((host, port))
+    srv.listen(64)
+    buffers: dict[int, bytearray] = {}
+    print("READY", flush=True)
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while True:
+                head = conn.recv(8, socket.MSG_WAITALL)
+                if len(head) < 8:
+                    return
+                n = int.from_bytes(head, "big")
+                buf = buffers.get(n)
+                if buf is None:
+                    buf = buffers[n] = bytearray(n)
+                view, got = memoryview(buf), 0
+                while got < n:
+                    k = conn.recv_into(view[got:], n - got)
+                    if k == 0:
+                        return
+                    got += k
+                conn.sendall(b"k")
+
+    while True:
+        c, _ = srv.accept()
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+
+def raw_send(target: str, plan: list[dict]) -> None:
+    from common.rpc import parse_addr
+
+    host, port = parse_addr(target)
+    results = []
+    for step in plan:
+        nbytes, conns, reps = step["bytes"], step["conns"], step["reps"]
+        payload = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
+        socks = [socket.create_connection((host, port)) for _ in range(conns)]
+        share = [nbytes // conns + (1 if i < nbytes % conns else 0) for i in range(conns)]
+        starts = [sum(share[:i]) for i in range(conns)]
+        times = []
+        for r in range(reps + 1):
+            def push(i: int) -> None:
+                s = socks[i]
+                s.sendall(share[i].to_bytes(8, "big"))
+                s.sendall(payload[starts[i] : starts[i] + share[i]])
+                if s.recv(1) != b"k":
+                    raise RuntimeError("raw receiver did not confirm")
+
+            threads = [threading.Thread(target=push, args=(i,)) for i in range(conns)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if r:
+                times.append(time.perf_counter() - t0)
+        for s in socks:
+            s.close()
+        results.append({**step, "seconds": times, "goodput_bps": nbytes * 8 / statistics.median(times)})
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# naive baseline: the whole cache pickled and POSTed over HTTP
+
+async def http_recv(listen: str) -> None:
+    from aiohttp import web
+
+    from common.rpc import parse_addr
+
+    async def kv(request: web.Request) -> web.Response:
+        state = pickle.loads(await request.read())
+        return web.json_response({"layers": len(state)})
+
+    app = web.Application(client_max_size=4 << 30)
+    app.add_routes([web.post("/kv", kv)])
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    host, port = parse_addr(listen)
+    await web.TCPSite(runner, host, port).start()
+    print("READY", flush=True)
+    await asyncio.Event().wait()
+
+
+async def http_send(target: str, plan: list[dict]) -> None:
+    import aiohttp
+
+    results = []
+    async with aiohttp.ClientSession() as s:
+        for step in plan:
+            layers, _, _ = make_layers(step["bytes"])
+            times = []
+            for r in range(step["reps"] + 1):
+                t0 = time.perf_counter()
+                body = pickle.dumps(layers, protocol=pickle.HIGHEST_PROTOCOL)
+                async with s.post(f"http://{target}/kv", data=body) as resp:
+                    await resp.json()
+                if r:
+                    times.append(time.perf_counter() - t0)
+            results.append({**step, "seconds": times, "goodput_bps": step["bytes"] * 8 / statistics.median(times)})
+    print("RESULT " + json.dumps(results), flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# orchestration
+
+def role_cmd(*args: str) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), *args]
+
+
+def spawn(cmd: list[str], ns=None, lab=None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if lab is not None:
+        return lab.run(ns, cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(ROOT))
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(ROOT))
+
+
+def wait_line(p: subprocess.Popen, prefix: str, timeout: float = 900.0) -> str:
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            if p.poll() is not None:
+                raise RuntimeError(f"process exited ({p.returncode}):\n" + "".join(lines[-30:]))
+            continue
+        lines.append(line)
+        if line.startswith(prefix):
+            return line[len(prefix):].strip()
+    raise TimeoutError(f"no {prefix!r} line:\n" + "".join(lines[-30:]))
+
+
+def stop(*procs) -> None:
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.terminate()
+    for p in procs:
+        if p is not None:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def run_pair(recv_args: list[str], send_args: list[str], plan: list[dict], lab=None) -> list[dict]:
+    recv = spawn(role_cmd(*recv_args), "local", lab)
+    send = None
+    try:
+        wait_line(recv, "READY", 120)
+        send = spawn(role_cmd(*send_args, "--plan", json.dumps(plan)), "prfaas", lab)
+        return json.loads(wait_line(send, "RESULT "))
+    finally:
+        stop(send, recv)
+
+
+def iperf3(host: str, nbytes: int, conns: int) -> float | None:
+    if shutil.which("iperf3") is None:
+        return None
+    port = free_port()
+    srv = subprocess.Popen(["iperf3", "-s", "-1", "-p", str(port), "-B", host], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        out = subprocess.run(["iperf3", "-c", host, "-p", str(port), "-n", str(nbytes), "-P", str(conns), "-J"],
+                             capture_output=True, text=True, timeout=120)
+        return float(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"])
+    except (subprocess.SubprocessError, KeyError, ValueError):
+        return None
+    finally:
+        stop(srv)
+
+
+def gbps(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x / 1e9:.2f}"
+
+
+def loopback(quick: bool) -> float:
+    reps = 2 if quick else 3
+    sizes = [16 * MiB, 256 * MiB]
+    conns_list = [1, 2, 4, 8]
+    plan = [{"bytes": b, "conns": c, "reps": reps} for b in sizes for c in conns_list]
+    a, b, c = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    engine = run_pair(["--role", "engine-recv", "--listen", a, "--ctl", b], ["--role", "engine-send", "--target", a, "--ctl", b], plan)
+    raw = run_pair(["--role", "raw-recv", "--listen", c], ["--role", "raw-send", "--target", c], plan)
+    d = f"127.0.0.1:{free_port()}"
+    naive = run_pair(["--role", "http-recv", "--listen", d], ["--role", "http-send", "--target", d],
+                     [{"bytes": s, "conns": 1, "reps": reps} for s in sizes])
+    print("\n== Loopback goodput (Gbit/s; medians; one sending and one receiving process) ==")
+    print(f"{'size':>8} {'conns':>5} {'engine':>8} {'raw':>8} {'ratio':>6} {'iperf3':>8} {'naive':>8}")
+    ratio_4_256 = float("nan")
+    for e, r in zip(engine, raw):
+        ratio = e["goodput_bps"] / r["goodput_bps"]
+        ip = iperf3("127.0.0.1", e["bytes"], e["conns"]) if not quick or e["conns"] == 4 else None
+        nv = next((n["goodput_bps"] for n in naive if n["bytes"] == e["bytes"]), None) if e["conns"] == 1 else None
+        print(f"{e['bytes'] // MiB:>6}Mi {e['conns']:>5} {gbps(e['goodput_bps']):>8} {gbps(r['goodput_bps']):>8} {ratio:>6.2f} {gbps(ip):>8} {gbps(nv):>8}")
+        if e["bytes"] == 256 * MiB and e["conns"] == 4:
+            ratio_4_256 = ratio
+    if shutil.which("iperf3") is None:
+        print("(iperf3 is not installed: its column is empty)")
+    return ratio_4_256
+
+
+def shaped(quick: bool) -> float:
+    import netlab
+
+    ok, why = netlab.netns_available()
+    if not ok:
+        print(f"\n== Shaped link: skipped ({why}) ==")
+        return float("nan")
+    reps = 1 if quick else 3
+    print("\n== Shaped link (two namespaces, veth, tc tbf; goodput / shaped rate) ==")
+    print(f"{'rate':>10} {'conns':>5} {'engine':>10} {'raw':>10} {'engine/rate':>11} {'raw/rate':>9}")
+    ratio_1g = float("nan")
+    for rate, nbytes in ((1_000_000_000, 64 * MiB), (100_000_000, 16 * MiB)):
+        with netlab.TwoDatacenters(prefix="prfaas-bench") as lab:
+            lab.shape(rate)
+            recv_addr, ctl = f"{lab.addr('local')}:7401", f"{lab.addr('local')}:7402"
+            plan = [{"bytes": nbytes, "conns": c, "reps": reps} for c in (4, 1)]
+            engine = run_pair(["--role", "engine-recv", "--listen", recv_addr, "--ctl", ctl],
+                              ["--role", "engine-send", "--target", recv_addr, "--ctl", ctl], plan, lab)
+            raw_addr = f"{lab.addr('local')}:7403"
+            raw = run_pair(["--role", "raw-recv", "--listen", raw_addr], ["--role", "raw-send", "--target", raw_addr], plan, lab)
+        for e, r in zip(engine, raw):
+            print(f"{rate / 1e6:>7.0f}Mb/s {e['conns']:>5} {e['goodput_bps'] / 1e6:>8.1f}Mb {r['goodput_bps'] / 1e6:>8.1f}Mb "
+                  f"{e['goodput_bps'] / rate:>11.3f} {r['goodput_bps'] / rate:>9.3f}")
+            if rate == 1_000_000_000 and e["conns"] == 4:
+                ratio_1g = e["goodput_bps"] / rate
+    return ratio_1g
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer repetitions; finishes in under 3 minutes")
+    p.add_argument("--role", help=argparse.SUPPRESS)
+    p.add_argument("--listen", help=argparse.SUPPRESS)
+    p.add_argument("--ctl", help=argparse.SUPPRESS)
+    p.add_argument("--target", help=argparse.SUPPRESS)
+    p.add_argument("--plan", help=argparse.SUPPRESS)
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: loopback,shaped,overlap")
+    args = p.parse_args()
+    if args.role:
+        import uvloop
+
+        plan = json.loads(args.plan) if args.plan else []
+        roles = {
+            "engine-recv": lambda: uvloop.run(engine_recv(args.listen, args.ctl)),
+            "engine-send": lambda: uvloop.run(engine_send(args.target, args.ctl, plan)),
+            "raw-recv": lambda: raw_recv(args.listen),
+            "raw-send": lambda: raw_send(args.target, plan),
+            "http-recv": lambda: uvloop.run(http_recv(args.listen)),
+            "http-send": lambda: uvloop.run(http_send(args.target, plan)),
+        }
+        roles[args.role]()
+        return
+    skip = set(args.skip.split(",")) - {""}
+    t0 = time.monotonic()
+    print(f"machine: {os.cpu_count()} cores; python {sys.version.split()[0]}")
+    lo = loopback(args.quick) if "loopback" not in skip else float("nan")
+    sh = shaped(args.quick) if "shaped" not in skip else float("nan")
+    ov = float("nan")
+    if "overlap" not in skip:
+        from bench_overlap import overlap
+
+        ov = overlap(args.quick)
+    print(f"\n(total {time.monotonic() - t0:.0f} s)")
+    print(f"loopback_ratio={lo:.3f} shaped_ratio={sh:.3f} overlap_ratio={ov:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,710 @@
+"""Tests for common.link_stats: TCP_INFO parsing, Ewma, LinkStats, Prometheus rendering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import socket
+import struct
+import sys
+import time
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common import link_stats
+from common.link_stats import (
+    TCP_INFO_MIN_LEN,
+    Ewma,
+    LinkStats,
+    TcpInfo,
+    TcpState,
+    read_tcp_info,
+    render_prometheus,
+)
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO layout is Linux's")
+
+
+# ---------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket, socket.socket]:
+    """(client, server-side accepted, listener) connected over loopback."""
+    lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(4)
+    cli = socket.create_connection(lst.getsockname(), timeout=5)
+    srv, _ = lst.accept()
+    srv.settimeout(5)
+    return cli, srv, lst
+
+
+def recv_exactly(s: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = s.recv(min(1 << 20, n - len(buf)))
+        assert chunk, "peer closed early"
+        buf += chunk
+    return bytes(buf)
+
+
+# Independent description of ``struct tcp_info`` (Linux uapi linux/tcp.h) written as one native-order
+# format string in declaration order, so an offset slip in the module's field table shows up.
+_FULL_FMT = "=" + "8B" + "24I" + "4Q" + "6I" + "4Q" + "2I" + "2Q" + "4I"
+_FULL_LEN = struct.calcsize(_FULL_FMT)
+
+
+def tcp_info_bytes(**over: int) -> bytes:
+    """A synthetic ``struct tcp_info`` (232 bytes) with distinct values in every field."""
+    u8 = [1, 0, 0, 0, 0, 7, 0x97, 0x01]  # state ESTABLISHED, wscale snd=7 rcv=9 (LE), app_limited
+    u32 = [
+        201000, 40000, 1448, 536,  # rto ato snd_mss rcv_mss
+        11, 12, 13, 14, 15,  # unacked sacked lost retrans fackets
+        16, 17, 18, 19,  # last_* ms
+        1500, 64000, 2500, 1250, 0x7FFFFFFF, 10, 1460,  # pmtu rcv_ssthresh rtt rttvar ssthresh cwnd advmss
+        3, 777, 65483, over.get("total_retrans", 42),  # reordering rcv_rtt rcv_space total_retrans
+    ]
+    q1 = [10**9, 2**40, over.get("bytes_acked", 123456789), 987654321]
+    u32b = [1001, 1002, 1003, 1004, 1005, 1006]
+    q2 = [5 * 10**8, 2001, 2002, 2003]
+    u32c = [3001, 3002]
+    q3 = [4001, 4002]
+    u32d = [5001, 5002, 5003, 5004]
+    return struct.pack(_FULL_FMT, *u8, *u32, *q1, *u32b, *q2, *u32c, *q3, *u32d)
+
+
+class FakeSock:
+    """Socket-like object whose TCP_INFO answer the test controls."""
+
+    def __init__(self, port: int, fd: int = 7, **fields: int) -> None:
+        self.port, self.fd, self.fields = port, fd, fields
+        self.closed = False
+
+    def set(self, **fields: int) -> None:
+        self.fields.update(fields)
+
+    def fileno(self) -> int:
+        return -1 if self.closed else self.fd
+
+    def getsockname(self):
+        return ("10.0.0.1", self.port)
+
+    def getpeername(self):
+        return ("10.0.0.2", 9000)
+
+    def getsockopt(self, level, opt, buflen):
+        assert (level, opt) == (socket.IPPROTO_TCP, 11)
+        if self.closed:
+            raise OSError(9, "Bad file descriptor")
+        base = bytearray(tcp_info_bytes(**{k: v for k, v in self.fields.items()
+                                           if k in ("total_retrans", "bytes_acked")}))
+        if "rtt_us" in self.fields:
+            struct.pack_into("=I", base, 8 + 4 * 15, self.fields["rtt_us"])
+        if "lost" in self.fields:
+            struct.pack_into("=I", base, 8 + 4 * 6, self.fields["lost"])
+        if "snd_cwnd" in self.fields:
+            struct.pack_into("=I", base, 8 + 4 * 18, self.fields["snd_cwnd"])
+        return bytes(base[:buflen])
+
+
+# ---------------------------------------------------------------------------------------------------
+# TCP_INFO parsing
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_tcp_info_layout_constants():
+    assert TCP_INFO_MIN_LEN == 104
+    assert _FULL_LEN == 232
+
+
+def test_from_bytes_full_struct_every_field():
+    info = TcpInfo.from_bytes(tcp_info_bytes())
+    assert info.info_len == 232
+    assert (info.state, info.ca_state, info.options) == (1, 0, 7)
+    if sys.byteorder == "little":
+        assert (info.snd_wscale, info.rcv_wscale) == (7, 9)
+        assert info.delivery_rate_app_limited is True and info.fastopen_client_fail == 0
+    assert (info.rto_us, info.ato_us, info.snd_mss, info.rcv_mss) == (201000, 40000, 1448, 536)
+    assert (info.unacked, info.sacked, info.lost, info.retrans, info.fackets) == (11, 12, 13, 14, 15)
+    assert (info.last_data_sent_ms, info.last_ack_sent_ms, info.last_data_recv_ms, info.last_ack_recv_ms) == (16, 17, 18, 19)
+    assert (info.pmtu, info.rcv_ssthresh, info.rtt_us, info.rttvar_us) == (1500, 64000, 2500, 1250)
+    assert (info.snd_ssthresh, info.snd_cwnd, info.advmss, info.reordering) == (0x7FFFFFFF, 10, 1460, 3)
+    assert (info.rcv_rtt_us, info.rcv_space, info.total_retrans) == (777, 65483, 42)
+    assert (info.pacing_rate_bytes_per_s, info.max_pacing_rate_bytes_per_s) == (10**9, 2**40)
+    assert (info.bytes_acked, info.bytes_received) == (123456789, 987654321)
+    assert (info.segs_out, info.segs_in, info.notsent_bytes, info.min_rtt_us) == (1001, 1002, 1003, 1004)
+    assert (info.data_segs_in, info.data_segs_out) == (1005, 1006)
+    assert info.delivery_rate_bytes_per_s == 5 * 10**8
+    assert (info.busy_time_us, info.rwnd_limited_us, info.sndbuf_limited_us) == (2001, 2002, 2003)
+    assert (info.delivered, info.delivered_ce, info.bytes_sent, info.bytes_retrans) == (3001, 3002, 4001, 4002)
+    assert (info.dsack_dups, info.reord_seen, info.rcv_ooopack, info.snd_wnd) == (5001, 5002, 5003, 5004)
+    assert info.rtt_s == pytest.approx(0.0025)
+    assert info.tcp_state is TcpState.ESTABLISHED
+
+
+def test_from_bytes_truncated_tails_are_none():
+    full = tcp_info_bytes()
+    base = TcpInfo.from_bytes(full[:104])
+    assert base.total_retrans == 42 and base.info_len == 104
+    assert base.pacing_rate_bytes_per_s is None and base.bytes_acked is None and base.snd_wnd is None
+    mid = TcpInfo.from_bytes(full[:136])  # through bytes_received (Linux 4.1)
+    assert mid.bytes_received == 987654321 and mid.segs_out is None
+    part = TcpInfo.from_bytes(full[:139])  # a u32 cut in half is not parsed
+    assert part.segs_out is None
+    with pytest.raises(ValueError):
+        TcpInfo.from_bytes(full[:103])
+
+
+def test_tcp_info_is_frozen():
+    info = TcpInfo.from_bytes(tcp_info_bytes())
+    with pytest.raises(AttributeError):
+        info.rtt_us = 1  # type: ignore[misc]
+
+
+@linux_only
+def test_read_tcp_info_real_loopback_pair():
+    cli, srv, lst = tcp_pair()
+    try:
+        n = 1 << 20
+        cli.sendall(b"x" * n)
+        assert recv_exactly(srv, n) == b"x" * n
+        srv.sendall(b"y")
+        recv_exactly(cli, 1)
+        deadline = time.monotonic() + 5
+        while True:
+            ci = read_tcp_info(cli)
+            assert ci is not None
+            if (ci.rtt_us > 0 and (ci.bytes_acked is None or ci.bytes_acked >= n)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        si = read_tcp_info(srv)
+        assert si is not None
+        assert ci.state == TcpState.ESTABLISHED == 1 and si.state == 1
+        assert ci.rtt_us > 0
+        assert ci.total_retrans == 0 and si.total_retrans == 0
+        assert ci.info_len >= TCP_INFO_MIN_LEN
+        # Values only right if the offsets are: RTO is at least TCP_RTO_MIN (200 ms) and bounded.
+        assert 200_000 <= ci.rto_us <= 120_000_000
+        assert 0 < ci.snd_mss <= ci.pmtu and 0 < ci.advmss <= ci.pmtu
+        assert 1 <= ci.snd_cwnd < 1_000_000
+        assert ci.lost == 0 and ci.unacked == 0
+        if ci.bytes_acked is not None:  # Linux >= 4.1
+            assert n <= ci.bytes_acked <= n + 2
+            assert n <= si.bytes_received <= n + 2
+            assert si.bytes_acked is not None and 1 <= si.bytes_acked <= 3
+        if ci.segs_out is not None:
+            assert ci.segs_out >= 1 and si.segs_in >= ci.segs_out - 2
+        if ci.min_rtt_us is not None:
+            assert 0 < ci.min_rtt_us <= 1_000_000
+        if ci.bytes_sent is not None:  # Linux >= 4.19
+            assert n <= ci.bytes_sent <= n + 2 and ci.bytes_retrans == 0
+    finally:
+        for s in (cli, srv, lst):
+            s.close()
+
+
+@linux_only
+def test_read_tcp_info_listening_socket_state():
+    lst = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        info = read_tcp_info(lst)
+        assert info is not None and info.state == TcpState.LISTEN == 10
+    finally:
+        lst.close()
+
+
+def test_read_tcp_info_udp_socket_is_none():
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        u.bind(("127.0.0.1", 0))
+        assert read_tcp_info(u) is None
+    finally:
+        u.close()
+
+
+def test_read_tcp_info_unix_socket_is_none():
+    a, b = socket.socketpair()
+    try:
+        assert read_tcp_info(a) is None
+    finally:
+        a.close()
+        b.close()
+
+
+@linux_only
+def test_read_tcp_info_closed_socket_is_none():
+    cli, srv, lst = tcp_pair()
+    assert read_tcp_info(cli) is not None
+    cli.close()
+    assert read_tcp_info(cli) is None
+    srv.close()
+    lst.close()
+
+
+def test_read_tcp_info_none_and_junk():
+    assert read_tcp_info(None) is None
+    assert read_tcp_info(object()) is None
+
+
+def test_read_tcp_info_not_linux(monkeypatch):
+    s = FakeSock(port=1)
+    assert read_tcp_info(s) is not None
+    monkeypatch.setattr(link_stats, "_IS_LINUX", False)
+    assert read_tcp_info(s) is None
+
+
+def test_read_tcp_info_short_answer_is_none():
+    class Short(FakeSock):
+        def getsockopt(self, level, opt, buflen):
+            return tcp_info_bytes()[:100]
+
+    assert read_tcp_info(Short(port=1)) is None
+
+
+@linux_only
+async def test_read_tcp_info_asyncio_transport():
+    got = asyncio.get_running_loop().create_future()
+
+    async def handle(reader, writer):
+        data = await reader.readexactly(4096)
+        writer.write(data[:1])
+        await writer.drain()
+        got.set_result(writer)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"z" * 4096)
+        await writer.drain()
+        assert await reader.readexactly(1) == b"z"
+        for obj in (writer.transport, writer):  # a transport, or anything with get_extra_info
+            info = read_tcp_info(obj)
+            assert info is not None and info.state == 1 and info.total_retrans == 0
+        srv_writer = await got
+        assert read_tcp_info(srv_writer.transport).state == 1
+        srv_writer.close()
+    finally:
+        writer.close()
+        await writer.wait_closed()
+        server.close()
+        await server.wait_closed()
+    assert read_tcp_info(writer.transport) is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ewma
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [{}, {"alpha": 0.5, "half_life_s": 1.0}, {"alpha": 0.0}, {"alpha": 1.5},
+                                {"alpha": -0.1}, {"half_life_s": 0.0}, {"half_life_s": -1.0},
+                                {"half_life_s": math.inf}, {"half_life_s": math.nan}])
+def test_ewma_bad_args(kw):
+    with pytest.raises(ValueError):
+        Ewma(**kw)
+
+
+def test_ewma_half_life_step():
+    e = Ewma(half_life_s=2.0)
+    assert e.value is None
+    assert e.update(0.0, now=10.0) == 0.0
+    assert e.update(1.0, now=12.0) == pytest.approx(0.5, abs=1e-12)
+    assert e.update(1.0, now=14.0) == pytest.approx(0.75, abs=1e-12)
+    assert e.count == 3 and e.last_update == 14.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(h=st.floats(0.01, 1000.0), parts=st.lists(st.floats(0.001, 1.0), min_size=1, max_size=50),
+       step=st.floats(-1e6, 1e6).filter(lambda x: abs(x) > 1e-3))
+def test_ewma_half_life_property_any_sampling(h, parts, step):
+    """However a step is sampled over one half-life, it reaches 50% of the step."""
+    e = Ewma(half_life_s=h)
+    e.update(0.0, now=0.0)
+    total = sum(parts)
+    t = 0.0
+    for i, p in enumerate(parts):
+        t = h if i == len(parts) - 1 else min(t + p / total * h, h)  # end exactly on h
+        e.update(step, now=t)
+    assert e.value == pytest.approx(0.5 * step, rel=1e-9, abs=1e-9)
+
+
+def test_ewma_same_time_and_backwards():
+    e = Ewma(half_life_s=1.0)
+    e.update(5.0, now=1.0)
+    assert e.update(100.0, now=1.0) == 5.0  # held for zero time
+    with pytest.raises(ValueError):
+        e.update(1.0, now=0.5)
+    with pytest.raises(ValueError):
+        e.update(math.nan, now=2.0)
+    with pytest.raises(ValueError):
+        e.update(math.inf, now=2.0)
+
+
+def test_ewma_alpha_mode_ignores_time():
+    e = Ewma(0.25)
+    e.update(8.0, now=0.0)
+    assert e.update(0.0, now=0.0) == pytest.approx(6.0)
+    assert e.update(0.0, now=1e6) == pytest.approx(4.5)
+    assert e.update(4.5, now=5.0) == pytest.approx(4.5)  # earlier time is fine in alpha mode
+    e.reset()
+    assert e.value is None and e.count == 0
+
+
+def test_ewma_uses_clock_when_now_omitted():
+    clk = FakeClock(0.0)
+    e = Ewma(half_life_s=1.0, clock=clk)
+    e.update(0.0)
+    clk.t = 1.0
+    assert e.update(10.0) == pytest.approx(5.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# LinkStats: goodput, rtt, events
+# ---------------------------------------------------------------------------------------------------
+
+
+def drive_constant_rate(ls: LinkStats, clk: FakeClock, rate: float, seconds: float, sizes: list[int]) -> None:
+    """Send at ``rate`` bytes/s for ``seconds``: each chunk is reported when it has drained."""
+    end = clk.t + seconds
+    i = 0
+    while clk.t < end:
+        n = sizes[i % len(sizes)]
+        i += 1
+        clk.t += n / rate
+        ls.on_bytes_sent(n, clk.t)
+
+
+@pytest.mark.parametrize("rate", [1e5, 12.5e6, 3e9])
+def test_goodput_converges_to_true_rate(rate):
+    clk = FakeClock()
+    ls = LinkStats("peer", window_s=0.5, half_life_s=2.0, clock=clk)
+    sizes = [max(1, int(rate * f)) for f in (0.001, 0.013, 0.0007, 0.021, 0.004)]
+    drive_constant_rate(ls, clk, rate, 30.0, sizes)
+    snap = ls.snapshot(clk.t)
+    assert snap["goodput_bps"] == pytest.approx(8 * rate, rel=0.05)  # bits/s
+    assert snap["goodput_window_bps"] == pytest.approx(8 * rate, rel=0.15)
+    assert snap["bytes_sent"] == ls.bytes_sent_total
+
+
+@settings(max_examples=40, deadline=None)
+@given(rate=st.floats(1e3, 1e10), chunk_frac=st.floats(0.0005, 0.05))
+def test_goodput_converges_property(rate, chunk_frac):
+    clk = FakeClock()
+    ls = LinkStats(window_s=1.0, half_life_s=3.0, clock=clk)
+    drive_constant_rate(ls, clk, rate, 40.0, [max(1, int(rate * chunk_frac))])
+    # Chunks are whole bytes, so the true rate is what was sent over the time it took.
+    assert ls.snapshot(clk.t)["goodput_bps"] / 8 == pytest.approx(rate, rel=0.05)
+
+
+def test_goodput_tracks_rate_change_and_idle_decay():
+    clk = FakeClock()
+    ls = LinkStats(window_s=1.0, half_life_s=2.0, clock=clk)
+    drive_constant_rate(ls, clk, 1e6, 30.0, [10_000])
+    assert ls.goodput_bps == pytest.approx(8e6, rel=0.05)
+    drive_constant_rate(ls, clk, 4e6, 30.0, [10_000])
+    assert ls.goodput_bps == pytest.approx(32e6, rel=0.05)
+    # Idle: every empty window counts as 0, so after one half-life it is about half.
+    before = ls.snapshot(clk.t)["goodput_bps"]
+    clk.t += 2.0
+    after = ls.snapshot()["goodput_bps"]
+    assert after == pytest.approx(before / 2, rel=0.3)
+    clk.t += 3600.0
+    assert ls.snapshot()["goodput_bps"] < 1.0
+
+
+def test_goodput_long_idle_gap_equals_per_window_zeros():
+    clk = FakeClock(0.0)
+    a = LinkStats(window_s=1.0, half_life_s=5.0, clock=clk)
+    b = LinkStats(window_s=1.0, half_life_s=5.0, clock=clk)
+    for ls in (a, b):
+        ls.on_bytes_sent(1000, 0.0)
+        ls.on_bytes_sent(1000, 0.5)
+    for k in range(1, 101):  # b is asked every window, a only at the end
+        b.snapshot(float(k) + 0.25)
+    assert a.snapshot(100.25)["goodput_bps"] == pytest.approx(b.snapshot(100.25)["goodput_bps"], rel=1e-9)
+    assert a.goodput_bps > 0
+
+
+def test_goodput_first_window_not_counted_until_complete():
+    clk = FakeClock(0.0)
+    ls = LinkStats(window_s=1.0, half_life_s=1.0, clock=clk)
+    ls.on_bytes_sent(500, 0.0)
+    ls.on_bytes_sent(500, 0.9)
+    assert ls.snapshot(0.95)["goodput_bps"] == 0.0
+    assert ls.snapshot(0.95)["goodput_window_bps"] is None
+    assert ls.snapshot(1.0)["goodput_bps"] == pytest.approx(8000.0)
+
+
+def test_on_bytes_sent_rejects_negative():
+    ls = LinkStats(clock=FakeClock())
+    with pytest.raises(ValueError):
+        ls.on_bytes_sent(-1)
+    with pytest.raises(ValueError):
+        ls.on_bytes_sent(1, now=math.nan)
+
+
+@pytest.mark.parametrize("kw", [{"window_s": 0}, {"window_s": -1}, {"window_s": math.inf},
+                                {"half_life_s": 0}, {"rtt_alpha": 0}, {"rtt_alpha": 2}])
+def test_linkstats_bad_args(kw):
+    with pytest.raises(ValueError):
+        LinkStats(**kw)
+
+
+def test_rtt_ewma_and_events():
+    clk = FakeClock()
+    ls = LinkStats("decode-0", rtt_alpha=0.5, clock=clk)
+    assert ls.snapshot()["rtt_ms"] is None
+    ls.on_rtt(0.010)
+    ls.on_rtt(0.030)
+    ls.on_rtt(0.002)
+    snap = ls.snapshot()
+    assert snap["rtt_ms"] == pytest.approx(11.0)  # 10 -> 20 -> 11
+    assert snap["rtt_last_ms"] == pytest.approx(2.0) and snap["rtt_min_ms"] == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        ls.on_rtt(-0.001)
+    with pytest.raises(ValueError):
+        ls.on_rtt(math.inf)
+    ls.on_stall(0)
+    ls.on_stall(0)
+    ls.on_stall(3)
+    ls.on_reconnect(3)
+    ls.bytes_queued = 1 << 30
+    with pytest.raises(ValueError):
+        ls.bytes_queued = -5
+    snap = ls.snapshot()
+    assert (snap["stalls"], snap["reconnects"], snap["bytes_queued"]) == (3, 1, 1 << 30)
+    assert ls.stalls_by_conn == {0: 2, 3: 1} and ls.reconnects_by_conn == {3: 1}
+    assert snap["peer"] == "decode-0"
+
+
+# ---------------------------------------------------------------------------------------------------
+# LinkStats: TCP sampling
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_sample_tcp_retransmit_deltas_and_aggregates():
+    clk = FakeClock(0.0)
+    ls = LinkStats(clock=clk)
+    a = FakeSock(port=40001, fd=5, total_retrans=3, bytes_acked=1000, rtt_us=2000, lost=1, snd_cwnd=10)
+    assert ls.sample_tcp([a]) == 1
+    s = ls.snapshot()
+    assert (s["retransmits"], s["retransmits_window"], s["connections"]) == (3, 3, 1)
+    assert s["tcp_goodput_bps"] is None  # one sample: no interval yet
+
+    clk.t = 0.5
+    a.set(total_retrans=5, bytes_acked=501_000)
+    b = FakeSock(port=40002, fd=6, total_retrans=2, bytes_acked=10**9, rtt_us=6000, lost=0, snd_cwnd=30)
+    assert ls.sample_tcp({"c0": a, "c1": b}) == 2
+    s = ls.snapshot()
+    assert (s["retransmits"], s["retransmits_window"], s["connections"]) == (7, 4, 2)
+    assert s["tcp_srtt_ms"] == pytest.approx(4.0) and s["tcp_srtt_max_ms"] == pytest.approx(6.0)
+    assert (s["tcp_lost"], s["tcp_snd_cwnd"]) == (1, 40)
+    assert s["tcp_goodput_bps"] == pytest.approx(8e6)  # a: 5e5 bytes acked in 0.5 s; b is new
+
+    # No change: the window delta drops to zero, the total stays.
+    clk.t = 2.0
+    ls.sample_tcp([a, b])
+    s = ls.snapshot()
+    assert (s["retransmits"], s["retransmits_window"]) == (7, 0)
+
+    # a reconnects on the same fd, new local port: its counters restart and all of them are new.
+    clk.t = 3.0
+    a2 = FakeSock(port=40003, fd=5, total_retrans=1, bytes_acked=10)
+    b.set(total_retrans=4)
+    ls.sample_tcp([a2, b])
+    s = ls.snapshot()
+    assert (s["retransmits"], s["retransmits_window"]) == (10, 3)
+
+    # A counter that goes down under the same key is a new connection too (never a negative delta).
+    clk.t = 4.0
+    b.set(total_retrans=1)
+    ls.sample_tcp([a2, b])
+    s = ls.snapshot()
+    assert (s["retransmits"], s["retransmits_window"]) == (11, 1)
+
+    # Closed sockets are skipped.
+    clk.t = 5.0
+    a2.closed = True
+    assert ls.sample_tcp([a2, b]) == 1
+    assert ls.snapshot()["connections"] == 1
+
+
+def test_sample_tcp_nothing_readable():
+    clk = FakeClock(0.0)
+    ls = LinkStats(clock=clk)
+    assert ls.sample_tcp([]) == 0
+    s = ls.snapshot()
+    assert s["connections"] == 0 and s["tcp_srtt_ms"] is None and s["retransmits"] == 0
+
+
+@linux_only
+def test_sample_tcp_real_loopback_connections():
+    pairs = [tcp_pair() for _ in range(3)]
+    try:
+        for cli, srv, _ in pairs:
+            cli.sendall(b"k" * 65536)
+            recv_exactly(srv, 65536)
+        time.sleep(0.05)
+        ls = LinkStats("loop")
+        assert ls.sample_tcp([c for c, _, _ in pairs]) == 3
+        s = ls.snapshot()
+        assert s["connections"] == 3
+        assert s["retransmits"] == 0 and s["retransmits_window"] == 0
+        assert s["tcp_srtt_ms"] is not None and 0 < s["tcp_srtt_ms"] < 1000
+        assert s["tcp_srtt_max_ms"] >= s["tcp_srtt_ms"]
+        assert s["tcp_snd_cwnd"] >= 3
+        for cli, srv, _ in pairs:
+            cli.sendall(b"k" * 65536)
+            recv_exactly(srv, 65536)
+        time.sleep(0.05)
+        ls.sample_tcp([c for c, _, _ in pairs])
+        tg = ls.snapshot()["tcp_goodput_bps"]
+        assert tg is not None and tg > 0
+    finally:
+        for trio in pairs:
+            for sk in trio:
+                sk.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# snapshot and Prometheus
+# ---------------------------------------------------------------------------------------------------
+
+EXPECTED_KEYS = {
+    "peer", "connections", "goodput_bps", "goodput_window_bps", "tcp_goodput_bps", "bytes_sent",
+    "bytes_queued", "rtt_ms", "rtt_last_ms", "rtt_min_ms", "tcp_srtt_ms", "tcp_srtt_max_ms", "tcp_lost",
+    "tcp_unacked", "tcp_snd_cwnd", "tcp_notsent_bytes", "retransmits", "retransmits_window", "stalls",
+    "reconnects",
+}
+
+
+def busy_link() -> tuple[LinkStats, FakeClock]:
+    clk = FakeClock(0.0)
+    ls = LinkStats("prefill-remote:7001", clock=clk)
+    drive_constant_rate(ls, clk, 5e6, 10.0, [65536])
+    ls.on_rtt(0.0123)
+    ls.on_stall(1)
+    ls.on_reconnect(1)
+    ls.bytes_queued = 4096
+    socks = [FakeSock(port=1, fd=3, total_retrans=2, bytes_acked=0), FakeSock(port=2, fd=4, total_retrans=0, bytes_acked=0)]
+    ls.sample_tcp(socks)
+    clk.t += 1
+    socks[0].set(bytes_acked=10**6)
+    ls.sample_tcp(socks)
+    return ls, clk
+
+
+def test_snapshot_is_msgpack_and_json_safe():
+    for ls in (LinkStats(clock=FakeClock()), busy_link()[0]):
+        snap = ls.snapshot()
+        assert set(snap) == EXPECTED_KEYS
+        for k, v in snap.items():
+            assert v is None or type(v) in (int, float, str), (k, type(v))
+            if isinstance(v, float):
+                assert math.isfinite(v), k
+        assert msgpack.unpackb(msgpack.packb(snap), raw=False) == snap
+        assert json.loads(json.dumps(snap, allow_nan=False)) == snap
+
+
+_SAMPLE_RE = re.compile(
+    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)'
+    r'(?:\{(?P<labels>(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*")(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*")*)\})?'
+    r' (?P<value>[-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|NaN|Inf))$'
+)
+_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_exposition(lines: list[str]) -> tuple[dict[str, str], dict[tuple[str, frozenset], float]]:
+    """Strict-enough parser for the text format: returns (types, samples)."""
+    types: dict[str, str] = {}
+    samples: dict[tuple[str, frozenset], float] = {}
+    for line in lines:
+        assert "\n" not in line and line == line.strip()
+        if line.startswith("# TYPE "):
+            _, _, name, mtype = line.split(" ")
+            assert name not in types, f"duplicate TYPE for {name}"
+            assert mtype in ("counter", "gauge")
+            types[name] = mtype
+            continue
+        if line.startswith("# HELP "):
+            continue
+        assert not line.startswith("#"), line
+        m = _SAMPLE_RE.match(line)
+        assert m, f"unparseable sample line: {line!r}"
+        name = m["name"]
+        assert name in types, f"sample before its TYPE: {line!r}"
+        labels = {}
+        for k, v in _LABEL_RE.findall(m["labels"] or ""):
+            labels[k] = re.sub(r"\\(.)", lambda mm: {"n": "\n"}.get(mm[1], mm[1]), v)
+        key = (name, frozenset(labels.items()))
+        assert key not in samples, f"duplicate sample {key}"
+        samples[key] = float(m["value"])
+    return types, samples
+
+
+def test_prometheus_lines_parse_and_match_snapshot():
+    ls, clk = busy_link()
+    labels = {"peer": 'dc-b "east"\\rack\n7', "role": "prefill"}
+    lines = ls.prometheus_lines("prfaas_link", labels)
+    types, samples = parse_exposition(lines)
+    snap = ls.snapshot()
+    lab = frozenset(labels.items())  # escaped on output, unescaped back by the parser
+    assert samples[("prfaas_link_goodput_bits_per_second", lab)] == pytest.approx(snap["goodput_bps"])
+    assert samples[("prfaas_link_rtt_seconds", lab)] == pytest.approx(0.0123)
+    assert samples[("prfaas_link_retransmits_total", lab)] == 2
+    assert samples[("prfaas_link_stalls_total", lab)] == 1
+    assert samples[("prfaas_link_reconnects_total", lab)] == 1
+    assert samples[("prfaas_link_bytes_queued", lab)] == 4096
+    assert samples[("prfaas_link_connections", lab)] == 2
+    assert samples[("prfaas_link_tcp_srtt_seconds", lab)] == pytest.approx(0.0025)
+    assert samples[("prfaas_link_tcp_goodput_bits_per_second", lab)] == pytest.approx(8e6)
+    for name, mtype in types.items():
+        assert (mtype == "counter") == name.endswith("_total"), name
+    assert types["prfaas_link_retransmits_total"] == "counter"
+    assert types["prfaas_link_goodput_bits_per_second"] == "gauge"
+    # The escaped form is on the wire.
+    assert any('peer="dc-b \\"east\\"\\\\rack\\n7"' in line for line in lines)
+
+
+def test_prometheus_no_labels_and_missing_values_skipped():
+    ls = LinkStats(clock=FakeClock())
+    lines = ls.prometheus_lines("x")
+    types, samples = parse_exposition(lines)
+    assert ("x_stalls_total", frozenset()) in samples
+    assert "x_rtt_seconds" not in types  # no RTT sample yet: no family at all
+
+
+def test_render_prometheus_many_links_one_type_each():
+    a, _ = busy_link()
+    b = LinkStats("other", clock=FakeClock())
+    lines = render_prometheus("prfaas_link", [({"peer": "a"}, a), ({"peer": "b"}, b.snapshot())])
+    types, samples = parse_exposition(lines)  # asserts one TYPE per family
+    assert samples[("prfaas_link_stalls_total", frozenset({("peer", "a")}))] == 1
+    assert samples[("prfaas_link_stalls_total", frozenset({("peer", "b")}))] == 0
+    with pytest.raises(ValueError):
+        render_prometheus("p", [({"peer": "a"}, a), ({"peer": "a"}, b)])
+
+
+@pytest.mark.parametrize("prefix,labels", [("1bad", {}), ("has-dash", {}), ("", {}), ("ok", {"bad-name": 1}),
+                                           ("ok", {"__reserved": 1}), ("ok", {"0x": 1}), ("ok", {"a:b": 1})])
+def test_prometheus_rejects_bad_names(prefix, labels):
+    with pytest.raises(ValueError):
+        LinkStats(clock=FakeClock()).prometheus_lines(prefix, labels)
