@@ -67,7 +67,7 @@ class KvReceiver:
 
     def __init__(self, name: str, fingerprint: dict[str, Any] | None, num_layers: int, *, budget_bytes: int = 8 << 30,
                  lease_s: float = 600.0, secret: bytes | None = None, ssl: ssl_mod.SSLContext | None = None,
-                 max_header: int = DEFAULT_MAX_HEADER):
+                 max_header: int = DEFAULT_MAX_HEADER, max_payload: int = 256 << 20, handshake_timeout_s: float = 5.0):
         self.name = name
         self.fingerprint = fingerprint
         self.num_layers = num_layers
@@ -76,6 +76,8 @@ class KvReceiver:
         self.auth = AuthVerifier(secret)
         self.ssl = ssl
         self.max_header = max_header
+        self.max_payload = max_payload
+        self.handshake_timeout_s = handshake_timeout_s
         self.pool = BufferPool(max_bytes=min(budget_bytes, 1 << 30))
         self.reservations: dict[str, _Reservation] = {}
         self.reserved_bytes = 0
@@ -194,8 +196,10 @@ class KvReceiver:
         res = self.reservations.get(str(req_id))
         return None if res is None else res.asm
 
-    def maybe_ack(self, conn: "_KvConnection", asm: KvAssembly) -> None:
-        if asm.complete and asm.error is None and not getattr(asm, "acked", False):
+    def maybe_ack(self, conn: "_KvConnection", asm: KvAssembly, again: bool = False) -> None:
+        """Send ``KV_ACK`` once the transfer is complete; ``again`` re-sends it (a repeated ``KV_DONE``
+        means the sender lost the first ACK with a connection)."""
+        if asm.complete and asm.error is None and (again or not getattr(asm, "acked", False)):
             asm.acked = True
             self.counters["acked"] += 1
             conn.send(encode_frame(Kind.KV_ACK, {"req_id": asm.req_id, "bytes": asm.bytes_received}))
@@ -224,14 +228,22 @@ class _KvConnection(asyncio.BufferedProtocol):
         self.dest: memoryview | None = None
         self.scratch = bytearray(1 << 16)
         self.target: tuple[KvAssembly, int, int] | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None
 
     # asyncio protocol callbacks ------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.rx.connections.add(self)
+        self._hello_timer = asyncio.get_running_loop().call_later(self.rx.handshake_timeout_s, self._hello_overdue)
+
+    def _hello_overdue(self) -> None:
+        if not self.hello_done and self.transport is not None:
+            self.send(encode_error(ErrorCode.TIMEOUT, "no HELLO within the handshake timeout"))
+            self.transport.close()
 
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._hello_timer.cancel()
         self.rx.connections.discard(self)
 
     def send(self, data: bytes) -> None:
@@ -278,6 +290,8 @@ class _KvConnection(asyncio.BufferedProtocol):
                 raise FrameTooLarge("header", self.header_len, min(self.rx.max_header, len(self.small)))
             if self.kind is not Kind.KV_LAYER and self.payload_len > 0:
                 raise FrameTooLarge("payload", self.payload_len, 0)
+            if self.payload_len > self.rx.max_payload:
+                raise FrameTooLarge("payload", self.payload_len, self.rx.max_payload)
             self._expect(_HEADER, self.header_len)
             if self.header_len == 0:
                 self._advance()
@@ -335,7 +349,7 @@ class _KvConnection(asyncio.BufferedProtocol):
             asm = self.rx.assembly(h["req_id"])
             if asm is not None:
                 asm.finish(h)
-                self.rx.maybe_ack(self, asm)
+                self.rx.maybe_ack(self, asm, again=True)
         elif kind is Kind.KV_ABORT:
             asm = self.rx.assembly(h["req_id"])
             if asm is not None:

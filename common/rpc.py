@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from common.peer_auth import AuthError, AuthVerifier, check_reply, hello_auth, load_secret, reply_mac
 from proto.frames import (
     ErrorCode,
     Frame,
@@ -45,6 +46,7 @@ StreamHandler = Callable[[dict[str, Any]], AsyncIterator[Any]]
 FrameHandler = Callable[["ServerConnection", Frame], Awaitable[None]]
 
 HANDSHAKE_TIMEOUT_S = 5.0
+ENV_SECRET = object()  # default for ``secret``: read PRFAAS_SHARED_SECRET(_FILE) from the environment
 
 
 class RpcError(Exception):
@@ -137,8 +139,10 @@ class RpcServer:
         frame_handler: FrameHandler | None = None,
         on_disconnect: Callable[[ServerConnection], None] | None = None,
         max_payload: int = 256 << 20,
+        secret: bytes | None | object = ENV_SECRET,
     ):
         self.service = service
+        self.auth = AuthVerifier(load_secret() if secret is ENV_SECRET else secret)
         self.name = name
         self.handlers = dict(handlers or {})
         self.stream_handlers = dict(stream_handlers or {})
@@ -214,12 +218,21 @@ class RpcServer:
         if theirs is not None and not isinstance(theirs, dict):
             await conn.send(encode_error(ErrorCode.BAD_REQUEST, "fingerprint must be a map"))
             return False
+        try:
+            nonce = self.auth.check(frame.header)
+        except AuthError as e:
+            log.warning("%s: refused %s (%s): %s", self.name, conn.peer_name, conn.peer_service, e)
+            await conn.send(encode_error(ErrorCode.AUTH_FAILED, f"{self.name} refused the peer: {e}"))
+            return False
         why = fingerprint_mismatch(self.fingerprint, theirs)
         if why is not None:
             log.warning("%s: refused %s (%s): %s", self.name, conn.peer_name, conn.peer_service, why)
             await conn.send(encode_error(ErrorCode.FINGERPRINT_MISMATCH, f"{self.name} refused the peer: {why}"))
             return False
-        await conn.send(encode_frame(Kind.HELLO_OK, {"service": self.service, "name": self.name}))
+        ok = {"service": self.service, "name": self.name}
+        if nonce is not None:
+            ok["mac"] = reply_mac(self.auth.secret, nonce, self.name)
+        await conn.send(encode_frame(Kind.HELLO_OK, ok))
         return True
 
     async def _read_loop(self, conn: ServerConnection) -> None:
@@ -317,6 +330,7 @@ class RpcClient:
         fingerprint: dict[str, Any] | None = None,
         connect_timeout: float = 10.0,
         max_stream_backlog: int = 4096,
+        secret: bytes | None | object = ENV_SECRET,
     ):
         self.addr = addr
         self.host, self.port = parse_addr(addr)
@@ -325,6 +339,7 @@ class RpcClient:
         self.fingerprint = fingerprint
         self.connect_timeout = connect_timeout
         self.max_stream_backlog = max_stream_backlog
+        self.secret = load_secret() if secret is ENV_SECRET else secret
         self.peer_name: str | None = None
         self._ids = itertools.count(1)
         self._writer: asyncio.StreamWriter | None = None
@@ -369,6 +384,9 @@ class RpcClient:
             hello = {"service": self.service, "name": self.name}
             if self.fingerprint is not None:
                 hello["fingerprint"] = self.fingerprint
+            auth = hello_auth(self.secret, self.name, self.service) if self.secret else None
+            if auth:
+                hello["auth"] = auth
             writer.write(encode_frame(Kind.HELLO, hello))
             await writer.drain()
             frame = await asyncio.wait_for(read_frame(reader), timeout)
@@ -378,6 +396,10 @@ class RpcClient:
                 raise RpcError(frame.header["code"], frame.header["message"])
             if frame.kind is not Kind.HELLO_OK:
                 raise RpcError(ErrorCode.BAD_FRAME, f"expected HELLO_OK, got {frame.kind.name}")
+            try:
+                check_reply(self.secret, auth, frame.header)
+            except AuthError as e:
+                raise RpcError(ErrorCode.AUTH_FAILED, str(e)) from None
         except BaseException:
             writer.close()
             raise

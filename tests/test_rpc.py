@@ -665,7 +665,7 @@ async def test_ping_pong_and_unaccepted_kinds(server, raw_peers) -> None:
     await peer.send(encode_frame(Kind.PING, {"t": 12.5}))
     frame = await peer.recv()
     assert frame.kind is Kind.PONG and frame.header == {"t": 12.5}
-    await peer.send(encode_frame(Kind.KV_BEGIN, {"req_id": "r", "num_layers": 2}))
+    await peer.send(encode_frame(Kind.KV_BEGIN, {"req_id": "r", "num_layers": 2, "layers": []}))
     frame = await peer.recv()
     assert frame.kind is Kind.ERROR and "KV_BEGIN" in frame.header["message"]
     await peer.send(encode_frame(Kind.PING, {"t": 1}))  # the connection is still up
@@ -682,7 +682,7 @@ async def test_frame_handler_receives_other_kinds(servers, raw_peers) -> None:
     _, port = await servers(frame_handler=on_frame)
     peer = await raw_peers(port)
     assert (await peer.hello()).kind is Kind.HELLO_OK
-    header = {"req_id": "r1", "layer": 0, "chunk": 0, "num_chunks": 1, "tensors": []}
+    header = {"req_id": "r1", "layer": 0, "offset": 0}
     await peer.send(encode_frame(Kind.KV_LAYER, header, b"\x01\x02\x03"))
     frame = await peer.recv()
     assert frame.kind is Kind.KV_DONE and frame.header["first_token"] == 5
