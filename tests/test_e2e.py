@@ -233,3 +233,17 @@ async def test_health_reports_the_chain(cluster):
             data = await r.json()
     assert r.status == 200 and data["status"] == "ok"
     assert data["prefill_remote"] and data["prefill_local"] and data["decode"] and data["router"] and data["planner"]
+
+
+async def test_metrics_expose_kv_link_signals_and_worker_load(cluster):
+    """After a remote prefill, the prefill worker's KV link signals reach /metrics through the planner."""
+    c, _ = cluster
+    async with aiohttp.ClientSession() as s:
+        model = await served_model(s, c)
+        await greedy_ids(s, c, model, prompt_of(1100), n=2)
+        await asyncio.sleep(1.2)  # one planner report interval
+        async with s.get(c.url + "/metrics") as r:
+            text = await r.text()
+    assert re.search(r'prfaas_kv_link_bytes_sent_total\{worker="prefill-remote-0",peer="[^"]+"\} [1-9]', text), text
+    assert "prfaas_kv_link_rtt_seconds" in text or "prfaas_kv_link_goodput_bits_per_second" in text
+    assert re.search(r'prfaas_worker_alive\{worker="decode-0",role="decode",cluster="pd"\} 1', text)

@@ -25,6 +25,7 @@ import orjson
 from aiohttp import web
 
 from common import service
+from common.link_stats import render_prometheus
 from common.model import load_model_info
 from common.rpc import RpcClient, RpcError
 from proto.frames import ErrorCode
@@ -263,7 +264,27 @@ class Gateway:
                       "# TYPE prfaas_route_threshold_tokens gauge", f"prfaas_route_threshold_tokens {stats['threshold_tokens']}"]
         except (RpcError, asyncio.TimeoutError, OSError):
             lines.append("# router unreachable: route counters omitted")
+        lines += await self._worker_metrics()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+    async def _worker_metrics(self) -> list[str]:
+        """KV link congestion signals and worker load, from the planner's view of every worker."""
+        try:
+            workers = (await self.planner.call("view", timeout=2.0))["workers"]
+        except (RpcError, asyncio.TimeoutError, OSError):
+            return ["# planner unreachable: worker and link metrics omitted"]
+        links = [({"worker": w["name"], "peer": peer}, snap)
+                 for w in workers for peer, snap in sorted(((w.get("stats") or {}).get("links") or {}).items())]
+        lines = render_prometheus("prfaas_kv_link", links) if links else []
+        lines += ["# HELP prfaas_worker_alive 1 if the worker reported within its deadline.", "# TYPE prfaas_worker_alive gauge"]
+        lines += [f'prfaas_worker_alive{{worker="{w["name"]}",role="{w["role"]}",cluster="{w["cluster"]}"}} {int(w["alive"])}'
+                  for w in workers]
+        for key, help_text in (("running", "Requests running on the worker."), ("waiting", "Requests queued at the worker."),
+                               ("kv_bytes_inflight", "KVCache bytes in flight (sending or receiving), bytes.")):
+            lines += [f"# HELP prfaas_worker_{key} {help_text}", f"# TYPE prfaas_worker_{key} gauge"]
+            lines += [f'prfaas_worker_{key}{{worker="{w["name"]}"}} {(w.get("stats") or {}).get(key, 0)}' for w in workers]
+        return lines
 
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
