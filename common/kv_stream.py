@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-DEFAULT_CHUNK_BYTES = 1 << 20  # bytes per KV_LAYER frame at most
+DEFAULT_CHUNK_BYTES = 4 << 20  # bytes per KV_LAYER frame at most
 
 Layout = dict[str, Any]  # {"total": bytes, "tensors": [{"name", "dtype", "shape", "offset", "nbytes"}]}
 Range = tuple[int, memoryview]  # (offset in the layer buffer, bytes)

@@ -56,7 +56,7 @@ def main() -> None:
                    help="prfaas: the remote PrfaaS cluster; pd: the local PD cluster's prefill (PD-P)")
     p.add_argument("--kv-connections", type=int, default=int(service.env_default("PRFAAS_KV_CONNECTIONS", "4")),
                    help="TCP connections per decode peer; chunks are striped across them")
-    p.add_argument("--kv-chunk-bytes", type=int, default=1 << 20, help="most KV bytes per frame")
+    p.add_argument("--kv-chunk-bytes", type=int, default=4 << 20, help="most KV bytes per frame")
     p.add_argument("--kv-max-inflight-bytes", type=int, default=64 << 20, help="KV bytes written but not drained, per peer")
     p.add_argument("--kv-stall-timeout", type=float, default=5.0, help="seconds a write may take to drain before its connection is replaced")
     p.add_argument("--prefill-chunk-tokens", type=int, default=int(service.env_default("PRFAAS_PREFILL_CHUNK_TOKENS", "0")),
