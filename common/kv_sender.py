@@ -146,6 +146,8 @@ class KvLink:
                 check_reply(self.secret, auth, frame.header)
             except AuthError as e:
                 raise RpcError(ErrorCode.AUTH_FAILED, str(e)) from None
+            if self._closed:  # closed while dialling
+                raise Unavailable(f"KV link to {self.addr} is closed")
         except BaseException:
             writer.close()
             raise
@@ -171,6 +173,8 @@ class KvLink:
             deadline = time.monotonic() + self.connect_timeout
             delay, last = 0.05, None
             while len(self._live()) < self.n_conns:
+                if self._closed:
+                    raise Unavailable(f"KV link to {self.addr} is closed")
                 try:
                     await self._dial()
                     self.stats.on_reconnect("dial")
@@ -213,7 +217,8 @@ class KvLink:
                 c.writer.write(encode_frame(Kind.PING, {"t": c.ping_sent}))
 
     async def _ping_loop(self) -> None:
-        while True:
+        # checks _closed as well as being cancelled: on 3.11, wait_for() in a dial can swallow close()'s cancel
+        while not self._closed:
             await asyncio.sleep(self.ping_interval)
             now = time.monotonic()
             for c in self._live():
@@ -440,9 +445,11 @@ class KvLink:
                     # on another connection if the one that carried it failed
                     acked = asyncio.ensure_future(tr.acked.wait())
                     reopened = asyncio.ensure_future(_wait_cleared(tr.all_written, conn))
-                    await asyncio.wait({acked, reopened}, return_when=asyncio.FIRST_COMPLETED)
-                    acked.cancel()
-                    reopened.cancel()
+                    try:
+                        await asyncio.wait({acked, reopened}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:  # also on timeout or cancellation: no waiter task outlives finish()
+                        acked.cancel()
+                        reopened.cancel()
                     if tr.error:
                         raise Unavailable(f"transfer {tr.req_id} to {self.addr} failed: {tr.error}")
                     if tr.acked.is_set():
