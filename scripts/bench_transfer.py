@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 MiB = 1 << 20
+WARMUP = 2  # runs before the measured ones, for the engine and the baselines alike
 LAYERS = 8  # the payload is cut into this many layers of two tensors (k, v), like a small model
 
 
@@ -120,7 +121,7 @@ async def engine_send(target: str, ctl: str, plan: list[dict]) -> None:
                       chunk_bytes=step.get("chunk", DEFAULT_CHUNK_BYTES), max_inflight_bytes=64 * MiB, connect_timeout=20)
         await link.ensure_connected()
         times = []
-        for r in range(reps + 1):  # the first run warms up
+        for r in range(reps + WARMUP):  # the first runs warm up (connections, buffer pool, TCP windows)
             req = f"b{nbytes}-{conns}-{r}-{time.monotonic()}"
             await control.call("expect", {"req_id": req, "nbytes": total}, timeout=20)
             if tracemalloc.is_tracing():
@@ -136,7 +137,7 @@ async def engine_send(target: str, ctl: str, plan: list[dict]) -> None:
             done = await control.call("release", {"req_id": req}, timeout=20)
             if not done["complete"]:
                 raise RuntimeError("receiver did not hold the whole transfer")
-            if r:
+            if r >= WARMUP:
                 times.append(dt)
                 heap = {"send": send_heap, "recv": done["heap_peak_bytes"]}
         snap = link.snapshot()
@@ -196,7 +197,7 @@ def raw_send(target: str, plan: list[dict]) -> None:
         share = [nbytes // conns + (1 if i < nbytes % conns else 0) for i in range(conns)]
         starts = [sum(share[:i]) for i in range(conns)]
         times = []
-        for r in range(reps + 1):
+        for r in range(reps + WARMUP):
             def push(i: int) -> None:
                 s = socks[i]
                 s.sendall(share[i].to_bytes(8, "big"))
@@ -210,7 +211,7 @@ def raw_send(target: str, plan: list[dict]) -> None:
                 t.start()
             for t in threads:
                 t.join()
-            if r:
+            if r >= WARMUP:
                 times.append(time.perf_counter() - t0)
         for s in socks:
             s.close()
@@ -248,12 +249,12 @@ async def http_send(target: str, plan: list[dict]) -> None:
         for step in plan:
             layers, _, _ = make_layers(step["bytes"])
             times = []
-            for r in range(step["reps"] + 1):
+            for r in range(step["reps"] + WARMUP):
                 t0 = time.perf_counter()
                 body = pickle.dumps(layers, protocol=pickle.HIGHEST_PROTOCOL)
                 async with s.post(f"http://{target}/kv", data=body) as resp:
                     await resp.json()
-                if r:
+                if r >= WARMUP:
                     times.append(time.perf_counter() - t0)
             results.append({**step, "seconds": times, "goodput_bps": step["bytes"] * 8 / statistics.median(times)})
     print("RESULT " + json.dumps(results), flush=True)
@@ -332,7 +333,7 @@ def gbps(x: float | None) -> str:
 
 
 def loopback(quick: bool) -> float:
-    reps = 2 if quick else 3
+    reps = 10 if quick else 20
     sizes = [16 * MiB, 256 * MiB]
     conns_list = [1, 2, 4, 8]
     plan = [{"bytes": b, "conns": c, "reps": reps} for b in sizes for c in conns_list]
