@@ -109,7 +109,8 @@ class KvReceiver:
         self.reserved_bytes -= res.nbytes
         if not res.asm.done.is_set():
             res.asm.abort("released by its owner")
-        if recycle:
+        busy = any(c.target is not None and c.target[0] is res.asm for c in self.connections)
+        if recycle and res.asm.complete and not busy:  # an unfinished transfer may still be landing bytes
             res.asm.recycle()
         return True
 
@@ -324,8 +325,8 @@ class _KvConnection(asyncio.BufferedProtocol):
         elif kind is Kind.KV_LAYER:
             asm = self.rx.assembly(h["req_id"])
             try:
-                if asm is None or asm.error is not None:
-                    raise LookupError
+                if asm is None or asm.error is not None or asm.complete:
+                    raise LookupError  # unknown, failed, or a late duplicate of a finished transfer
                 layer, offset = int(h["layer"]), int(h["offset"])
                 self.dest = asm.dest(layer, offset, self.payload_len)
                 self.target = (asm, layer, offset)

@@ -530,3 +530,27 @@ def test_tensors_are_views_of_the_buffer():
     assert bitwise_equal(t["k"], state["k"])
     asm.buffers[0][0:4] = raw(torch.tensor([42.0]))
     assert t["k"][0, 0, 0, 0].item() == 42.0
+
+
+def test_receiver_recycles_only_finished_transfers():
+    """A cancelled transfer's buffers may still be receiving bytes: they must not go back to the pool."""
+    from common.kv_receiver import KvReceiver
+    from common.kv_stream import make_layout
+
+    rx = KvReceiver("rx", None, 1, budget_bytes=1 << 20)
+    layout = [make_layout([("k", "float32", [64])])]
+    asm = rx.expect("cut", 256)
+    asm.allocate(layout)
+    asm.write(0, 0, b"\x01" * 128)  # half the layer
+    rx.release("cut")
+    assert rx.pool.free_bytes == 0 and rx.reserved_bytes == 0
+    asm = rx.expect("whole", 256)
+    asm.allocate(layout)
+    asm.write(0, 0, b"\x02" * 256)
+    asm.finish({"req_id": "whole", "first_token": 1})
+    assert asm.complete
+    rx.release("whole")
+    assert rx.pool.free_bytes == 256 and rx.reserved_bytes == 0
+    again = rx.expect("next", 256)
+    again.allocate(layout)
+    assert rx.pool.hits == 1  # the next transfer writes into the recycled buffer
