@@ -204,7 +204,13 @@ class DecodeWorker:
             self.transferring.discard(req_id)
             self.receiver.release(req_id)
             if call is not None and not call.done():
-                call.cancel()
+                if asm.complete and asm.error is None:
+                    # The KVCache is all here: the prefill worker is only waiting for our KV_ACK to
+                    # land. Let its call finish (bounded) so it counts as done, not cancelled.
+                    with contextlib.suppress(BaseException):
+                        await asyncio.wait_for(asyncio.shield(call), 5.0)
+                if not call.done():
+                    call.cancel()
                 with contextlib.suppress(BaseException):
                     await call
             if req.finish_reason is not None:
