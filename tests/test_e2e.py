@@ -186,6 +186,10 @@ async def test_bad_input_gets_clear_4xx_and_service_keeps_serving(cluster):
                 data = await r.json(content_type=None)
                 assert r.status == status, (what, data)
                 assert set(data["error"]) >= {"message", "type", "param", "code"} and data["error"]["message"], what
+        for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405)):
+            async with s.request(method, c.url + path) as r:
+                data = await r.json(content_type=None)
+                assert r.status == status and data["error"]["message"], (path, data)
         ids = await greedy_ids(s, c, model, prompt_of(10), n=3)
         assert len(ids) == 3
 

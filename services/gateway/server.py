@@ -56,6 +56,20 @@ def _service_error(e: RpcError) -> oa.OpenAIError:
     return oa.OpenAIError(status=status, message=str(e.message), type=etype, param=None, code=e.code.value)
 
 
+@web.middleware
+async def _json_http_errors(request: web.Request, handler):
+    """aiohttp's own errors (unknown path, wrong method, body too large) as OpenAI JSON error bodies."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        etype = "invalid_request_error" if e.status < 500 else "server_error"
+        err = oa.OpenAIError(status=e.status, message=f"{e.reason}: {request.method} {request.path}", type=etype, param=None,
+                             code=None)
+        return _error_response(err)
+
+
 class Gateway:
     """The HTTP app and its clients: one to the router, one per decode worker address."""
 
@@ -69,7 +83,7 @@ class Gateway:
         self.decoders: dict[str, RpcClient] = {}
         self.requests: Counter[tuple[str, int]] = Counter()
         self.active = 0
-        self.app = web.Application(client_max_size=ctx.max_prompt_bytes + (64 << 10))
+        self.app = web.Application(client_max_size=ctx.max_prompt_bytes + (64 << 10), middlewares=[_json_http_errors])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
