@@ -344,13 +344,13 @@ def loopback(quick: bool) -> float:
     naive = run_pair(["--role", "http-recv", "--listen", d], ["--role", "http-send", "--target", d],
                      [{"bytes": s, "conns": 1, "reps": reps} for s in sizes])
     print("\n== Loopback goodput (Gbit/s; medians; one sending and one receiving process) ==")
-    print(f"{'size':>8} {'conns':>5} {'engine':>8} {'raw':>8} {'ratio':>6} {'iperf3':>8} {'naive':>8}")
+    print(f"{'size':>8} {'conns':>5} {'engine':>8} {'raw':>8} {'ratio':>6} {'iperf3':>8} {'pickle+HTTP':>12}")
     ratio_4_256 = float("nan")
     for e, r in zip(engine, raw):
         ratio = e["goodput_bps"] / r["goodput_bps"]
         ip = iperf3("127.0.0.1", e["bytes"], e["conns"]) if not quick or e["conns"] == 4 else None
         nv = next((n["goodput_bps"] for n in naive if n["bytes"] == e["bytes"]), None) if e["conns"] == 1 else None
-        print(f"{e['bytes'] // MiB:>6}Mi {e['conns']:>5} {gbps(e['goodput_bps']):>8} {gbps(r['goodput_bps']):>8} {ratio:>6.2f} {gbps(ip):>8} {gbps(nv):>8}")
+        print(f"{e['bytes'] // MiB:>6}Mi {e['conns']:>5} {gbps(e['goodput_bps']):>8} {gbps(r['goodput_bps']):>8} {ratio:>6.2f} {gbps(ip):>8} {gbps(nv):>12}")
         if e["bytes"] == 256 * MiB and e["conns"] == 4:
             ratio_4_256 = ratio
     if shutil.which("iperf3") is None:
