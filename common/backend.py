@@ -20,7 +20,7 @@ import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache

@@ -33,8 +33,7 @@ from typing import Any
 
 from common.kv_stream import DEFAULT_CHUNK_BYTES, Layout, Range, split_ranges
 from common.link_stats import LinkStats
-from common.peer_auth import AuthError, check_reply, hello_auth
-from common.rpc import RpcError, Unavailable, parse_addr
+from common.rpc import RpcError, Unavailable, client_handshake, parse_addr
 from proto.frames import ErrorCode, Frame, Kind, ProtocolError, encode_frame, encode_frame_parts, read_frame
 
 log = logging.getLogger("prfaas.kv.send")
@@ -127,25 +126,8 @@ class KvLink:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(self.host, self.port, ssl=self.ssl, limit=1 << 20), self.connect_timeout)
         try:
-            hello: dict[str, Any] = {"service": "kv-sender", "name": self.name}
-            if self.fingerprint is not None:
-                hello["fingerprint"] = self.fingerprint
-            auth = hello_auth(self.secret, self.name, "kv-sender") if self.secret else None
-            if auth:
-                hello["auth"] = auth
-            writer.write(encode_frame(Kind.HELLO, hello))
-            await writer.drain()
-            frame = await asyncio.wait_for(read_frame(reader), self.connect_timeout)
-            if frame is None:
-                raise Unavailable(f"KV receiver {self.addr} closed during the handshake")
-            if frame.kind is Kind.ERROR:
-                raise RpcError(frame.header["code"], frame.header["message"])
-            if frame.kind is not Kind.HELLO_OK:
-                raise RpcError(ErrorCode.BAD_FRAME, f"expected HELLO_OK, got {frame.kind.name}")
-            try:
-                check_reply(self.secret, auth, frame.header)
-            except AuthError as e:
-                raise RpcError(ErrorCode.AUTH_FAILED, str(e)) from None
+            await client_handshake(reader, writer, service="kv-sender", name=self.name, fingerprint=self.fingerprint,
+                                   secret=self.secret, timeout=self.connect_timeout, peer=f"KV receiver {self.addr}")
             if self._closed:  # closed while dialling
                 raise Unavailable(f"KV link to {self.addr} is closed")
         except BaseException:

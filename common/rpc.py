@@ -98,6 +98,36 @@ def fingerprint_mismatch(ours: dict[str, Any] | None, theirs: dict[str, Any] | N
     return None
 
 
+async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, service: str, name: str,
+                           fingerprint: dict[str, Any] | None, secret: bytes | None, timeout: float, peer: str) -> dict[str, Any]:
+    """The dialling side of the handshake (RPC and KV links alike): send HELLO with our fingerprint and,
+    with a shared secret, our proof; return the listener's HELLO_OK header after checking its proof.
+
+    Raises :class:`Unavailable` if the peer closes, :class:`RpcError` with the peer's code on refusal
+    (``FINGERPRINT_MISMATCH``, ``AUTH_FAILED``...), ``asyncio.TimeoutError`` after ``timeout`` seconds.
+    """
+    hello: dict[str, Any] = {"service": service, "name": name}
+    if fingerprint is not None:
+        hello["fingerprint"] = fingerprint
+    auth = hello_auth(secret, name, service) if secret else None
+    if auth:
+        hello["auth"] = auth
+    writer.write(encode_frame(Kind.HELLO, hello))
+    await writer.drain()
+    frame = await asyncio.wait_for(read_frame(reader), timeout)
+    if frame is None:
+        raise Unavailable(f"{peer} closed during the handshake")
+    if frame.kind is Kind.ERROR:
+        raise RpcError(frame.header["code"], frame.header["message"])
+    if frame.kind is not Kind.HELLO_OK:
+        raise RpcError(ErrorCode.BAD_FRAME, f"expected HELLO_OK, got {frame.kind.name}")
+    try:
+        check_reply(secret, auth, frame.header)
+    except AuthError as e:
+        raise RpcError(ErrorCode.AUTH_FAILED, str(e)) from None
+    return frame.header
+
+
 class ServerConnection:
     """One accepted connection. ``send`` writes a whole frame without interleaving with others."""
 
@@ -381,29 +411,12 @@ class RpcClient:
     async def _dial(self, timeout: float) -> None:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), timeout)
         try:
-            hello = {"service": self.service, "name": self.name}
-            if self.fingerprint is not None:
-                hello["fingerprint"] = self.fingerprint
-            auth = hello_auth(self.secret, self.name, self.service) if self.secret else None
-            if auth:
-                hello["auth"] = auth
-            writer.write(encode_frame(Kind.HELLO, hello))
-            await writer.drain()
-            frame = await asyncio.wait_for(read_frame(reader), timeout)
-            if frame is None:
-                raise Unavailable(f"{self.addr} closed during handshake")
-            if frame.kind is Kind.ERROR:
-                raise RpcError(frame.header["code"], frame.header["message"])
-            if frame.kind is not Kind.HELLO_OK:
-                raise RpcError(ErrorCode.BAD_FRAME, f"expected HELLO_OK, got {frame.kind.name}")
-            try:
-                check_reply(self.secret, auth, frame.header)
-            except AuthError as e:
-                raise RpcError(ErrorCode.AUTH_FAILED, str(e)) from None
+            ok = await client_handshake(reader, writer, service=self.service, name=self.name, fingerprint=self.fingerprint,
+                                        secret=self.secret, timeout=timeout, peer=self.addr)
         except BaseException:
             writer.close()
             raise
-        self.peer_name = frame.header.get("name")
+        self.peer_name = ok.get("name")
         self._writer = writer
         self._reader_task = asyncio.create_task(self._read_loop(reader, writer), name=f"rpc-client:{self.addr}")
 

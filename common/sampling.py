@@ -8,7 +8,7 @@ token (the prefill worker samples step 0, the decode worker the rest).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch

@@ -16,8 +16,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import time
-import uuid
 from collections import Counter
 from typing import Any
 
