@@ -41,15 +41,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from tests.cluster import free_port  # noqa: E402
+
 MiB = 1 << 20
 WARMUP = 2  # runs before the measured ones, for the engine and the baselines alike
 LAYERS = 8  # the payload is cut into this many layers of two tensors (k, v), like a small model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_layers(nbytes: int):

@@ -7,6 +7,7 @@ in the Procfile; ``Cluster.stop`` terminates them all (SIGTERM, then SIGKILL aft
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,11 +21,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Below the kernel's ephemeral range (32768-60999 by default): a port picked there could be taken, before
+# the service binds it, by the local end of some outgoing connection.
+PORT_RANGE = (20000, 32000)
+
+
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port outside the ephemeral range that was free on 127.0.0.1 a moment ago."""
+    for _ in range(1000):
+        port = random.randint(*PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {PORT_RANGE}")
 
 
 @dataclass
