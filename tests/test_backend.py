@@ -474,3 +474,38 @@ def test_load_model_unsupported_family(tmp_path):
     with pytest.raises(ModelLoadError, match="gpt2"):
         load_model_info(str(tmp_path))
     assert issubclass(ModelLoadError, ValueError)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_chunked_prefill_streamed_by_ranges_matches_generate(spec):
+    """Chunked prefill as the prefill worker streams it: each chunk's K/V (and the final linear states)
+    cut into byte ranges by the layouts, landed in a KvAssembly, then decoded: equal to generate."""
+    be = backend(spec)
+    n = 700
+    ids = prompt(n, seed=9)
+    layouts = be.layer_layouts(n)
+    asm = KvAssembly("r", be.num_layers)
+    asm.allocate(layouts)
+    calls = []
+
+    def on_layer(i, state, seq_from=None):
+        calls.append((i, seq_from))
+        for name, t in state.items():
+            for off, view in tensor_ranges(layouts[i], name, t, seq_from):
+                asm.write(i, off, bytes(view))
+
+    logits = be.prefill(ids, on_layer, chunk_tokens=256)
+    asm.finish({"req_id": "r", "first_token": int(logits.argmax())})
+    assert asm.done.is_set() and asm.error is None
+    # attention layers stream once per chunk (3 chunks), linear layers once at the end
+    kinds = be.loaded.layer_types
+    for i, kind in enumerate(kinds):
+        expect = [0, 256, 512] if kind == "attention" else [None]
+        assert [s for j, s in calls if j == i] == expect, (i, kind)
+    seq = be.new_sequence(asm.ordered_layers(), n)
+    batch = be.new_batch()
+    batch.add("r", seq)
+    toks = [int(logits.argmax())]
+    for _ in range(11):
+        toks.append(int(be.decode_step(batch, [toks[-1]])[0].argmax()))
+    assert toks == reference(spec, ids, 12)
