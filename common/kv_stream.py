@@ -120,9 +120,9 @@ def check_layouts(layouts: Any, num_layers: int, max_total: int) -> list[Layout]
                 pos += int(d["nbytes"])
             if pos != int(lay["total"]):
                 raise KvError(f"layer {i}: tensors add up to {pos} bytes, layout says {lay['total']}")
+        except KvError:
+            raise
         except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, KvError):
-                raise
             raise KvError(f"layer {i}: malformed layout: {e}") from None
         total += pos
     if total > max_total:

@@ -52,3 +52,10 @@ def load_backend(args: argparse.Namespace):
 
     loaded = load_model(args.model, served_name=args.served_model_name)
     return make_backend(args.backend, loaded, threads=args.threads or None)
+
+
+def stats_handler(stats):
+    """An RPC handler answering ``stats()`` (a worker's load report) whatever the arguments."""
+    async def handler(args: dict) -> dict:
+        return stats()
+    return handler

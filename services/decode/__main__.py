@@ -10,7 +10,7 @@ from common.planner_agent import PlannerAgent
 from common import peer_auth
 from common.kv_receiver import KvReceiver
 from common.rpc import RpcServer, parse_addr
-from common.worker_main import add_worker_flags, load_backend, tls_server_context
+from common.worker_main import add_worker_flags, load_backend, stats_handler, tls_server_context
 from services.decode.worker import DecodeWorker
 
 
@@ -23,12 +23,11 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
                           lease_s=args.kv_lease_s, secret=peer_auth.load_secret(), ssl=tls_server_context(args))
     advertise = args.kv_advertise or kv_listen
     worker = DecodeWorker(backend, args.name, advertise, receiver, prefill_timeout=args.prefill_timeout)
-    rpc = RpcServer("decode", args.name, stream_handlers={"generate": worker.generate}, handlers={"stats": _stats(worker)})
-    kv = receiver
+    rpc = RpcServer("decode", args.name, stream_handlers={"generate": worker.generate}, handlers={"stats": stats_handler(worker.stats)})
     host, port = parse_addr(listen)
     await rpc.start(host, port)
     khost, kport = parse_addr(kv_listen)
-    await kv.start(khost, kport)
+    await receiver.start(khost, kport)
     worker.start()
     agent = PlannerAgent(planner, {
         "name": args.name, "role": "decode", "cluster": "pd", "addr": listen, "kv_addr": advertise,
@@ -40,14 +39,9 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     await stop.wait()
     await agent.close()
     await rpc.close()
-    await kv.close()
+    await receiver.close()
     await worker.close()
 
-
-def _stats(worker: DecodeWorker):
-    async def stats(args: dict) -> dict:
-        return worker.stats()
-    return stats
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from common import service
 from common.planner_agent import PlannerAgent
 from common import peer_auth
 from common.rpc import RpcServer, parse_addr
-from common.worker_main import add_worker_flags, load_backend, tls_client_context
+from common.worker_main import add_worker_flags, load_backend, stats_handler, tls_client_context
 from services.prefill.worker import PrefillWorker
 
 
@@ -23,7 +23,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         secret=peer_auth.load_secret(), ssl=tls_client_context(args),
     )
     server = RpcServer("prefill", args.name, handlers={"prefill": worker.prefill, "inject_fault": worker.inject_fault, "health": _health,
-                                                  "stats": _stats(worker)})
+                                                  "stats": stats_handler(worker.stats)})
     host, port = parse_addr(listen)
     await server.start(host, port)
     agent = PlannerAgent(planner, {
@@ -42,11 +42,6 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
 async def _health(args: dict) -> dict:
     return {"ok": True}
 
-
-def _stats(worker: PrefillWorker):
-    async def stats(args: dict) -> dict:
-        return worker.stats()
-    return stats
 
 
 def main() -> None:
