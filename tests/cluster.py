@@ -6,6 +6,7 @@ in the Procfile; ``Cluster.stop`` terminates them all (SIGTERM, then SIGKILL aft
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -75,7 +76,13 @@ class Cluster:
         }
 
     def start(self, timeout: float = 180.0) -> "Cluster":
-        """Start every service (all at once: order must not matter) and wait for ``GET /health`` = 200."""
+        """Start every service (all at once: order must not matter) and wait for ``GET /health`` = 200
+        with every started worker alive in the report.
+
+        Health turns 200 as soon as one prefill and one decode worker are alive; a test that starts
+        right then could see its long prompt fall back to the local prefill worker because the PrfaaS
+        worker has not registered yet. So this also waits for each worker the cluster started.
+        """
         env = dict(os.environ, PYTHONUNBUFFERED="1", PRFAAS_THREADS="1", **self.env)
         env.pop("PRFAAS_MODEL", None)
         commands = self.commands()
@@ -93,7 +100,8 @@ class Cluster:
             if dead:
                 self.stop()
                 raise RuntimeError(f"services exited during start-up: {dead}; logs in {self.log_dir}")
-            if self.health()[0] == 200:
+            status, body = self.health()
+            if status == 200 and self._workers_alive(body):
                 return self
             time.sleep(0.5)
         self.stop()
@@ -106,6 +114,11 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not all of {names} became ready")
             time.sleep(0.2)
+
+    def _workers_alive(self, body: bytes) -> bool:
+        """True when the health report lists every worker kind this cluster started as alive."""
+        report = json.loads(body)
+        return all(report.get(kind) for kind in ("prefill_remote", "prefill_local", "decode") if kind in self.procs)
 
     def health(self) -> tuple[int, bytes]:
         try:
