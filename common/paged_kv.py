@@ -1,0 +1,450 @@
+"""Paged KVCache on the decode worker (PD-D): the tensors behind :class:`common.block_pool.BlockPool`.
+
+Memory layout (``L`` attention layers, ``bs`` = block size in tokens, ``H`` = KV heads, ``d`` = head dim):
+
+- each full-attention layer ``i`` owns two arenas ``k[i]``, ``v[i]``: ``[H, num_pages, bs, d]``. Block
+  id ``b`` of the pool is ``[:, b]`` of every attention layer's arena, so one page = ``bs`` tokens of K
+  and V in all attention layers. A run of consecutive block ids is one ``[H, tokens, d]`` view whose
+  heads are each contiguous over tokens: attention reads it in place and streams each head's keys
+  once (a token-major block would make every head's pass read all heads' bytes);
+- each linear-attention layer's states (conv and recurrent, fixed size) live in slot arenas
+  ``[num_slots, *state_shape]``. A slot costs ``slot_pages`` pages of the same budget.
+
+Arenas are ``torch.empty``: the OS commits their pages on first touch, so resident memory follows
+what the pool hands out, not its capacity.
+
+A decode step (:meth:`PagedKvStore.decode_step`) runs the unmodified transformers model with the
+attention implementation :data:`ATTN_IMPL` registered here. The cache object handed to the model
+writes the new token's K/V into its block (``O(batch)`` bytes) and the attention reads each row's
+runs of blocks as views: no step copies or concatenates the cache. Linear states are gathered into a
+batch before each linear layer and scattered back after the step (``O(batch x state)``, independent of
+the context length).
+
+The wire layout of an attention layer (``proto/PROTOCOL.md`` 7.2) is ``[1, H, seq, d]`` for ``k`` then
+``v``; each head's tokens land straight in that head's blocks (:meth:`PagedKvStore.byte_pieces`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from common.block_pool import BlockPool, PoolExhausted
+from common.kv_stream import DTYPES
+
+ATTN_IMPL = "prfaas_paged"
+LayerState = dict[str, torch.Tensor]
+
+__all__ = ["ATTN_IMPL", "PagedKvStore", "PagedSeq", "PoolExhausted", "paged_attention"]
+
+
+@dataclass(eq=False)
+class PagedSeq:
+    """One request's KVCache in the pool: ``blocks`` (block table, in token order), ``slot`` (linear
+    states; None for a model without linear layers), ``length`` = tokens whose K/V are stored."""
+
+    req_id: str
+    blocks: list[int] = field(default_factory=list)
+    slot: int | None = None
+    length: int = 0
+    released: bool = False
+
+
+# -- attention ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _StepMeta:
+    """What the attention layers of one decode step need: per row, its runs of blocks, as
+    ``(first_block, tokens)`` pairs covering ``length + 1`` tokens; the new token's block and offset."""
+
+    store: "PagedKvStore"
+    runs: list[list[tuple[int, int]]]
+    write_block: torch.Tensor  # int64 [rows]
+    write_offset: torch.Tensor  # int64 [rows]
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention of one new token per row over that row's blocks, read in place.
+
+    ``query``: ``[rows, q_heads, 1, d]``. Returns ``[rows, 1, q_heads, d]`` (the layout transformers'
+    attention modules expect). Grouped-query heads are handled by viewing the query heads of one KV
+    head as a group of queries (no repeat of K/V). Without a step in ``kwargs["prfaas_paged"]`` (e.g. a
+    prefill on the same model) this is transformers' SDPA attention unchanged.
+    """
+    meta: _StepMeta | None = kwargs.get("prfaas_paged")
+    if meta is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    store = meta.store
+    layer = module.layer_idx
+    karena, varena = store.k[layer], store.v[layer]
+    rows, q_heads, q_len, d = query.shape
+    if q_len != 1:
+        raise ValueError(f"paged decode takes one token per row, got {q_len}")
+    h = store.kv_heads
+    group = q_heads // h
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
+    out = torch.empty(rows, 1, q_heads, d, dtype=query.dtype)
+    for r in range(rows):
+        q = query[r, :, 0].view(1, h, group, d)
+        runs = meta.runs[r]
+        if len(runs) == 1:
+            b0, n = runs[0]
+            k = store.run_view(karena, b0, n).unsqueeze(0)  # [1, H, n, d], a view
+            v = store.run_view(varena, b0, n).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale)
+        else:  # several runs: attention per run, merged by their log-sum-exp (exact softmax over all)
+            outs, lses = [], []
+            for b0, n in runs:
+                k = store.run_view(karena, b0, n).unsqueeze(0)
+                v = store.run_view(varena, b0, n).unsqueeze(0)
+                o_run, lse = _attention_with_lse(q, k, v, scale)
+                outs.append(o_run)
+                lses.append(lse)
+            weights = torch.softmax(torch.stack(lses).float(), dim=0).to(q.dtype)  # [runs, 1, H, G]
+            o = (torch.stack(outs) * weights.unsqueeze(-1)).sum(0)
+        out[r, 0] = o.reshape(q_heads, d)
+    return out, None
+
+
+def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention ``[1, H, G, d]`` and its log-sum-exp ``[1, H, G]`` (natural log) for ``q``
+    ``[1, H, G, d]`` over ``k``/``v`` ``[1, H, n, d]`` (may be strided). Uses torch's CPU flash kernel,
+    which returns the log-sum-exp, where it exists; otherwise plain matmuls."""
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        out, lse = _FLASH_CPU(q, k, v, 0.0, False, scale=scale)
+        return out, lse
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype), v), lse
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+AttentionInterface.register(ATTN_IMPL, paged_attention)
+
+
+class _PagedLayer(DynamicLayer):
+    """A cache layer whose ``update`` writes the step's new K/V into the pool (one token per row) and
+    hands the step's own tensors back; :func:`paged_attention` reads the blocks."""
+
+    def __init__(self, store: "PagedKvStore", layer: int, meta: _StepMeta, seq_length: int):
+        super().__init__()
+        self.store, self.layer, self.meta, self.seq_length = store, layer, meta, seq_length
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        m = self.meta
+        self.store.k[self.layer][:, m.write_block, m.write_offset] = key_states[:, :, 0].transpose(0, 1)
+        self.store.v[self.layer][:, m.write_block, m.write_offset] = value_states[:, :, 0].transpose(0, 1)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.seq_length
+
+
+# -- the store ----------------------------------------------------------------------------------
+
+
+class PagedKvStore:
+    """The decode worker's KVCache memory: a :class:`BlockPool` (accounting) plus its arenas (tensors).
+
+    ``specs``: per layer, each state's ``(dtype name, shape)`` as the backend reports them, with -1
+    for the sequence dimension (attention ``k``/``v``: ``[1, H, -1, d]``; linear states: ``[1, ...]``).
+    ``capacity_bytes``: the budget for KV blocks and state slots together; ``block_size`` in tokens.
+    Raises ``ValueError`` if the budget holds less than one block.
+    """
+
+    GROW_MAX_BLOCKS = 64  # largest geometric growth step (blocks)
+    GROW_RESERVE_BLOCKS = 64  # growth beyond the need only while this many blocks stay free afterwards
+
+    def __init__(self, specs: list[dict[str, tuple[str, list[int]]]], capacity_bytes: int, block_size: int = 16):
+        self.specs = specs
+        self.block_size = block_size
+        self.attn_layers = [i for i, s in enumerate(specs) if "k" in s]
+        self.linear_layers = [i for i, s in enumerate(specs) if "k" not in s and s]
+        if self.attn_layers:
+            dtype_name, shape = specs[self.attn_layers[0]]["k"]
+            self.dtype = DTYPES[dtype_name]
+            self.kv_heads, self.head_dim = int(shape[1]), int(shape[3])
+        else:
+            self.dtype, self.kv_heads, self.head_dim = torch.float32, 0, 0
+        item = self.dtype.itemsize
+        self.block_bytes = block_size * self.head_dim * item  # one head's part of one layer's K (or V) block
+        self.page_bytes = max(1, 2 * self.block_bytes * self.kv_heads * len(self.attn_layers))
+        self.slot_bytes = sum(math.prod(shape[1:]) * DTYPES[dt].itemsize
+                              for i in self.linear_layers for dt, shape in specs[i].values())
+        slot_pages = math.ceil(self.slot_bytes / self.page_bytes) if self.slot_bytes else 0
+        num_pages = capacity_bytes // self.page_bytes
+        if num_pages < 1 or (slot_pages and num_pages < slot_pages + 1):
+            raise ValueError(f"a KV budget of {capacity_bytes} bytes holds no request: one block is {self.page_bytes} "
+                             f"bytes and one state slot {slot_pages} blocks")
+        self.pool = BlockPool(num_pages, block_size=block_size, slot_pages=slot_pages, page_bytes=self.page_bytes)
+        n = num_pages if self.attn_layers else 0
+        self.num_pages = num_pages
+        self.k = {i: torch.empty(self.kv_heads, n, block_size, self.head_dim, dtype=self.dtype) for i in self.attn_layers}
+        self.v = {i: torch.empty(self.kv_heads, n, block_size, self.head_dim, dtype=self.dtype) for i in self.attn_layers}
+        self.states = {i: {name: torch.empty(self.pool.num_slots, *shape[1:], dtype=DTYPES[dt]) for name, (dt, shape) in specs[i].items()}
+                       for i in self.linear_layers}
+        self._lock = threading.Lock()  # pool calls come from the event loop and the compute thread
+
+    # -- accounting -----------------------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        return self.pool.blocks_for(tokens)
+
+    def can_reserve(self, tokens: int) -> bool:
+        """Whether a new request of ``tokens`` tokens (blocks and a state slot) fits now."""
+        with self._lock:
+            return self.pool.can_allocate(self.pool.blocks_for(tokens), 1 if self.linear_layers else 0)
+
+    def reserve(self, req_id: str, tokens: int) -> PagedSeq:
+        """Take blocks for ``tokens`` tokens and a state slot, all or nothing. Raises :class:`PoolExhausted`."""
+        with self._lock:
+            blocks, slots = self.pool.allocate(self.pool.blocks_for(tokens), 1 if self.linear_layers else 0)
+        return PagedSeq(req_id, blocks=blocks, slot=slots[0] if slots else None)
+
+    def grow(self, seq: PagedSeq, tokens: int) -> None:
+        """Make room for ``tokens`` tokens in total, continuing the last run where possible.
+
+        Growth is geometric while the pool has room: a request that needs one more block takes
+        ``len(blocks) / 8`` (at most :attr:`GROW_MAX_BLOCKS`) at once, so its blocks form a few long
+        runs (attention cost grows with the number of runs) for at most 12.5% of unused headroom; when
+        the pool is short it takes exactly what it needs. Raises :class:`PoolExhausted` (and takes nothing).
+        """
+        need = self.pool.blocks_for(tokens) - len(seq.blocks)
+        if need <= 0:
+            return
+        after = seq.blocks[-1] if seq.blocks else None
+        want = max(need, min(self.GROW_MAX_BLOCKS, len(seq.blocks) // 8))
+        with self._lock:
+            if want > need and self.pool.can_allocate(want + self.GROW_RESERVE_BLOCKS):
+                blocks, _ = self.pool.allocate(want, 0, after=after)
+            else:
+                blocks, _ = self.pool.allocate(need, 0, after=after)
+        seq.blocks.extend(blocks)
+
+    def release(self, seq: PagedSeq) -> None:
+        """Return a request's blocks and slot to the pool; a second call does nothing."""
+        if seq.released:
+            return
+        seq.released = True
+        with self._lock:
+            self.pool.free(seq.blocks, [seq.slot] if seq.slot is not None else [])
+        seq.blocks = []
+        seq.slot = None
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return self.pool.stats()
+
+    # -- views ------------------------------------------------------------------------------------
+    def run_view(self, arena: torch.Tensor, first_block: int, tokens: int) -> torch.Tensor:
+        """Tokens ``[0, tokens)`` of the run of blocks starting at ``first_block``: ``[H, tokens, d]``, no copy."""
+        nb = -(-tokens // self.block_size)
+        return arena[:, first_block : first_block + nb].reshape(self.kv_heads, nb * self.block_size, self.head_dim)[:, :tokens]
+
+    def runs(self, seq: PagedSeq, tokens: int) -> list[tuple[int, int]]:
+        """The first ``tokens`` tokens of ``seq`` as runs of consecutive blocks: ``(first_block, tokens)``."""
+        out: list[tuple[int, int]] = []
+        left = tokens
+        bs = self.block_size
+        for b0, count in BlockPool.runs(seq.blocks[: self.pool.blocks_for(tokens)]):
+            n = min(left, count * bs)
+            out.append((b0, n))
+            left -= n
+        if left:
+            raise ValueError(f"{seq.req_id}: {tokens} tokens do not fit in {len(seq.blocks)} blocks")
+        return out
+
+    def byte_pieces(self, seq: PagedSeq, layer: int, name: str, offset: int, n: int, seq_len: int) -> list[memoryview]:
+        """Where ``n`` bytes at ``offset`` of state ``name`` of ``layer`` (wire layout, for a prompt of
+        ``seq_len`` tokens) live in the pool, as writable views in order.
+
+        Attention ``k``/``v`` are ``[1, H, seq_len, d]`` on the wire: byte ``o`` is head
+        ``o // (seq_len * d * itemsize)``, token ``(o % that) // (d * itemsize)``; the range splits at
+        head boundaries and wherever the block table is not consecutive. A linear state is one slice
+        of its slot. Raises ``ValueError`` when the range is outside what ``seq`` holds.
+        """
+        if n == 0:
+            return []
+        if name in ("k", "v"):
+            arena = (self.k if name == "k" else self.v)[layer]
+            flat = _bytes_of(arena)
+            bb = self.block_bytes
+            head_bytes = seq_len * self.head_dim * self.dtype.itemsize
+            head_stride = self.num_pages * bb  # bytes between heads in the arena
+            if offset < 0 or offset + n > self.kv_heads * head_bytes or seq_len > len(seq.blocks) * self.block_size:
+                raise ValueError(f"{name}[{offset}:{offset + n}] outside {self.kv_heads} heads x {seq_len} tokens "
+                                 f"in {len(seq.blocks)} blocks")
+            spans: list[list[int]] = []  # [start, end) byte offsets in the arena
+            at, end = offset, offset + n
+            while at < end:
+                h, in_head = divmod(at, head_bytes)
+                j, within = divmod(in_head, bb)
+                take = min(end - at, bb - within, head_bytes - in_head)
+                start = h * head_stride + seq.blocks[j] * bb + within
+                if spans and spans[-1][1] == start:
+                    spans[-1][1] = start + take
+                else:
+                    spans.append([start, start + take])
+                at += take
+            return [flat[a:b] for a, b in spans]
+        if seq.slot is None or layer not in self.states or name not in self.states[layer]:
+            raise ValueError(f"layer {layer} has no state {name!r}")
+        row = _bytes_of(self.states[layer][name][seq.slot])
+        if offset < 0 or offset + n > len(row):
+            raise ValueError(f"{name}[{offset}:{offset + n}] outside its {len(row)} bytes")
+        return [row[offset : offset + n]]
+
+    def write_layer(self, seq: PagedSeq, layer: int, state: LayerState, seq_from: int = 0) -> None:
+        """Copy one layer's state (wire layout: ``k``/``v`` ``[1, H, tokens, d]`` starting at token
+        ``seq_from``; linear states ``[1, ...]``) into ``seq``'s blocks and slot. Raises ``ValueError``
+        if the tokens do not fit the block table."""
+        for name, t in state.items():
+            if name in ("k", "v"):
+                arena = (self.k if name == "k" else self.v)[layer]
+                done = 0
+                count = t.shape[2]
+                for b0, (a, b) in self._runs_from(seq, seq_from, count):
+                    self.run_view(arena, b0, b)[:, a:].copy_(t[0, :, done : done + b - a])
+                    done += b - a
+                if done != count:
+                    raise ValueError(f"{seq.req_id}: tokens {seq_from}..{seq_from + count} do not fit its blocks")
+            else:
+                self.states[layer][name][seq.slot].copy_(t[0])
+
+    def _runs_from(self, seq: PagedSeq, start: int, count: int):
+        """Runs covering tokens ``[start, start + count)``: ``(first_block, (from_in_run, to_in_run))``."""
+        bs = self.block_size
+        pos = 0
+        for b0, nb in BlockPool.runs(seq.blocks):
+            lo, hi = pos, pos + nb * bs
+            a, b = max(lo, start), min(hi, start + count)
+            if a < b:
+                yield b0, (a - lo, b - lo)
+            pos = hi
+            if pos >= start + count:
+                break
+
+    def read_layer(self, seq: PagedSeq, layer: int, tokens: int | None = None) -> LayerState:
+        """A copy of one layer's state for the first ``tokens`` tokens (default ``seq.length``), wire layout."""
+        tokens = seq.length if tokens is None else tokens
+        out: LayerState = {}
+        if layer in self.k:
+            for name, arena in (("k", self.k[layer]), ("v", self.v[layer])):
+                out[name] = (torch.cat([self.run_view(arena, b0, n) for b0, n in self.runs(seq, tokens)], dim=1) if tokens else
+                             torch.empty(self.kv_heads, 0, self.head_dim, dtype=self.dtype)).unsqueeze(0)
+        for name, t in self.states.get(layer, {}).items():
+            out[name] = t[seq.slot].unsqueeze(0).clone()
+        return out
+
+    # -- decode -------------------------------------------------------------------------------------
+    def decode_step(self, model: torch.nn.Module, seqs: list[PagedSeq], tokens: list[int],
+                    wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Feed ``tokens[r]`` to ``seqs[r]`` at position ``seqs[r].length``; returns float32 logits
+        ``[rows, vocab]`` and advances every length by one.
+
+        Every ``seq`` must already have a block for its new token (:meth:`grow`). ``wait_layer(i)``,
+        if given, is called in this thread before decoder layer ``i`` runs (the first step of a request
+        whose KVCache is still arriving waits for each layer in turn). Raises ``ValueError`` on a
+        row/token count mismatch or a missing block.
+        """
+        rows = len(seqs)
+        if rows == 0 or rows != len(tokens):
+            raise ValueError(f"decode_step needs one token per row: {rows} rows, {len(tokens)} tokens")
+        bs = self.block_size
+        for s in seqs:
+            if len(s.blocks) * bs <= s.length:
+                raise ValueError(f"{s.req_id}: no block for token {s.length}; grow() first")
+        meta = _StepMeta(
+            store=self,
+            runs=[self.runs(s, s.length + 1) for s in seqs],
+            write_block=torch.tensor([s.blocks[s.length // bs] for s in seqs], dtype=torch.long),
+            write_offset=torch.tensor([s.length % bs for s in seqs], dtype=torch.long),
+        )
+        cache = DynamicCache(config=model.config)
+        for i in self.attn_layers:
+            cache.layers[i] = _PagedLayer(self, i, meta, max(s.length for s in seqs) + 1)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long) if self.linear_layers else None
+        gathered: dict[int, dict[str, torch.Tensor]] = {}
+
+        def before_layer(i: int) -> None:
+            if wait_layer is not None:
+                wait_layer(i)
+            if i in self.states:
+                gathered[i] = {name: arena.index_select(0, slots) for name, arena in self.states[i].items()}
+                _load_linear(cache.layers[i], gathered[i])
+
+        ids = torch.tensor(tokens, dtype=torch.long).view(rows, 1)
+        pos = torch.tensor([s.length for s in seqs], dtype=torch.long).view(rows, 1)
+        _STEP.before_layer = before_layer
+        try:
+            with torch.inference_mode():
+                out = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, prfaas_paged=meta)
+        finally:
+            _STEP.before_layer = None
+        for i, states in gathered.items():
+            layer = cache.layers[i]
+            for name, arena in self.states[i].items():
+                kind, _, j = name.partition(".")
+                src = (layer.conv_states if kind == "conv" else layer.recurrent_states)[int(j)]
+                arena.index_copy_(0, slots, src)
+        for s in seqs:
+            s.length += 1
+        return out.logits[:, -1].float()
+
+
+class _StepHooks(threading.local):
+    before_layer: Callable[[int], None] | None = None
+
+
+_STEP = _StepHooks()
+
+
+def install_layer_hooks(decoder_layers: torch.nn.ModuleList) -> None:
+    """Register, once per model, the pre-forward hooks that let :meth:`PagedKvStore.decode_step` act
+    before each decoder layer (load that layer's linear states; wait for its KVCache). A no-op outside a step."""
+    for i, layer in enumerate(decoder_layers):
+        if getattr(layer, "_prfaas_hooked", False):
+            continue
+
+        def pre(_module, _args, i=i):
+            fn = _STEP.before_layer
+            if fn is not None:
+                fn(i)
+
+        layer.register_forward_pre_hook(pre)
+        layer._prfaas_hooked = True
+
+
+def _load_linear(layer: Any, states: dict[str, torch.Tensor]) -> None:
+    """Point a transformers ``LinearAttentionLayer`` at batch tensors (decode continues from them in place)."""
+    for name, t in states.items():
+        kind, _, j = name.partition(".")
+        j = int(j)
+        if kind == "conv":
+            layer.conv_states[j] = t
+            layer.conv_kernel_size[j] = t.shape[-1]
+            layer.is_conv_states_initialized[j] = True
+        else:
+            layer.recurrent_states[j] = t
+            layer.is_recurrent_states_initialized[j] = True
+        layer.has_previous_state[j] = True
+    if hasattr(layer, "dtype") and layer.dtype is None:
+        t0 = next(iter(states.values()))
+        layer.dtype, layer.device = t0.dtype, t0.device
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
