@@ -9,7 +9,7 @@ Layer states (what crosses the wire), per layer ``i``, as a dict of name to tens
 - linear layer (linear attention / conv / SSM): ``"conv.<j>"`` and ``"rec.<j>"`` for each state
   slot ``j`` the layer uses; fixed size whatever the sequence length.
 
-Threading: :meth:`TorchBackend.prefill` and :meth:`TorchBackend.decode_step` are blocking and are
+Threading: :meth:`TorchBackend.prefill` and :meth:`TorchBackend.paged_step` are blocking and are
 meant to run in a worker thread (``asyncio.to_thread``); torch releases the GIL inside its kernels,
 so the event loop keeps sending layer ``i`` while layer ``i+1`` computes.
 """
@@ -20,12 +20,15 @@ import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 
 from common.model import LoadedModel
+
+if TYPE_CHECKING:
+    from common.paged_kv import PagedKvStore
 
 LayerState = dict[str, torch.Tensor]
 OnLayer = Callable[[int, LayerState, "int | None"], None]
@@ -64,20 +67,13 @@ class Backend(ABC):
         return sum(lay["total"] for lay in self.layer_layouts(prompt_len))
 
     @abstractmethod
-    def new_sequence(self, layers: list[LayerState], prompt_len: int) -> "Sequence":
-        """Build a decode-side sequence from received layer states (``len(layers) == num_layers``)."""
+    def paged_store(self, capacity_bytes: int, block_size: int = 16) -> "PagedKvStore":
+        """The decode-side KVCache pool for this model (see ``common/paged_kv.py``)."""
 
     @abstractmethod
-    def decode_step(self, batch: "DecodeBatch", tokens: list[int]) -> torch.Tensor:
-        """Feed one token per running row of ``batch``; returns float32 logits ``[rows, vocab]``."""
-
-
-@dataclass
-class Sequence:
-    """One request's KVCache on the decode side before it joins a batch; ``length`` in tokens."""
-
-    layers: list[LayerState]
-    length: int
+    def paged_step(self, store: "PagedKvStore", seqs: list, tokens: list[int],
+                   wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Feed ``tokens[r]`` to ``seqs[r]`` (``PagedSeq``); returns float32 logits ``[rows, vocab]``."""
 
 
 def _has_kv(layer) -> bool:
@@ -99,69 +95,6 @@ def export_layer(cache: DynamicCache, i: int) -> LayerState:
         if ok:
             out[f"rec.{j}"] = layer.recurrent_states[j].clone()
     return out
-
-
-class DecodeBatch:
-    """The running batch on a decode worker: one batched transformers cache, left-padded.
-
-    Invariant: row ``r`` holds request ``ids[r]``; ``mask[r]`` has a 1 for each real cached token and
-    0 for left padding; ``lengths[r]`` counts its real tokens, which is also the position of its next
-    token. Rows join and leave only between steps (:meth:`add`, :meth:`remove`); both rebuild the
-    padded tensors once, and a step itself copies nothing but the growing K/V.
-    """
-
-    def __init__(self, backend: "TorchBackend"):
-        self.backend = backend
-        self.ids: list[str] = []
-        self.lengths: list[int] = []
-        self.cache: DynamicCache | None = None
-        self.mask: torch.Tensor | None = None  # int64 [rows, T]
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def add(self, req_id: str, seq: Sequence) -> None:
-        """Append a sequence as a new row (left-padding whichever side is shorter)."""
-        new_cache = self.backend._cache_from_layers(seq.layers)
-        new_mask = torch.ones(1, seq.length, dtype=torch.long)
-        if self.cache is None:
-            self.cache, self.mask = new_cache, new_mask
-        else:
-            self.cache, self.mask = self.backend._merge(self.cache, self.mask, new_cache, new_mask)
-        self.ids.append(req_id)
-        self.lengths.append(seq.length)
-
-    def remove(self, req_id: str) -> None:
-        """Drop a row and trim columns that became padding for every remaining row."""
-        r = self.ids.index(req_id)
-        del self.ids[r]
-        del self.lengths[r]
-        if not self.ids:
-            self.cache, self.mask = None, None
-            return
-        keep = torch.tensor([i for i in range(len(self.ids) + 1) if i != r])
-        self._select_rows(keep)
-        self.mask = self.mask[keep]
-        live_cols = self.mask.any(dim=0).nonzero()
-        first = int(live_cols[0]) if len(live_cols) else self.mask.shape[1]
-        if first > 0:
-            self.mask = self.mask[:, first:]
-            for layer in self.cache.layers:
-                if _has_kv(layer):
-                    layer.keys = layer.keys[:, :, first:].contiguous()
-                    layer.values = layer.values[:, :, first:].contiguous()
-
-    def _select_rows(self, keep: torch.Tensor) -> None:
-        for layer in self.cache.layers:
-            if _has_kv(layer):
-                layer.keys = layer.keys[keep]
-                layer.values = layer.values[keep]
-            for j, ok in getattr(layer, "is_conv_states_initialized", {}).items():
-                if ok:
-                    layer.conv_states[j] = layer.conv_states[j][keep].contiguous()
-            for j, ok in getattr(layer, "is_recurrent_states_initialized", {}).items():
-                if ok:
-                    layer.recurrent_states[j] = layer.recurrent_states[j][keep].contiguous()
 
 
 class TorchBackend(Backend):
@@ -244,58 +177,21 @@ class TorchBackend(Backend):
         return base.layers
 
     # -- decode -------------------------------------------------------------------------------
-    def new_sequence(self, layers: list[LayerState], prompt_len: int) -> Sequence:
-        if len(layers) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} layer states, got {len(layers)}")
-        return Sequence(layers=layers, length=prompt_len)
+    def paged_store(self, capacity_bytes: int, block_size: int = 16) -> "PagedKvStore":
+        """A paged KVCache pool of ``capacity_bytes`` for this model, and the model switched to paged
+        decode (the attention falls back to SDPA outside a paged step, so prefill is unchanged)."""
+        from common.paged_kv import ATTN_IMPL, PagedKvStore, install_layer_hooks
 
-    def new_batch(self) -> DecodeBatch:
-        return DecodeBatch(self)
+        store = PagedKvStore(self.state_specs, capacity_bytes, block_size)
+        self.model.set_attn_implementation(ATTN_IMPL)
+        install_layer_hooks(self._decoder_layers())
+        return store
 
-    def _cache_from_layers(self, layers: list[LayerState]) -> DynamicCache:
-        cache = DynamicCache(config=self.config)
-        for i, state in enumerate(layers):
-            if "k" in state:
-                cache.layers[i].update(state["k"], state["v"])
-            for name, t in state.items():
-                kind, _, j = name.partition(".")
-                if kind == "conv":
-                    cache.update_conv_state(t.clone(), i, int(j))
-            for name, t in state.items():
-                kind, _, j = name.partition(".")
-                if kind == "rec":
-                    cache.update_recurrent_state(t.clone(), i, int(j))
-        return cache
-
-    def _merge(self, a: DynamicCache, mask_a: torch.Tensor, b: DynamicCache, mask_b: torch.Tensor):
-        ta, tb = mask_a.shape[1], mask_b.shape[1]
-        t = max(ta, tb)
-        pad = torch.nn.functional.pad
-        mask = torch.cat([pad(mask_a, (t - ta, 0)), pad(mask_b, (t - tb, 0))], dim=0)
-        for la, lb in zip(a.layers, b.layers):
-            if _has_kv(la):
-                la.keys = torch.cat([pad(la.keys, (0, 0, t - ta, 0)), pad(lb.keys, (0, 0, t - tb, 0))], dim=0)
-                la.values = torch.cat([pad(la.values, (0, 0, t - ta, 0)), pad(lb.values, (0, 0, t - tb, 0))], dim=0)
-            for j, ok in getattr(la, "is_conv_states_initialized", {}).items():
-                if ok:
-                    la.conv_states[j] = torch.cat([la.conv_states[j], lb.conv_states[j]], dim=0)
-            for j, ok in getattr(la, "is_recurrent_states_initialized", {}).items():
-                if ok:
-                    la.recurrent_states[j] = torch.cat([la.recurrent_states[j], lb.recurrent_states[j]], dim=0)
-        return a, mask
-
-    def decode_step(self, batch: DecodeBatch, tokens: list[int]) -> torch.Tensor:
-        rows = len(batch)
-        if rows != len(tokens) or rows == 0:
-            raise ValueError(f"decode_step needs one token per row: {rows} rows, {len(tokens)} tokens")
-        ids = torch.tensor(tokens, dtype=torch.long).view(rows, 1)
-        pos = torch.tensor(batch.lengths, dtype=torch.long).view(rows, 1)
-        mask = torch.cat([batch.mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)
-        with self._lock, torch.inference_mode():
-            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=batch.cache, use_cache=True)
-        batch.mask = mask
-        batch.lengths = [n + 1 for n in batch.lengths]
-        return out.logits[:, -1].float()
+    def paged_step(self, store: "PagedKvStore", seqs: list, tokens: list[int],
+                   wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """One decode step from the pool (see :meth:`PagedKvStore.decode_step`); float32 ``[rows, vocab]``."""
+        with self._lock:
+            return store.decode_step(self.model, seqs, tokens, wait_layer)
 
 
 BACKENDS: dict[str, Callable[..., Backend]] = {"torch": TorchBackend}

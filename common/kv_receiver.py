@@ -88,29 +88,32 @@ class KvReceiver:
                          "dropped_frames": 0, "expired_leases": 0, "refused_peers": 0}
 
     # -- owner API ---------------------------------------------------------------------------
-    def expect(self, req_id: str, nbytes: int) -> KvAssembly:
-        """Reserve ``nbytes`` for ``req_id`` and return its assembly. Raises :class:`Overloaded`, :class:`KvError`."""
+    def expect(self, req_id: str, nbytes: int, assembly: KvAssembly | None = None) -> KvAssembly:
+        """Reserve ``nbytes`` for ``req_id`` and return its assembly: ``assembly`` if given (its owner
+        placed the memory, e.g. paged KV blocks), else one with buffers from this receiver's pool.
+        Raises :class:`Overloaded`, :class:`KvError`."""
         if req_id in self.reservations:
             raise KvError(f"request {req_id} already has a reservation")
         free = self.budget_bytes - self.reserved_bytes
         if nbytes > free:
             raise Overloaded(nbytes, free)
-        asm = KvAssembly(req_id, self.num_layers, reserved_bytes=nbytes, pool=self.pool)
+        asm = assembly or KvAssembly(req_id, self.num_layers, reserved_bytes=nbytes, pool=self.pool)
         self.reservations[req_id] = _Reservation(asm, nbytes, time.monotonic())
         self.reserved_bytes += nbytes
         return asm
 
-    def release(self, req_id: str, recycle: bool = True) -> bool:
+    def release(self, req_id: str, recycle: bool = True, reason: str = "released by its owner") -> bool:
         """Return ``req_id``'s reservation to the budget; with ``recycle`` its layer buffers go back to
-        the pool for the next transfer (pass False if anything may still read them). False if none."""
+        the pool for the next transfer (pass False if anything may still read them). An unfinished
+        transfer is aborted with ``reason``. False if there was no reservation."""
         res = self.reservations.pop(req_id, None)
         if res is None:
             return False
         self.reserved_bytes -= res.nbytes
         if not res.asm.done.is_set():
-            res.asm.abort("released by its owner")
-        busy = any(c.target is not None and c.target[0] is res.asm for c in self.connections)
-        if recycle and res.asm.complete and not busy:  # an unfinished transfer may still be landing bytes
+            res.asm.abort(reason)
+        res.asm.closed = True  # a frame landing in it now switches to discarding (see get_buffer)
+        if recycle and res.asm.complete:
             res.asm.recycle()
         return True
 
@@ -151,7 +154,7 @@ class KvReceiver:
                 if now - res.created > self.lease_s:
                     log.warning("KV lease of %s expired after %.0fs", req_id, self.lease_s)
                     self.counters["expired_leases"] += 1
-                    self.release(req_id)
+                    self.release(req_id, reason=f"its KV lease expired after {self.lease_s:g}s")
 
     # -- frame handling (called by connections, synchronously) -------------------------------
     def on_hello(self, conn: "_KvConnection", h: dict[str, Any]) -> bool:
@@ -226,7 +229,9 @@ class _KvConnection(asyncio.BufferedProtocol):
         self.header_len = 0
         self.payload_len = 0
         self.header: dict[str, Any] = {}
-        self.dest: memoryview | None = None
+        self.pieces: list[memoryview] = []  # the current payload's destination, filled in order
+        self.piece_i = 0
+        self.piece_pos = 0
         self.scratch = bytearray(1 << 16)
         self.target: tuple[KvAssembly, int, int] | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
@@ -253,13 +258,21 @@ class _KvConnection(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.state == _PAYLOAD:
-            return self.dest[self.pos :]
+            if not self.target[0].closed:
+                return self.pieces[self.piece_i][self.piece_pos :]
+            # Its owner released the transfer mid-frame: the memory may belong to someone else now.
+            self.state, self.target, self.pieces = _DISCARD, None, []
+            self.rx.counters["dropped_frames"] += 1
         if self.state == _DISCARD:
             return memoryview(self.scratch)[: min(len(self.scratch), self.need - self.pos)]
         return memoryview(self.small)[self.pos : self.need]
 
     def buffer_updated(self, nbytes: int) -> None:
         self.pos += nbytes
+        if self.state == _PAYLOAD:
+            self.piece_pos += nbytes
+            if self.piece_pos == self.pieces[self.piece_i].nbytes and self.piece_i + 1 < len(self.pieces):
+                self.piece_i, self.piece_pos = self.piece_i + 1, 0
         if self.pos < self.need:
             return
         try:
@@ -305,7 +318,7 @@ class _KvConnection(asyncio.BufferedProtocol):
             asm.commit(layer, offset, self.payload_len, now)
             self.rx.counters["bytes_received"] += self.payload_len
             self.rx.maybe_ack(self, asm)
-            self.dest, self.target = None, None
+            self.pieces, self.target = [], None
             self._expect(_PREFIX, PREFIX_SIZE)
         elif self.state == _DISCARD:
             self._expect(_PREFIX, PREFIX_SIZE)
@@ -328,7 +341,8 @@ class _KvConnection(asyncio.BufferedProtocol):
                 if asm is None or asm.error is not None or asm.complete:
                     raise LookupError  # unknown, failed, or a late duplicate of a finished transfer
                 layer, offset = int(h["layer"]), int(h["offset"])
-                self.dest = asm.dest(layer, offset, self.payload_len)
+                self.pieces = [p for p in asm.dest(layer, offset, self.payload_len) if p.nbytes]
+                self.piece_i = self.piece_pos = 0
                 self.target = (asm, layer, offset)
             except LookupError:
                 self.rx.counters["dropped_frames"] += 1  # cancelled or unknown request: discard its bytes

@@ -205,7 +205,9 @@ class KvAssembly:
         self.reserved_bytes = reserved_bytes
         self.layouts: list[Layout] | None = None
         self.buffers: list[bytearray] = []
+        self.sizes: list[int] = []  # bytes per layer, from the layouts
         self.coverage: list[_Coverage] = []
+        self.closed = False  # released by its owner: no byte may land in its memory any more
         self.layer_ready = [asyncio.Event() for _ in range(num_layers)]
         self.done = asyncio.Event()
         self.final: dict[str, Any] | None = None
@@ -224,25 +226,36 @@ class KvAssembly:
             if layouts != self.layouts:
                 raise KvError("a second KV_BEGIN announced different layouts")
             return
-        self.layouts = check_layouts(layouts, self.num_layers, self.reserved_bytes)
-        take = self.pool.take if self.pool is not None else bytearray
-        self.buffers = [take(int(lay["total"])) for lay in self.layouts]
-        self.coverage = [_Coverage() for _ in self.layouts]
-        self.nbytes = sum(len(b) for b in self.buffers)
-        for i, buf in enumerate(self.buffers):
-            if not buf:
+        layouts = check_layouts(layouts, self.num_layers, self.reserved_bytes)
+        self._place(layouts)
+        self.layouts = layouts
+        self.sizes = [int(lay["total"]) for lay in layouts]
+        self.coverage = [_Coverage() for _ in layouts]
+        self.nbytes = sum(self.sizes)
+        for i, size in enumerate(self.sizes):
+            if not size:
                 self._complete(i)
 
-    def dest(self, layer: int, offset: int, n: int) -> memoryview:
-        """Where ``n`` bytes at ``offset`` of ``layer`` go. Raises :class:`KvError` if out of bounds."""
+    def _place(self, layouts: list[Layout]) -> None:
+        """Allocate the destination memory for checked ``layouts`` (one buffer per layer here; a
+        subclass may place them elsewhere). Raises :class:`KvError`."""
+        take = self.pool.take if self.pool is not None else bytearray
+        self.buffers = [take(int(lay["total"])) for lay in layouts]
+
+    def _check_range(self, layer: int, offset: int, n: int) -> None:
         if self.layouts is None:
             raise KvError("data before KV_BEGIN")
         if not 0 <= layer < self.num_layers:
             raise KvError(f"layer {layer} out of range 0..{self.num_layers - 1}")
-        size = len(self.buffers[layer])
+        size = self.sizes[layer]
         if offset < 0 or n < 0 or offset + n > size:
             raise KvError(f"range [{offset}, {offset + n}) outside layer {layer} of {size} bytes")
-        return memoryview(self.buffers[layer])[offset : offset + n]
+
+    def dest(self, layer: int, offset: int, n: int) -> list[memoryview]:
+        """Where ``n`` bytes at ``offset`` of ``layer`` go: writable views, to fill in order (one here;
+        several where the memory is paged). Raises :class:`KvError` if out of bounds."""
+        self._check_range(layer, offset, n)
+        return [memoryview(self.buffers[layer])[offset : offset + n]]
 
     def commit(self, layer: int, offset: int, n: int, now: float = 0.0) -> bool:
         """Record that ``dest(layer, offset, n)`` now holds its bytes; True if that completed the layer."""
@@ -250,14 +263,18 @@ class KvAssembly:
         before = cov.covered
         cov.add(offset, offset + n)
         self.bytes_received += cov.covered - before
-        if self.layer_ready[layer].is_set() or cov.covered < len(self.buffers[layer]):
+        if self.layer_ready[layer].is_set() or cov.covered < self.sizes[layer]:
             return False
         self._complete(layer, now)
         return True
 
     def write(self, layer: int, offset: int, data: bytes | bytearray | memoryview, now: float = 0.0) -> bool:
         """Copy ``data`` into place and commit it (for tests and non-zero-copy paths)."""
-        self.dest(layer, offset, len(data))[:] = data
+        at = 0
+        view = memoryview(data).cast("B")
+        for piece in self.dest(layer, offset, len(view)):
+            piece[:] = view[at : at + piece.nbytes]
+            at += piece.nbytes
         return self.commit(layer, offset, len(data), now)
 
     def _complete(self, layer: int, now: float = 0.0) -> None:

@@ -26,6 +26,7 @@ The wire layout of an attention layer (``proto/PROTOCOL.md`` 7.2) is ``[1, H, se
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 from collections.abc import Callable
@@ -37,14 +38,15 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from common.block_pool import BlockPool, PoolExhausted
-from common.kv_stream import DTYPES
+from common.kv_stream import DTYPES, KvAssembly, KvError, Layout
 
 ATTN_IMPL = "prfaas_paged"
 LayerState = dict[str, torch.Tensor]
 
-__all__ = ["ATTN_IMPL", "PagedKvStore", "PagedSeq", "PoolExhausted", "paged_attention"]
+__all__ = ["ATTN_IMPL", "LayerNotReady", "PagedAssembly", "PagedKvStore", "PagedSeq", "PoolExhausted", "paged_attention"]
 
 
 @dataclass(eq=False)
@@ -133,6 +135,9 @@ def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 AttentionInterface.register(ATTN_IMPL, paged_attention)
+# Outside a paged step the attention is SDPA, so it needs SDPA's masks (causal with an offset for a
+# chunked prefill, padding): without a registered mask function transformers would build none.
+AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
 
 
 class _PagedLayer(DynamicLayer):
@@ -222,6 +227,8 @@ class PagedKvStore:
         runs (attention cost grows with the number of runs) for at most 12.5% of unused headroom; when
         the pool is short it takes exactly what it needs. Raises :class:`PoolExhausted` (and takes nothing).
         """
+        if seq.released:
+            raise ValueError(f"{seq.req_id}: grow after release")
         need = self.pool.blocks_for(tokens) - len(seq.blocks)
         if need <= 0:
             return
@@ -276,9 +283,13 @@ class PagedKvStore:
         head boundaries and wherever the block table is not consecutive. A linear state is one slice
         of its slot. Raises ``ValueError`` when the range is outside what ``seq`` holds.
         """
+        if n < 0 or offset < 0:
+            raise ValueError(f"negative range: offset {offset}, {n} bytes")
         if n == 0:
             return []
         if name in ("k", "v"):
+            if layer not in self.k:
+                raise ValueError(f"layer {layer} is not an attention layer")
             arena = (self.k if name == "k" else self.v)[layer]
             flat = _bytes_of(arena)
             bb = self.block_bytes
@@ -403,6 +414,88 @@ class PagedKvStore:
         for s in seqs:
             s.length += 1
         return out.logits[:, -1].float()
+
+
+class PagedAssembly(KvAssembly):
+    """A transfer whose destination is a request's blocks and slot in a :class:`PagedKvStore`.
+
+    ``expected``: the layouts the decode worker computed for the prompt (``Backend.layer_layouts``);
+    ``KV_BEGIN`` must announce exactly these. Each ``KV_LAYER`` payload lands in place through
+    :meth:`PagedKvStore.byte_pieces`. ``layer_flags[i]`` (a ``threading.Event``) mirrors
+    ``layer_ready[i]`` for the compute thread, and is also set on abort so a waiter never hangs;
+    ``on_change`` (if set) is called on the event loop when the transfer completes or fails.
+    """
+
+    def __init__(self, req_id: str, store: PagedKvStore, seq: PagedSeq, expected: list[Layout]):
+        super().__init__(req_id, len(expected), reserved_bytes=sum(int(lay["total"]) for lay in expected))
+        self.store, self.seq, self.expected = store, seq, expected
+        self.prompt_len = _prompt_len(expected)
+        self.layer_flags = [threading.Event() for _ in expected]
+        self.first = asyncio.Event()  # KV_DONE (the first token) arrived, or the transfer failed
+        self.on_change: Callable[[], None] | None = None
+
+    def _place(self, layouts: list[Layout]) -> None:
+        if layouts != self.expected:
+            raise KvError("the announced layouts are not those of this prompt on this model")
+
+    def dest(self, layer: int, offset: int, n: int) -> list[memoryview]:
+        self._check_range(layer, offset, n)
+        out: list[memoryview] = []
+        end = offset + n
+        for d in self.layouts[layer]["tensors"]:
+            a, b = max(offset, d["offset"]), min(end, d["offset"] + d["nbytes"])
+            if a < b:
+                try:
+                    out += self.store.byte_pieces(self.seq, layer, d["name"], a - d["offset"], b - a, self.prompt_len)
+                except ValueError as e:
+                    raise KvError(str(e)) from None
+        return out
+
+    def _complete(self, layer: int, now: float = 0.0) -> None:
+        self.layer_flags[layer].set()
+        super()._complete(layer, now)
+
+    def finish(self, header: dict[str, Any]) -> None:
+        super().finish(header)
+        self.first.set()
+
+    def _maybe_done(self) -> None:
+        was = self.done.is_set()
+        super()._maybe_done()
+        if not was and self.done.is_set() and self.on_change is not None:
+            self.on_change()
+
+    def abort(self, reason: str) -> None:
+        was = self.done.is_set()
+        super().abort(reason)
+        for f in self.layer_flags:
+            f.set()
+        self.first.set()
+        if not was and self.on_change is not None:
+            self.on_change()
+
+    def recycle(self) -> None:
+        """Nothing to give back here: the blocks belong to the request (its owner releases them)."""
+
+    def wait_layer(self, layer: int, timeout: float) -> None:
+        """Block the calling (compute) thread until layer ``layer`` is in. Raises :class:`LayerNotReady`
+        after ``timeout`` seconds, :class:`KvError` if the transfer failed."""
+        if not self.layer_flags[layer].wait(timeout):
+            raise LayerNotReady(f"layer {layer} of {self.req_id} did not arrive within {timeout}s")
+        if self.error is not None:
+            raise KvError(f"transfer of {self.req_id} failed: {self.error}")
+
+
+class LayerNotReady(KvError):
+    """An early first step gave up waiting for a layer; nothing was committed, the step can be rerun."""
+
+
+def _prompt_len(layouts: list[Layout]) -> int:
+    for lay in layouts:
+        for d in lay["tensors"]:
+            if d["name"] == "k":
+                return int(d["shape"][2])
+    return 0
 
 
 class _StepHooks(threading.local):

@@ -48,6 +48,8 @@ class PlannerAgent:
             except (asyncio.TimeoutError, OSError) as e:
                 self.registered = False
                 log.warning("planner unreachable: %s", e)
+            except Exception:  # e.g. a failing stats(): log it and keep reporting, never die silently
+                log.exception("planner report failed")
             await asyncio.sleep(self.interval)
 
     async def close(self) -> None:

@@ -56,3 +56,12 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         await main(stop)
 
     runner(wrapper())
+
+
+def live_call_tasks(method: str) -> int:
+    """How many RPC calls of ``method`` are running in this process (tasks named ``<server>:<method>:<id>``
+    by :class:`common.rpc.RpcServer`): a request that ended must leave none behind."""
+    import asyncio
+
+    tag = f":{method}:"
+    return sum(1 for t in asyncio.all_tasks() if tag in t.get_name() and not t.done())

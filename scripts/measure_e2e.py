@@ -59,6 +59,9 @@ async def overlap_once(cluster: Cluster, prompt: list[int]) -> dict:
                 "sampling": SamplingParams(max_tokens=1, temperature=0).to_wire()}
         async for item in client.stream("generate", args):
             t = item["timings"]
+            # None when the first token came while the transfer's tail was still landing: the time
+            # the token reached us bounds it (CLOCK_MONOTONIC is one clock for processes on a host).
+            t["last_received_at"] = t["last_received_at"] or time.monotonic()
             layer = t["layer_compute_s"]
             return {
                 "prefill_s": t["prefill_s"],
@@ -67,6 +70,14 @@ async def overlap_once(cluster: Cluster, prompt: list[int]) -> dict:
                 "max_layer_s": max(layer),
                 "kv_done_s": t["kv_done_s"],
             }
+    finally:
+        await client.close()
+
+
+async def decode_stats(cluster: Cluster) -> dict:
+    client = RpcClient(cluster.addrs["decode"], service="measure", name="measure")
+    try:
+        return await client.call("stats", {}, timeout=10)
     finally:
         await client.close()
 
@@ -89,6 +100,7 @@ async def run(args: argparse.Namespace) -> None:
                     tps = statistics.median((r[2] - 1) / (r[1] - r[0]) for r in res)
                     rows.append((name, len(prompt), ttft, tps))
             ov = [await overlap_once(cluster, long) for _ in range(args.runs)]
+            dstats = await decode_stats(cluster)
         finally:
             cluster.stop()
     print(f"model={args.model} runs={args.runs} (medians) max_tokens={args.max_tokens}")
@@ -100,6 +112,10 @@ async def run(args: argparse.Namespace) -> None:
     print(f"overlap (remote prefill of {len(long)} tokens): prefill {statistics.median(o['prefill_s'] for o in ov):.3f} s, "
           f"last layer computed -> last layer received {tail * 1000:.1f} ms, one layer's compute {layer * 1000:.1f} ms "
           f"(tail/layer = {tail / layer:.2f})")
+    after, step = dstats["first_step_after_kv_s"], dstats["step_time_s"]
+    if after is not None:
+        print(f"early start: last KV byte -> second token {after * 1000:.1f} ms, one decode step {step * 1000:.1f} ms "
+              f"(ratio {after / step:.2f}; {dstats['early_starts']} early first steps)")
 
 
 def main() -> None:

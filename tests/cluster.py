@@ -51,18 +51,21 @@ class Cluster:
     late: tuple[str, ...] = ()  # services started only after the others have been up for ``late_delay`` s
     late_delay: float = 0.0
     health_before_late: int | None = None  # gateway /health status just before the late services started
+    decode_args: tuple[str, ...] = ()  # extra flags for the decode worker (e.g. a small KV pool)
+    second_decode_args: tuple[str, ...] | None = None  # start a second decode worker ("decode2") with these flags
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     addrs: dict[str, str] = field(default_factory=dict)
     url: str = ""
 
     def commands(self) -> dict[str, list[str]]:
-        a = {n: f"127.0.0.1:{free_port()}" for n in ("router", "planner", "prefill_remote", "prefill_local", "decode", "decode_kv")}
+        a = {n: f"127.0.0.1:{free_port()}" for n in ("router", "planner", "prefill_remote", "prefill_local", "decode", "decode_kv",
+                                                    "decode2", "decode2_kv")}
         gw_port = free_port()
         self.addrs = dict(a, gateway=f"127.0.0.1:{gw_port}")
         self.url = f"http://127.0.0.1:{gw_port}"
         py = [sys.executable, "-m"]
         model = ["--model", self.model]
-        return {
+        cmds = {
             "planner": py + ["services.planner", "--listen", a["planner"]],
             "router": py + ["services.router", "--listen", a["router"], "--planner", a["planner"], "--threshold", str(self.threshold)],
             "gateway": py + ["services.gateway", "--host", "127.0.0.1", "--port", str(gw_port), "--router", a["router"],
@@ -72,8 +75,12 @@ class Cluster:
             "prefill_local": py + ["services.prefill", "--name", "prefill-local-0", "--cluster", "pd", "--listen",
                                    a["prefill_local"], "--planner", a["planner"]] + model,
             "decode": py + ["services.decode", "--name", "decode-0", "--listen", a["decode"], "--kv-listen", a["decode_kv"],
-                            "--planner", a["planner"]] + model,
+                            "--planner", a["planner"]] + model + list(self.decode_args),
         }
+        if self.second_decode_args is not None:
+            cmds["decode2"] = py + ["services.decode", "--name", "decode-1", "--listen", a["decode2"], "--kv-listen",
+                                    a["decode2_kv"], "--planner", a["planner"]] + model + list(self.second_decode_args)
+        return cmds
 
     def start(self, timeout: float = 180.0) -> "Cluster":
         """Start every service (all at once: order must not matter) and wait for ``GET /health`` = 200
@@ -118,7 +125,21 @@ class Cluster:
     def _workers_alive(self, body: bytes) -> bool:
         """True when the health report lists every worker kind this cluster started as alive."""
         report = json.loads(body)
-        return all(report.get(kind) for kind in ("prefill_remote", "prefill_local", "decode") if kind in self.procs)
+        if not all(report.get(kind) for kind in ("prefill_remote", "prefill_local", "decode") if kind in self.procs):
+            return False
+        names = {"decode": "decode-0", "decode2": "decode-1"}
+        workers = report.get("workers") or {}
+        return all(workers.get(names[n], {}).get("alive") for n in names if n in self.procs)
+
+    async def call(self, service: str, method: str, args: dict | None = None, timeout: float = 10.0):
+        """One RPC to ``service`` of this cluster, over a fresh client that is closed afterwards."""
+        from common.rpc import RpcClient
+
+        client = RpcClient(self.addrs[service], service="test", name="test")
+        try:
+            return await client.call(method, args or {}, timeout=timeout)
+        finally:
+            await client.close()
 
     def health(self) -> tuple[int, bytes]:
         try:

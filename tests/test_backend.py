@@ -6,7 +6,6 @@ References are plain transformers calls in this process: a full forward for the 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import random
 
@@ -14,8 +13,8 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from common.backend import DecodeBatch, PrefillCancelled, Sequence, TorchBackend, make_backend
-from common.kv_stream import KvAssembly, make_layout, split_ranges, tensor_ranges
+from common.backend import PrefillCancelled, TorchBackend, make_backend
+from common.kv_stream import KvError, make_layout, split_ranges, tensor_ranges
 from common.model import (
     TINY_MAX_MODEL_LEN,
     LoadedModel,
@@ -24,6 +23,7 @@ from common.model import (
     load_model_info,
     weight_hash,
 )
+from common.paged_kv import PagedAssembly, PagedKvStore, PagedSeq
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -208,35 +208,95 @@ def test_backend_usable_after_cancel(spec):
 # ------------------------------------------------------------------------------------------ decode
 
 
-def greedy_single(be: TorchBackend, ids: list[int], max_new: int, via_wire: bool = False) -> list[int]:
-    layers, logits, _ = run_prefill(be, ids)
-    if via_wire:
-        layers = wire_round_trip(layers)
-    tokens = [int(logits.argmax())]
-    batch = be.new_batch()
-    batch.add("r", be.new_sequence(layers, len(ids)))
-    while len(tokens) < max_new:
-        out = be.decode_step(batch, [tokens[-1]])
-        assert out.shape == (1, be.loaded.model.config.vocab_size)
-        tokens.append(int(out[0].argmax()))
-    return tokens
+STORE_BYTES = 64 << 20
+BLOCK = 16
 
 
-def wire_round_trip(layers):
-    """Through layouts, byte ranges cut into 3000-byte chunks and KvAssembly (no sockets), chunks shuffled across layers."""
-    layouts = [make_layout([(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in st.items()]) for st in layers]
+@functools.lru_cache(maxsize=None)
+def paged(spec: str) -> PagedKvStore:
+    """One pool per spec, shared by the decode tests (each gives back everything it takes)."""
+    return backend(spec).paged_store(STORE_BYTES, BLOCK)
+
+
+def assert_pool_empty(store: PagedKvStore) -> None:
+    st = store.stats()
+    assert st["pages_used"] == 0 and st["blocks_used"] == 0 and st["slots_used"] == 0, st
+
+
+def land(store: PagedKvStore, req_id: str, layers, n: int) -> PagedSeq:
+    """Reserve ``n + 1`` tokens and copy a prefill's layer states in (``write_layer``)."""
+    seq = store.reserve(req_id, n + 1)
+    try:
+        for i, st in enumerate(layers):
+            store.write_layer(seq, i, st)
+    except BaseException:
+        store.release(seq)
+        raise
+    seq.length = n
+    return seq
+
+
+def wire_round_trip(be: TorchBackend, store: PagedKvStore, req_id: str, layers, n: int) -> PagedSeq:
+    """Land a prefill's states in the pool as the decode worker receives them: byte ranges by the
+    layouts, cut into 3000-byte chunks, shuffled across layers, through a :class:`PagedAssembly`."""
+    layouts = be.layer_layouts(n)
+    # the backend's layouts are those of the tensors the prefill exported
+    assert layouts == [make_layout([(nm, str(t.dtype).removeprefix("torch."), list(t.shape)) for nm, t in st.items()])
+                       for st in layers]
     pieces = []
     for i, st in enumerate(layers):
-        ranges = [r for n, t in st.items() for r in tensor_ranges(layouts[i], n, t)]
+        ranges = [r for nm, t in st.items() for r in tensor_ranges(layouts[i], nm, t)]
         pieces += [(i, off, bytes(v)) for off, v in split_ranges(ranges, 3000)]
     random.Random(0).shuffle(pieces)
-    asm = KvAssembly("r", len(layers))
-    asm.allocate(layouts)
-    for i, off, data in pieces:
-        asm.write(i, off, data)
-    asm.finish({"req_id": "r", "first_token": 0})
-    assert asm.done.is_set() and asm.error is None
-    return asm.ordered_layers()
+    seq = store.reserve(req_id, n + 1)
+    try:
+        asm = PagedAssembly(req_id, store, seq, layouts)
+        asm.allocate(layouts)
+        for i, off, data in pieces:
+            asm.write(i, off, data)
+        asm.finish({"req_id": req_id, "first_token": 0})
+        assert asm.done.is_set() and asm.error is None
+        assert all(f.is_set() for f in asm.layer_flags)
+        # every byte is where the exported tensors say
+        for i, st in enumerate(layers):
+            got = store.read_layer(seq, i, n)
+            assert sorted(got) == sorted(st), i
+            for nm, t in st.items():
+                assert torch.equal(got[nm], t), (i, nm)
+    except BaseException:
+        store.release(seq)
+        raise
+    seq.length = n
+    return seq
+
+
+def step(be: TorchBackend, store: PagedKvStore, seqs: list[PagedSeq], tokens: list[int]) -> torch.Tensor:
+    for s in seqs:
+        store.grow(s, s.length + 1)
+    lengths = [s.length for s in seqs]
+    out = be.paged_step(store, seqs, tokens)
+    assert out.shape == (len(seqs), be.loaded.model.config.vocab_size)
+    assert out.dtype == torch.float32
+    assert [s.length for s in seqs] == [n + 1 for n in lengths]
+    return out
+
+
+def greedy_single(be: TorchBackend, ids: list[int], max_new: int, via_wire: bool = False,
+                  store: PagedKvStore | None = None) -> list[int]:
+    store = store if store is not None else be.paged_store(STORE_BYTES, BLOCK)
+    layers, logits, _ = run_prefill(be, ids)
+    tokens = [int(logits.argmax())]
+    seq = wire_round_trip(be, store, "r", layers, len(ids)) if via_wire else land(store, "r", layers, len(ids))
+    try:
+        while len(tokens) < max_new:
+            out = step(be, store, [seq], [tokens[-1]])
+            tokens.append(int(out[0].argmax()))
+        assert seq.length == len(ids) + max_new - 1
+    finally:
+        store.release(seq)
+    assert seq.released and seq.blocks == [] and seq.slot is None
+    assert_pool_empty(store)
+    return tokens
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -245,14 +305,14 @@ def test_decode_single_matches_generate(spec, n):
     be = backend(spec)
     ids = prompt(n, seed=4)
     max_new = 10
-    assert greedy_single(be, ids, max_new) == reference(spec, ids, max_new)
+    assert greedy_single(be, ids, max_new, store=paged(spec)) == reference(spec, ids, max_new)
 
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_decode_after_wire_round_trip_matches_generate(spec):
     be = backend(spec)
     ids = prompt(21, seed=5)
-    assert greedy_single(be, ids, 8, via_wire=True) == reference(spec, ids, 8)
+    assert greedy_single(be, ids, 8, via_wire=True, store=paged(spec)) == reference(spec, ids, 8)
 
 
 def test_max_tokens_one_is_prefill_argmax():
@@ -265,37 +325,45 @@ def test_max_tokens_one_is_prefill_argmax():
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("remove_idx", [0, 1, 2])
 def test_decode_batch_of_three_with_removal(spec, remove_idx):
-    """Rows of lengths 1, 16 and 33 decode together; one leaves midway; the others go on, each row
-    giving exactly its own ``model.generate`` tokens."""
-    be = backend(spec)
+    """Rows of lengths 1, 16 and 33 decode together; one leaves midway (its blocks go back to the
+    pool); the others go on, each row giving exactly its own ``model.generate`` tokens."""
+    be, store = backend(spec), paged(spec)
     prompts = {f"r{n}": prompt(n, seed=7) for n in LENGTHS}
     max_new = 12
     stop_removed_at = 5  # tokens generated before the removed row leaves
     removed = f"r{LENGTHS[remove_idx]}"
     refs = {rid: reference(spec, ids, max_new) for rid, ids in prompts.items()}
 
-    batch = be.new_batch()
+    seqs: dict[str, PagedSeq] = {}
     out: dict[str, list[int]] = {}
-    for rid, ids in prompts.items():
-        layers, logits, _ = run_prefill(be, ids)
-        batch.add(rid, be.new_sequence(layers, len(ids)))
-        out[rid] = [int(logits.argmax())]
-    assert len(batch) == 3
-    assert batch.lengths == LENGTHS
-    assert batch.mask.shape == (3, max(LENGTHS))
-    assert batch.mask.sum(dim=1).tolist() == LENGTHS
+    try:
+        for rid, ids in prompts.items():
+            layers, logits, _ = run_prefill(be, ids)
+            seqs[rid] = land(store, rid, layers, len(ids))
+            out[rid] = [int(logits.argmax())]
+        running = list(prompts)
+        assert [seqs[r].length for r in running] == LENGTHS
+        assert store.stats()["blocks_used"] == sum(len(s.blocks) for s in seqs.values())
 
-    while any(len(out[r]) < (stop_removed_at if r == removed else max_new) for r in batch.ids):
-        logits = be.decode_step(batch, [out[r][-1] for r in batch.ids])
-        assert logits.shape[0] == len(batch)
-        for row, rid in enumerate(list(batch.ids)):
-            out[rid].append(int(logits[row].argmax()))
-        if removed in batch.ids and len(out[removed]) >= stop_removed_at:
-            batch.remove(removed)
-            assert removed not in batch.ids and len(batch) == 2
-            # padding columns that no remaining row uses are trimmed
-            assert bool(batch.mask[:, 0].any())
-            assert batch.mask.sum(dim=1).tolist() == batch.lengths
+        while any(len(out[r]) < (stop_removed_at if r == removed else max_new) for r in running):
+            logits = step(be, store, [seqs[r] for r in running], [out[r][-1] for r in running])
+            for row, rid in enumerate(running):
+                out[rid].append(int(logits[row].argmax()))
+            if removed in running and len(out[removed]) >= stop_removed_at:
+                before = store.stats()
+                gone = len(seqs[removed].blocks)
+                running.remove(removed)
+                store.release(seqs[removed])
+                after = store.stats()
+                assert removed not in running and len(running) == 2
+                assert after["blocks_used"] == before["blocks_used"] - gone
+                if store.linear_layers:
+                    assert after["slots_used"] == before["slots_used"] - 1
+                assert after["pages_used"] < before["pages_used"]
+    finally:
+        for s in seqs.values():
+            store.release(s)
+    assert_pool_empty(store)
 
     for rid in prompts:
         want = refs[rid][: stop_removed_at] if rid == removed else refs[rid]
@@ -304,53 +372,98 @@ def test_decode_batch_of_three_with_removal(spec, remove_idx):
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_decode_row_joins_running_batch(spec):
-    be = backend(spec)
+    be, store = backend(spec), paged(spec)
     a, b = prompt(20, seed=8), prompt(3, seed=8)
-    batch = be.new_batch()
-    la, lg, _ = run_prefill(be, a)
-    batch.add("a", be.new_sequence(la, len(a)))
-    out = {"a": [int(lg.argmax())]}
-    for _ in range(4):
-        out["a"].append(int(be.decode_step(batch, [out["a"][-1]])[0].argmax()))
-    lb, lg, _ = run_prefill(be, b)
-    batch.add("b", be.new_sequence(lb, len(b)))
-    out["b"] = [int(lg.argmax())]
-    for _ in range(5):
-        logits = be.decode_step(batch, [out[r][-1] for r in batch.ids])
-        for row, rid in enumerate(batch.ids):
-            out[rid].append(int(logits[row].argmax()))
-    batch.remove("a")
-    batch.remove("b")
-    assert len(batch) == 0 and batch.cache is None
+    seqs: dict[str, PagedSeq] = {}
+    try:
+        la, lg, _ = run_prefill(be, a)
+        seqs["a"] = land(store, "a", la, len(a))
+        out = {"a": [int(lg.argmax())]}
+        for _ in range(4):
+            out["a"].append(int(step(be, store, [seqs["a"]], [out["a"][-1]])[0].argmax()))
+        lb, lg, _ = run_prefill(be, b)
+        seqs["b"] = land(store, "b", lb, len(b))
+        out["b"] = [int(lg.argmax())]
+        for _ in range(5):
+            rids = list(seqs)
+            logits = step(be, store, [seqs[r] for r in rids], [out[r][-1] for r in rids])
+            for row, rid in enumerate(rids):
+                out[rid].append(int(logits[row].argmax()))
+        assert seqs["a"].length == len(a) + 9 and seqs["b"].length == len(b) + 5
+    finally:
+        for s in seqs.values():
+            store.release(s)
+    assert_pool_empty(store)
     assert out["a"] == reference(spec, a, 10)
     assert out["b"] == reference(spec, b, 6)
 
 
 def test_decode_step_row_count_mismatch():
-    be = backend("tiny-dense")
-    layers, _, _ = run_prefill(be, prompt(4))
-    batch = be.new_batch()
-    with pytest.raises(ValueError):
-        be.decode_step(batch, [])
-    batch.add("x", be.new_sequence(layers, 4))
-    with pytest.raises(ValueError):
-        be.decode_step(batch, [1, 2])
-
-
-def test_new_sequence_wrong_layer_count():
-    be = backend("tiny-dense")
+    be, store = backend("tiny-dense"), paged("tiny-dense")
     layers, _, _ = run_prefill(be, prompt(4))
     with pytest.raises(ValueError):
-        be.new_sequence(layers[:-1], 4)
-    seq = be.new_sequence(layers, 4)
-    assert isinstance(seq, Sequence) and seq.length == 4
+        be.paged_step(store, [], [])
+    seq = land(store, "x", layers, 4)
+    full = None
+    try:
+        with pytest.raises(ValueError):
+            be.paged_step(store, [seq], [1, 2])
+        with pytest.raises(ValueError):
+            be.paged_step(store, [seq], [])
+        with pytest.raises(ValueError):
+            be.paged_step(store, [seq, seq], [1])
+        assert seq.length == 4  # nothing advanced
+        # a row without a block for its new token: grow() first
+        full = store.reserve("full", BLOCK)
+        for i, st in enumerate(run_prefill(be, prompt(BLOCK))[0]):
+            store.write_layer(full, i, st)
+        full.length = BLOCK
+        assert len(full.blocks) == 1
+        with pytest.raises(ValueError, match="grow"):
+            be.paged_step(store, [seq, full], [1, 2])
+        assert seq.length == 4 and full.length == BLOCK
+    finally:
+        store.release(seq)
+        if full is not None:
+            store.release(full)
+    assert_pool_empty(store)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_paged_assembly_refuses_other_layouts(spec):
+    """The KV a decode worker accepts must be exactly the layouts of this prompt on this model: a
+    different prompt length or layer count is a :class:`KvError`, and nothing lands."""
+    be, store = backend(spec), paged(spec)
+    n = 4
+    layouts = be.layer_layouts(n)
+    seq = store.reserve("x", n + 1)
+    try:
+        asm = PagedAssembly("x", store, seq, layouts)
+        assert asm.prompt_len == n and asm.num_layers == be.num_layers
+        with pytest.raises(KvError):
+            asm.write(0, 0, b"\0")  # before KV_BEGIN
+        for bad in (be.layer_layouts(n - 1), be.layer_layouts(n + 1), layouts[:-1], layouts + [layouts[-1]]):
+            with pytest.raises(KvError):
+                asm.allocate(bad)
+            assert asm.layouts is None and not asm.allocated
+        asm.allocate(layouts)
+        assert asm.allocated
+        with pytest.raises(KvError):
+            asm.allocate(be.layer_layouts(n - 1))  # a second, different KV_BEGIN
+        with pytest.raises(KvError):
+            asm.write(0, int(layouts[0]["total"]), b"\0")  # past the layer
+        with pytest.raises(KvError):
+            asm.write(be.num_layers, 0, b"\0")  # no such layer
+    finally:
+        store.release(seq)
+    assert_pool_empty(store)
 
 
 def test_make_backend():
     assert isinstance(make_backend("torch", loaded("tiny-dense")), TorchBackend)
     with pytest.raises(ValueError, match="unknown backend"):
         make_backend("nope", loaded("tiny-dense"))
-    assert isinstance(backend("tiny-dense").new_batch(), DecodeBatch)
+    assert isinstance(paged("tiny-dense"), PagedKvStore)
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -479,33 +592,41 @@ def test_load_model_unsupported_family(tmp_path):
 @pytest.mark.parametrize("spec", SPECS)
 def test_chunked_prefill_streamed_by_ranges_matches_generate(spec):
     """Chunked prefill as the prefill worker streams it: each chunk's K/V (and the final linear states)
-    cut into byte ranges by the layouts, landed in a KvAssembly, then decoded: equal to generate."""
-    be = backend(spec)
+    cut into byte ranges by the layouts, cut again into 3000-byte chunks and shuffled, landed in a
+    request's blocks through a PagedAssembly, then decoded from the pool: equal to generate."""
+    be, store = backend(spec), paged(spec)
     n = 700
     ids = prompt(n, seed=9)
     layouts = be.layer_layouts(n)
-    asm = KvAssembly("r", be.num_layers)
-    asm.allocate(layouts)
-    calls = []
+    calls, pieces = [], []
 
     def on_layer(i, state, seq_from=None):
         calls.append((i, seq_from))
         for name, t in state.items():
-            for off, view in tensor_ranges(layouts[i], name, t, seq_from):
-                asm.write(i, off, bytes(view))
+            ranges = tensor_ranges(layouts[i], name, t, seq_from)
+            pieces.extend((i, off, bytes(v)) for off, v in split_ranges(ranges, 3000))
 
     logits = be.prefill(ids, on_layer, chunk_tokens=256)
-    asm.finish({"req_id": "r", "first_token": int(logits.argmax())})
-    assert asm.done.is_set() and asm.error is None
     # attention layers stream once per chunk (3 chunks), linear layers once at the end
     kinds = be.loaded.layer_types
     for i, kind in enumerate(kinds):
         expect = [0, 256, 512] if kind == "attention" else [None]
         assert [s for j, s in calls if j == i] == expect, (i, kind)
-    seq = be.new_sequence(asm.ordered_layers(), n)
-    batch = be.new_batch()
-    batch.add("r", seq)
-    toks = [int(logits.argmax())]
-    for _ in range(11):
-        toks.append(int(be.decode_step(batch, [toks[-1]])[0].argmax()))
+    random.Random(1).shuffle(pieces)
+    seq = store.reserve("r", n + 1)
+    try:
+        asm = PagedAssembly("r", store, seq, layouts)
+        asm.allocate(layouts)
+        for i, off, data in pieces:
+            asm.write(i, off, data)
+        asm.finish({"req_id": "r", "first_token": int(logits.argmax())})
+        assert asm.done.is_set() and asm.error is None
+        assert asm.bytes_received == asm.nbytes == sum(int(lay["total"]) for lay in layouts)
+        seq.length = n
+        toks = [int(logits.argmax())]
+        for _ in range(11):
+            toks.append(int(step(be, store, [seq], [toks[-1]])[0].argmax()))
+    finally:
+        store.release(seq)
+    assert_pool_empty(store)
     assert toks == reference(spec, ids, 12)

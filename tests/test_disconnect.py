@@ -76,11 +76,12 @@ class Probe:
         """What is still held in ``snap``; empty when the whole system is idle."""
         out = []
         d = snap["decode"]
-        for k in ("running", "waiting", "kv_bytes_inflight", "batch_size"):
+        for k in ("running", "waiting", "kv_bytes_inflight", "batch_size", "swapped", "kv_blocks_used", "kv_reserved_bytes",
+                  "request_tasks"):
             if d[k]:
                 out.append(f"decode {k}={d[k]}")
         for p in PREFILLS:
-            for k in ("waiting", "running", "kv_bytes_inflight"):
+            for k in ("waiting", "running", "kv_bytes_inflight", "request_tasks"):
                 if snap[p][k]:
                     out.append(f"{p} {k}={snap[p][k]}")
         if snap["router"]["inflight"]:

@@ -22,7 +22,9 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     receiver = KvReceiver(args.name, backend.loaded.fingerprint, backend.num_layers, budget_bytes=args.kv_budget_bytes,
                           lease_s=args.kv_lease_s, secret=peer_auth.load_secret(), ssl=tls_server_context(args))
     advertise = args.kv_advertise or kv_listen
-    worker = DecodeWorker(backend, args.name, advertise, receiver, prefill_timeout=args.prefill_timeout)
+    worker = DecodeWorker(backend, args.name, advertise, receiver, prefill_timeout=args.prefill_timeout,
+                          kv_pool_bytes=args.kv_budget_bytes, block_size=args.block_size, max_waiting=args.max_waiting,
+                          admission_timeout=args.admission_timeout)
     rpc = RpcServer("decode", args.name, stream_handlers={"generate": worker.generate}, handlers={"stats": stats_handler(worker.stats)})
     host, port = parse_addr(listen)
     await rpc.start(host, port)
@@ -52,7 +54,12 @@ def main() -> None:
                    help="host:port prefill workers should dial for KV (e.g. a proxy or NAT address); default --kv-listen")
     p.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds from the prefill call to the last KV byte")
     p.add_argument("--kv-budget-bytes", type=int, default=int(service.env_default("PRFAAS_KV_BUDGET_BYTES", str(4 << 30))),
-                   help="most KVCache bytes reserved for incoming transfers at once")
+                   help="the KV block pool's budget in bytes (KV blocks and linear-state slots together)")
+    p.add_argument("--block-size", type=int, default=int(service.env_default("PRFAAS_BLOCK_SIZE", "16")),
+                   help="tokens per KV block")
+    p.add_argument("--max-waiting", type=int, default=64, help="requests that may wait for KV blocks at once")
+    p.add_argument("--admission-timeout", type=float, default=30.0,
+                   help="seconds a request may wait for KV blocks before it is refused (overloaded)")
     p.add_argument("--kv-lease-s", type=float, default=600.0, help="seconds before an unreleased KV reservation is freed")
     args = p.parse_args()
     service.setup_logging("decode")

@@ -1,18 +1,29 @@
-"""Decode worker (PD-D): receives KVCache from prefill workers and generates with continuous batching.
+"""Decode worker (PD-D): receives KVCache from prefill workers into a paged block pool and generates
+with continuous batching.
 
-Request lifecycle (who frees what):
-1. ``generate`` stream RPC from the gateway with the prompt, the sampling settings and the chosen
-   prefill worker. The worker creates the request's :class:`~common.kv_stream.KvAssembly` (the
-   destination of the transfer) *before* asking the prefill worker to start.
-2. Transfer: ``KV_LAYER`` chunks arrive on the KV listener, in any order, into the assembly;
-   ``KV_DONE`` brings the first token (sampled by the prefill worker from the prefill logits).
-3. The first token is streamed at once. If it already ends the request (``max_tokens`` 1, EOS, a
-   stop string) no decode step runs.
-4. Otherwise the request joins the running batch between two steps; each step feeds one token per
-   row in one forward, and each row's sampled token is streamed back.
-5. Finish (EOS, stop string, ``max_tokens``) or cancel: the row leaves the batch at the next step
-   boundary. The ``generate`` generator's ``finally`` drops the assembly and cancels the prefill call,
-   so a client that goes away frees the transfer buffers and stops the prefill compute.
+Request lifecycle: pre-allocate, then transfer, then wait, then run, then finish.
+
+1. **Pre-allocate.** The ``generate`` stream RPC (prompt, sampling settings, chosen prefill worker)
+   first takes blocks for the prompt and one state slot from the :class:`~common.paged_kv.PagedKvStore`,
+   all or nothing. If the pool is short, the request waits in a FIFO admission queue (at most
+   ``max_waiting`` requests, each at most ``admission_timeout`` seconds); a full queue or a passed
+   deadline is an ``overloaded`` error with ``retry_after``, which the gateway turns into a try on
+   another decode worker. A prompt that can never fit is ``bad_request``. Nothing is half-admitted.
+2. **Transfer.** Only then is the prefill worker asked to start. ``KV_LAYER`` bytes land straight in
+   the request's blocks (:class:`~common.paged_kv.PagedAssembly`), over any connection, in any order.
+   The reservation has a lease on the receiver: a transfer that never finishes gives its blocks back.
+3. **Wait.** ``KV_DONE`` brings the first token (sampled by the prefill worker). It is streamed at
+   once; if it already ends the request, no decode step runs.
+4. **Run.** The request joins the running batch between two steps. Its first step may start before
+   the last layers are in: with nothing else running it runs at once, each layer waiting for its
+   own KVCache (early start). Each step grows every row by one token; if the pool runs short, the
+   most recently admitted row is preempted by *swap*: its KVCache is copied out of the pool into
+   ordinary memory and its blocks freed; it comes back (swapped in, before any new admission) when
+   blocks free up, and continues exactly where it stopped.
+5. **Finish** (EOS, stop string, ``max_tokens``) or cancel (the client went away): the row leaves at
+   the next step boundary and its blocks return to the pool there, never while a step may still
+   write them. A request cancelled before it ran frees its blocks in ``generate``'s ``finally``, which
+   also cancels the prefill call, so its compute stops and its transfer is dropped.
 """
 
 from __future__ import annotations
@@ -24,10 +35,12 @@ import time
 from collections import deque
 from typing import Any
 
+from common import service
 from common.backend import Backend
 from common.detok import IncrementalDetokenizer
 from common.kv_receiver import KvReceiver, Overloaded
 from common.kv_stream import KvError
+from common.paged_kv import LayerNotReady, PagedAssembly, PagedSeq, PoolExhausted
 from common.rpc import RpcClient, RpcError
 from common.sampling import SamplingParams, sample_batch
 from proto.frames import ErrorCode
@@ -48,7 +61,12 @@ class DecodeRequest:
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.cancelled = False
-        self.seq = None
+        self.seq: PagedSeq | None = None
+        self.asm: PagedAssembly | None = None
+        self.swapped: tuple[list[dict], int] | None = None  # (layer states, length) while preempted
+        self.admitted_at = 0.0
+        self.in_loop = False  # the batch loop owns (and will free) its blocks
+        self.no_early = False
 
     @property
     def done(self) -> bool:
@@ -74,30 +92,44 @@ class DecodeRequest:
 
 
 class DecodeWorker:
-    """Continuous-batching decode over a :class:`~common.backend.Backend`.
+    """Continuous-batching decode from a paged KV pool over a :class:`~common.backend.Backend`.
 
-    ``prefill_timeout`` (seconds) bounds the wait from the prefill call to the last KV byte.
+    ``kv_pool_bytes``: the pool's budget (KV blocks and state slots); ``block_size`` in tokens;
+    ``prefill_timeout`` (seconds) bounds the wait from the prefill call to the last KV byte;
+    ``max_waiting`` and ``admission_timeout`` (seconds) bound the admission queue.
     """
 
-    def __init__(self, backend: Backend, name: str, kv_addr: str, receiver: KvReceiver, prefill_timeout: float = 300.0):
+    EARLY_WAIT_S = 0.5  # an early first step waits this long per layer, then yields to the batch
+
+    def __init__(self, backend: Backend, name: str, kv_addr: str, receiver: KvReceiver, prefill_timeout: float = 300.0,
+                 kv_pool_bytes: int = 1 << 30, block_size: int = 16, max_waiting: int = 64, admission_timeout: float = 30.0):
         self.backend = backend
         self.name = name
         self.kv_addr = kv_addr
         self.receiver = receiver
         self.prefill_timeout = prefill_timeout
+        self.max_waiting = max_waiting
+        self.admission_timeout = admission_timeout
+        self.store = backend.paged_store(kv_pool_bytes, block_size)
         self.tokenizer = backend.loaded.tokenizer
         self.vocab_size = int(backend.loaded.model.config.vocab_size)
         self.transferring: set[str] = set()
+        self.admission: deque[tuple[str, int, asyncio.Future]] = deque()
         self.joining: deque[DecodeRequest] = deque()
         self.running: dict[str, DecodeRequest] = {}
-        self.batch = backend.new_batch()
+        self.swapped: deque[DecodeRequest] = deque()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._prefill_clients: dict[str, RpcClient] = {}
         self.steps = 0
+        self.batch_size = 0
         self.max_batch_size = 0
         self.step_time_ewma = 0.0
         self.completed = 0
+        self.preemptions = 0
+        self.refused = 0
+        self.early_starts = 0
+        self.first_step_after_kv_s: float | None = None  # last KV byte -> second token, latest request
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -112,19 +144,34 @@ class DecodeWorker:
             await c.close()
 
     def stats(self) -> dict[str, Any]:
-        """Load report for the planner: counts, bytes, seconds."""
+        """Load report for the planner and /metrics: counts, blocks, bytes, seconds."""
+        pool = self.store.stats()
         return {
             "running": len(self.running),
-            "waiting": len(self.joining) + len(self.transferring),
-            "kv_bytes_inflight": sum(self.receiver.reservations[r].asm.nbytes - self.receiver.reservations[r].asm.bytes_received
-                                     for r in self.transferring if r in self.receiver.reservations),
+            "waiting": len(self.admission) + len(self.joining) + len(self.transferring),
+            "admission_queue": len(self.admission),
+            "swapped": len(self.swapped),
+            "kv_bytes_inflight": sum(r.asm.nbytes - r.asm.bytes_received for r in self.receiver.reservations.values()
+                                     if not r.asm.done.is_set()),
             "kv_reserved_bytes": self.receiver.reserved_bytes,
             "kv_receiver": self.receiver.stats(),
-            "batch_size": len(self.batch),
+            "kv_blocks_total": pool["pages"],
+            "kv_blocks_used": pool["pages_used"],
+            "kv_blocks_free": pool["pages_free"],
+            "kv_block_bytes": pool["page_bytes"],
+            "kv_block_size": pool["block_size"],
+            "kv_pool_bytes_used": pool["bytes_used"],
+            "kv_pool_bytes_free": pool["bytes_free"],
+            "batch_size": self.batch_size if self.running else 0,
             "steps": self.steps,
             "max_batch_size": self.max_batch_size,
             "step_time_s": round(self.step_time_ewma, 6),
+            "preemptions": self.preemptions,
+            "refused": self.refused,
+            "early_starts": self.early_starts,
+            "first_step_after_kv_s": self.first_step_after_kv_s,
             "completed": self.completed,
+            "request_tasks": service.live_call_tasks("generate"),
         }
 
     def _prefill_client(self, addr: str) -> RpcClient:
@@ -134,7 +181,69 @@ class DecodeWorker:
             self._prefill_clients[addr] = c
         return c
 
-    # -- generate ----------------------------------------------------------------------------
+    # -- admission ---------------------------------------------------------------------------
+    def _fits_ever(self, tokens: int) -> bool:
+        pool = self.store.pool
+        return pool.pages_for(pool.blocks_for(tokens), 1 if self.store.linear_layers else 0) <= pool.num_pages
+
+    async def _admit(self, req_id: str, tokens: int) -> PagedSeq:
+        """Blocks for ``tokens`` tokens and a state slot, now or after a bounded FIFO wait.
+        Raises :class:`RpcError` (``bad_request``: never fits; ``overloaded``: queue full or deadline)."""
+        if not self._fits_ever(tokens):
+            self.refused += 1
+            raise RpcError(ErrorCode.BAD_REQUEST, f"a prompt of {tokens - 1} tokens needs more KVCache than this decode "
+                           f"worker's whole pool ({self.store.pool.num_pages} blocks of {self.store.block_size} tokens)")
+        if not self.admission and not self.swapped and self._room_for(tokens):
+            with contextlib.suppress(PoolExhausted):
+                return self.store.reserve(req_id, tokens)
+        if len(self.admission) >= self.max_waiting:
+            self.refused += 1
+            raise RpcError(ErrorCode.OVERLOADED, f"KV pool full and {len(self.admission)} requests already wait for blocks",
+                           retry_after=max(0.05, self.step_time_ewma * 8))
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        entry = (req_id, tokens, fut)
+        self.admission.append(entry)
+        ok = False
+        try:
+            seq = await asyncio.wait_for(asyncio.shield(fut), self.admission_timeout)
+            ok = True
+            return seq
+        except asyncio.TimeoutError:
+            self.refused += 1
+            raise RpcError(ErrorCode.OVERLOADED, f"no KV blocks came free within {self.admission_timeout}s",
+                           retry_after=max(0.05, self.step_time_ewma * 8)) from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self.admission.remove(entry)
+            if not fut.done():
+                fut.cancel()
+            elif not ok and not fut.cancelled():
+                self.store.release(fut.result())  # blocks arrived as the wait ended: give them back
+
+    def _room_for(self, tokens: int) -> bool:
+        """Whether a new request of ``tokens`` tokens fits and leaves one block of growth headroom per
+        request already admitted (so admissions do not force preemptions at once)."""
+        pool = self.store.pool
+        need = pool.pages_for(pool.blocks_for(tokens), 1 if self.store.linear_layers else 0)
+        headroom = len(self.running) + len(self.joining)
+        return pool.free_pages - need >= min(headroom, pool.num_pages - need)
+
+    def _pump(self) -> None:
+        """Hand free blocks to waiting requests, oldest first (after swapped-out ones)."""
+        while self.admission and not self.swapped:
+            req_id, tokens, fut = self.admission[0]
+            if fut.done():
+                self.admission.popleft()
+                continue
+            if not self._room_for(tokens):
+                return
+            try:
+                seq = self.store.reserve(req_id, tokens)
+            except PoolExhausted:
+                return
+            self.admission.popleft()
+            fut.set_result(seq)
+    # -- generate ---------------------------------------------------------------------------
     async def generate(self, args: dict[str, Any]):
         """Stream RPC: ``{req_id, input_ids, sampling, prefill_addr}`` -> items
         ``{token_ids, text, finish_reason, usage?, timings?}``. Raises :class:`RpcError`."""
@@ -145,66 +254,76 @@ class DecodeWorker:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed generate request: {e}") from None
         if sampling.max_tokens < 1:
             raise RpcError(ErrorCode.BAD_REQUEST, "max_tokens must be at least 1")
-        if req_id in self.receiver.reservations or req_id in self.running:
+        if req_id in self.receiver.reservations or req_id in self.running or req_id in self.transferring:
             raise RpcError(ErrorCode.BAD_REQUEST, f"request {req_id} is already running")
         input_ids = validate_prompt(args.get("input_ids"), self.vocab_size, self.backend.loaded.max_model_len)
         req = DecodeRequest(req_id, sampling, len(input_ids), self.tokenizer)
-        try:
-            asm = self.receiver.expect(req_id, self.backend.kv_bytes(len(input_ids)))
-        except Overloaded as e:
-            raise RpcError(ErrorCode.OVERLOADED, str(e), retry_after=e.retry_after) from None
-        except KvError as e:
-            raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
         self.transferring.add(req_id)
         call: asyncio.Task | None = None
+        asm: PagedAssembly | None = None
         try:
+            req.seq = await self._admit(req_id, len(input_ids) + 1)  # 1. pre-allocate
+            req.admitted_at = time.monotonic()
+            asm = req.asm = PagedAssembly(req_id, self.store, req.seq, self.backend.layer_layouts(len(input_ids)))
+            asm.on_change = self._wakeup.set
+            try:
+                self.receiver.expect(req_id, asm.reserved_bytes, assembly=asm)
+            except Overloaded as e:
+                raise RpcError(ErrorCode.OVERLOADED, str(e), retry_after=e.retry_after) from None
+            except KvError as e:
+                raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
             t0 = time.monotonic()
-            call = asyncio.create_task(self._prefill_client(prefill_addr).call(
+            call = asyncio.create_task(self._prefill_client(prefill_addr).call(  # 2. transfer
                 "prefill",
                 {"req_id": req_id, "input_ids": input_ids, "sampling": sampling.to_wire(), "kv_addr": self.kv_addr},
                 timeout=self.prefill_timeout,
             ))
-            done_wait = asyncio.create_task(asyncio.wait_for(asm.done.wait(), self.prefill_timeout))
-            try:
-                await asyncio.wait({call, done_wait}, return_when=asyncio.FIRST_COMPLETED)
+            first_wait = asyncio.create_task(asyncio.wait_for(asm.first.wait(), self.prefill_timeout))
+            try:  # 3. wait for the first token (KV_DONE); the last layers may still be landing
+                await asyncio.wait({call, first_wait}, return_when=asyncio.FIRST_COMPLETED)
                 if call.done() and call.exception() is not None:
                     raise call.exception()
-                await done_wait
+                await first_wait
             except asyncio.TimeoutError:
                 raise RpcError(ErrorCode.TIMEOUT, f"KVCache for {req_id} did not arrive within {self.prefill_timeout}s") from None
             finally:
-                done_wait.cancel()
+                first_wait.cancel()
             if asm.error is not None:
                 raise RpcError(ErrorCode.UNAVAILABLE, f"prefill of {req_id} aborted: {asm.error}")
-            ttft_s = time.monotonic() - t0
             final = asm.final or {}
-            req.seq = self.backend.new_sequence(asm.ordered_layers(), int(final.get("prompt_len", len(input_ids))))
+            req.seq.length = len(input_ids)
             self.transferring.discard(req_id)
             timings = dict(final.get("timings") or {})
-            timings.update({"kv_done_s": ttft_s, "last_received_at": max(t for t in asm.layer_done_at if t is not None),
-                            "kv_bytes": asm.nbytes})
+            landed = [x for x in asm.layer_done_at if x is not None]
+            timings.update({"kv_done_s": time.monotonic() - t0, "kv_bytes": asm.nbytes,
+                            # None while the transfer's tail is still landing (an early start)
+                            "last_received_at": max(landed) if len(landed) == asm.num_layers else None})
             req.push(int(final["first_token"]))
             first = req.out.get_nowait()
             first["timings"] = timings
             yield first
             if req.done:
                 return
+            req.in_loop = True  # 4. run: the batch loop owns the blocks from here
             self.joining.append(req)
             self._wakeup.set()
             while True:
                 item = await req.out.get()
                 if "error" in item:
-                    raise RpcError(ErrorCode.INTERNAL, item["error"])
+                    raise RpcError(item.get("code", ErrorCode.INTERNAL), item["error"])
                 yield item
                 if item["finish_reason"] is not None:
                     return
-        finally:
+        finally:  # 5. finish or cancel
             req.cancelled = True
-            self._wakeup.set()
             self.transferring.discard(req_id)
             self.receiver.release(req_id)
+            if not req.in_loop and req.seq is not None:
+                self.store.release(req.seq)
+                self._pump()
+            self._wakeup.set()
             if call is not None and not call.done():
-                if asm.complete and asm.error is None:
+                if asm is not None and asm.complete and asm.error is None:
                     # The KVCache is all here: the prefill worker is only waiting for our KV_ACK to
                     # land. Let its call finish (bounded) so it counts as done, not cancelled.
                     with contextlib.suppress(BaseException):
@@ -218,41 +337,166 @@ class DecodeWorker:
 
     # -- the batch loop ----------------------------------------------------------------------
     async def _batch_loop(self) -> None:
-        """Invariant: rows join and leave only here, between steps; every running request that is not
-        done gets exactly one token per step; one forward serves every row."""
+        """Invariant: rows join and leave only here, between steps; blocks of a request that joined
+        are freed only here; every running request that is not done gets exactly one token per step."""
         while True:
-            if not self.running and not self.joining:
+            if not self.running and not self.joining and not self.swapped:
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            while self.joining:
-                req = self.joining.popleft()
-                if req.done:
-                    continue
-                self.batch.add(req.req_id, req.seq)
-                req.seq = None
-                self.running[req.req_id] = req
-            for rid in [rid for rid, r in self.running.items() if r.done]:
-                self.batch.remove(rid)
-                del self.running[rid]
+            self._retire_done()
+            await self._swap_in()
+            early = self._take_joining()
+            if early is not None:
+                await self._early_step(early)
+                continue
             if not self.running:
+                if self.joining or self.swapped:  # waiting for a transfer to finish or for blocks
+                    self._wakeup.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wakeup.wait(), 0.05)
                 continue
-            reqs = [self.running[rid] for rid in self.batch.ids]
-            self.max_batch_size = max(self.max_batch_size, len(reqs))
-            t = time.monotonic()
+            reqs = await self._grow_or_preempt()
+            if reqs:
+                await self._step(reqs)
+
+    def _retire_done(self) -> None:
+        freed = False
+        for rid in [rid for rid, r in self.running.items() if r.done]:
+            r = self.running.pop(rid)
+            self.store.release(r.seq)
+            freed = True
+        for q in (self.joining, self.swapped):
+            for r in [r for r in q if r.done]:
+                q.remove(r)
+                if r.seq is not None:
+                    self.store.release(r.seq)
+                r.swapped = None
+                freed = True
+        if freed:
+            self._pump()
+
+    def _take_joining(self) -> DecodeRequest | None:
+        """Move joiners whose KVCache is all in to the running batch. Returns one whose transfer is
+        still landing if nothing is running (it gets an early, layer-by-layer first step)."""
+        for r in list(self.joining):
+            if r.asm.error is not None:
+                self.joining.remove(r)
+                self.store.release(r.seq)
+                r.out.put_nowait({"error": f"transfer of {r.req_id} failed: {r.asm.error}", "code": ErrorCode.UNAVAILABLE})
+                r.cancelled = True
+            elif r.asm.done.is_set():
+                self.joining.remove(r)
+                self.receiver.release(r.req_id)  # the transfer is over; the blocks stay with the request
+                self.running[r.req_id] = r
+        if not self.running:
+            for r in self.joining:
+                if not r.no_early:
+                    self.joining.remove(r)
+                    return r
+        return None
+
+    async def _early_step(self, req: DecodeRequest) -> None:
+        """First step of ``req`` alone, each layer waiting for its KVCache (the transfer's tail)."""
+        req.no_early = True  # one try: if a layer is late, the request joins once its transfer is done
+        try:
+            self.store.grow(req.seq, req.seq.length + 1)
+        except PoolExhausted:
+            self.joining.appendleft(req)
+            return
+        self.early_starts += 1
+        self.running[req.req_id] = req  # a failed step is retired from here like any other row
+        try:
+            await self._step([req], wait_layer=lambda i: req.asm.wait_layer(i, self.EARLY_WAIT_S), early=True)
+        except LayerNotReady:
+            self.running.pop(req.req_id, None)
+            self.joining.appendleft(req)  # nothing was committed; the step reruns once the KVCache is in
+            return
+        if req.asm.complete:
+            self.receiver.release(req.req_id)
+
+    async def _grow_or_preempt(self) -> list[DecodeRequest]:
+        """Room for one more token in every running row, preempting (swap out) the most recently
+        admitted rows while the pool is short. Returns the rows to step."""
+        order = sorted(self.running.values(), key=lambda r: r.admitted_at)
+        i = 0
+        while i < len(order):
+            r = order[i]
             try:
-                logits = await asyncio.to_thread(self.backend.decode_step, self.batch, [r.generated[-1] for r in reqs])
-                tokens = sample_batch(logits, [r.sampling for r in reqs], [len(r.generated) for r in reqs])
-            except Exception as e:  # a failed step fails its rows, never the worker
-                log.exception("decode step failed")
-                for r in reqs:
-                    r.out.put_nowait({"error": f"decode step failed: {type(e).__name__}: {e}"})
-                    r.cancelled = True
-                self.batch = self.backend.new_batch()
-                self.running.clear()
+                self.store.grow(r.seq, r.seq.length + 1)
+                i += 1
                 continue
-            dt = time.monotonic() - t
-            self.steps += 1
-            self.step_time_ewma = dt if self.steps == 1 else 0.9 * self.step_time_ewma + 0.1 * dt
-            for r, tok in zip(reqs, tokens):
-                if not r.done:
-                    r.push(tok)
+            except PoolExhausted:
+                pass
+            victim = order[-1]
+            if victim is r and len(order) == 1:
+                self.running.pop(r.req_id)
+                self.store.release(r.seq)
+                r.out.put_nowait({"error": f"the KV pool cannot hold {r.seq.length + 1} tokens of {r.req_id}",
+                                  "code": ErrorCode.OVERLOADED})
+                r.cancelled = True
+                return []
+            order.pop()
+            await self._swap_out(victim)
+        return order
+
+    async def _swap_out(self, r: DecodeRequest) -> None:
+        self.preemptions += 1
+        self.running.pop(r.req_id)
+        seq = r.seq
+        layers = await asyncio.to_thread(lambda: [self.store.read_layer(seq, i) for i in range(len(self.store.specs))])
+        r.swapped = (layers, seq.length)
+        self.store.release(seq)
+        self.swapped.append(r)
+        log.info("preempted %s (swap out, %d tokens)", r.req_id, seq.length)
+
+    async def _swap_in(self) -> None:
+        while self.swapped:
+            r = self.swapped[0]
+            layers, length = r.swapped
+            try:
+                seq = self.store.reserve(r.req_id, length + 1)
+            except PoolExhausted:
+                if not self.running:  # nothing will free blocks: it must fail cleanly, not wait forever
+                    self.swapped.popleft()
+                    r.out.put_nowait({"error": f"the KV pool cannot hold {r.req_id} any more", "code": ErrorCode.OVERLOADED})
+                    r.cancelled = True
+                    continue
+                return
+            await asyncio.to_thread(lambda: [self.store.write_layer(seq, i, st) for i, st in enumerate(layers)])
+            seq.length = length
+            self.swapped.popleft()
+            r.seq, r.swapped = seq, None
+            self.running[r.req_id] = r
+        self._pump()
+
+    async def _step(self, reqs: list[DecodeRequest], wait_layer=None, early: bool = False) -> None:
+        """One forward for ``reqs``; samples and streams a token per row. A failure fails its rows,
+        except :class:`LayerNotReady` in an ``early`` step, which is re-raised (nothing committed)."""
+        self.batch_size = len(reqs)
+        self.max_batch_size = max(self.max_batch_size, len(reqs))
+        t = time.monotonic()
+        try:
+            logits = await asyncio.to_thread(self.backend.paged_step, self.store, [r.seq for r in reqs],
+                                             [r.generated[-1] for r in reqs], wait_layer)
+            tokens = sample_batch(logits, [r.sampling for r in reqs], [len(r.generated) for r in reqs])
+        except LayerNotReady:
+            if early:
+                raise
+            raise AssertionError("LayerNotReady outside an early step") from None
+        except Exception as e:  # a failed step fails its rows, never the worker
+            log.exception("decode step failed")
+            for r in reqs:
+                r.out.put_nowait({"error": f"decode step failed: {type(e).__name__}: {e}"})
+                r.cancelled = True
+            return
+        now = time.monotonic()
+        dt = now - t
+        self.steps += 1
+        self.step_time_ewma = dt if self.steps == 1 else 0.9 * self.step_time_ewma + 0.1 * dt
+        for r, tok in zip(reqs, tokens):
+            if len(r.generated) == 1 and r.asm is not None:
+                last = max((x for x in r.asm.layer_done_at if x is not None), default=None)
+                if last is not None:
+                    self.first_step_after_kv_s = max(0.0, now - last)
+            if not r.done:
+                r.push(tok)

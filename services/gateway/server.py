@@ -81,6 +81,8 @@ class Gateway:
         self.decoders: dict[str, RpcClient] = {}
         self.requests: Counter[tuple[str, int]] = Counter()
         self.active = 0
+        self.max_reroutes = 2  # decode workers tried after the first one refused (overloaded)
+        self.reroutes = 0
         self.app = web.Application(client_max_size=ctx.max_prompt_bytes + (64 << 10), middlewares=[_json_http_errors])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
@@ -136,10 +138,56 @@ class Gateway:
 
     async def _generate(self, req: oa.GenerateRequest):
         """Yield decode stream items for ``req``; places it first and releases it at the end.
-        Raises :class:`oa.OpenAIError` for service errors raised before the first item."""
+
+        A decode worker that refuses the request as ``overloaded`` before its first token (its KV
+        pool and admission queue are full) is excluded and the request is placed again, up to
+        ``max_reroutes`` times; when no other decode worker is left, the refusal goes to the client
+        (429 with ``Retry-After``). Raises :class:`oa.OpenAIError` for service errors raised before
+        the first item."""
+        excluded: list[str] = []
+        refusal: RpcError | None = None
+        while True:
+            placement = await self._place(req, excluded, refusal)
+            started = False
+            self.active += 1
+            try:
+                decoder = self._decoder(placement["decode"]["addr"])
+                args = {
+                    "req_id": req.request_id,
+                    "input_ids": req.prompt_ids,
+                    "sampling": req.sampling.to_wire(),
+                    "prefill_addr": placement["prefill"]["addr"],
+                    "route": placement["route"],
+                }
+                async with asyncio.timeout(self.request_timeout):
+                    async with contextlib.aclosing(decoder.stream("generate", args)) as items:  # CANCEL at once on close
+                        async for item in items:
+                            started = True
+                            yield item
+                return
+            except RpcError as e:
+                if e.code == ErrorCode.OVERLOADED and not started and len(excluded) < self.max_reroutes:
+                    excluded.append(placement["decode"]["name"])
+                    self.reroutes += 1
+                    refusal = e
+                    continue
+                raise _service_error(e) from None
+            except asyncio.TimeoutError:
+                raise oa.OpenAIError(status=504, message=f"request exceeded {self.request_timeout}s", type="server_error", param=None, code="timeout") from None
+            finally:
+                self.active -= 1
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.router.call("release", {"req_id": req.request_id}, timeout=2.0))
+
+    async def _place(self, req: oa.GenerateRequest, excluded: list[str], refusal: RpcError | None) -> dict[str, Any]:
+        """Ask the router for a placement avoiding the decode workers in ``excluded`` (which refused
+        with ``refusal``). Raises :class:`oa.OpenAIError`."""
         try:
-            placement = await self.router.call("place", {"req_id": req.request_id, "prompt_len": len(req.prompt_ids)}, timeout=10.0)
+            return await self.router.call("place", {"req_id": req.request_id, "prompt_len": len(req.prompt_ids),
+                                                    "exclude_decode": excluded}, timeout=10.0)
         except RpcError as e:
+            if refusal is not None and e.code == ErrorCode.UNAVAILABLE:
+                raise _service_error(refusal) from None  # every decode worker refused: say so
             raise _service_error(e) from None
         except (asyncio.TimeoutError, asyncio.CancelledError) as e:
             # The router may have placed the request before its answer was lost (client gone, or
@@ -149,28 +197,6 @@ class Gateway:
             if isinstance(e, asyncio.CancelledError):
                 raise
             raise oa.OpenAIError(status=503, message="router did not answer in time", type="server_error", param=None, code="unavailable") from None
-        self.active += 1
-        try:
-            decoder = self._decoder(placement["decode"]["addr"])
-            args = {
-                "req_id": req.request_id,
-                "input_ids": req.prompt_ids,
-                "sampling": req.sampling.to_wire(),
-                "prefill_addr": placement["prefill"]["addr"],
-                "route": placement["route"],
-            }
-            async with asyncio.timeout(self.request_timeout):
-                async with contextlib.aclosing(decoder.stream("generate", args)) as items:  # CANCEL at once on close
-                    async for item in items:
-                        yield item
-        except RpcError as e:
-            raise _service_error(e) from None
-        except asyncio.TimeoutError:
-            raise oa.OpenAIError(status=504, message=f"request exceeded {self.request_timeout}s", type="server_error", param=None, code="timeout") from None
-        finally:
-            self.active -= 1
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.router.call("release", {"req_id": req.request_id}, timeout=2.0))
 
     async def _unary(self, req: oa.GenerateRequest) -> web.Response:
         text, ids, reason, usage = [], [], None, None
@@ -264,7 +290,9 @@ class Gateway:
         for (endpoint, status), n in sorted(self.requests.items()):
             lines.append(f'prfaas_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
         lines += ["# HELP prfaas_requests_active Requests in flight at the gateway.", "# TYPE prfaas_requests_active gauge",
-                  f"prfaas_requests_active {self.active}"]
+                  f"prfaas_requests_active {self.active}",
+                  "# HELP prfaas_decode_reroutes_total Requests placed again after a decode worker refused them (KV pool full).",
+                  "# TYPE prfaas_decode_reroutes_total counter", f"prfaas_decode_reroutes_total {self.reroutes}"]
         try:
             stats = await self.router.call("stats", timeout=2.0)
             lines += ["# HELP prfaas_route_decisions_total Router placements by route (remote = PrfaaS cluster, local = PD-P).",
@@ -296,7 +324,27 @@ class Gateway:
                                ("kv_bytes_inflight", "KVCache bytes in flight (sending or receiving), bytes.")):
             lines += [f"# HELP prfaas_worker_{key} {help_text}", f"# TYPE prfaas_worker_{key} gauge"]
             lines += [f'prfaas_worker_{key}{{worker="{w["name"]}"}} {(w.get("stats") or {}).get(key, 0)}' for w in workers]
+        decoders = [w for w in workers if w["role"] == "decode"]
+        for key, kind, help_text in DECODE_METRICS:
+            lines += [f"# HELP prfaas_decode_{key} {help_text}", f"# TYPE prfaas_decode_{key} {kind}"]
+            lines += [f'prfaas_decode_{key}{{worker="{w["name"]}"}} {(w.get("stats") or {}).get(key) or 0}' for w in decoders]
         return lines
+
+
+DECODE_METRICS = (  # (stats key of a decode worker, Prometheus type, help)
+    ("kv_blocks_total", "gauge", "KV blocks (pages) in the decode worker's pool."),
+    ("kv_blocks_used", "gauge", "KV blocks (pages) in use: KV blocks plus state slots."),
+    ("kv_blocks_free", "gauge", "KV blocks (pages) free."),
+    ("kv_block_bytes", "gauge", "Bytes per KV block (page)."),
+    ("batch_size", "gauge", "Rows in the running decode batch."),
+    ("swapped", "gauge", "Requests preempted (swapped out) and waiting to resume."),
+    ("admission_queue", "gauge", "Requests waiting for KV blocks."),
+    ("step_time_s", "gauge", "Decode step time, EWMA, seconds."),
+    ("first_step_after_kv_s", "gauge", "Last KV byte to the second token, latest request, seconds."),
+    ("preemptions", "counter", "Rows preempted (swapped out) because the KV pool ran short."),
+    ("refused", "counter", "Requests refused because the KV pool and its admission queue were full."),
+    ("steps", "counter", "Decode steps run."),
+)
 
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from common import service
 from common.backend import Backend
 from common.faults import Faults, FaultsDisabled
 from common.kv_sender import KvLink
@@ -73,7 +74,7 @@ class PrefillWorker:
         return {
             "waiting": self.waiting, "running": self.running, "kv_bytes_inflight": self.kv_bytes_inflight,
             "completed": self.completed, "cancelled": self.cancelled, "prompt_tokens": self.prompt_tokens,
-            "links": self.link_stats(),
+            "links": self.link_stats(), "request_tasks": service.live_call_tasks("prefill"),
         }
 
     def _link(self, kv_addr: str) -> KvLink:

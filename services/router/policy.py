@@ -59,10 +59,12 @@ def least_loaded(workers: list[dict[str, Any]], inflight: dict[str, int]) -> dic
     return min(alive, key=lambda w: (worker_load(w, inflight), w["name"]))
 
 
-def place(incremental_len: int, threshold: int, workers: list[dict[str, Any]], inflight: dict[str, int]) -> Placement:
+def place(incremental_len: int, threshold: int, workers: list[dict[str, Any]], inflight: dict[str, int],
+          exclude_decode: set[str] | frozenset[str] = frozenset()) -> Placement:
     """Pick the route by the threshold rule, then the least-loaded prefill worker of that cluster and
-    the least-loaded decode worker. If the chosen cluster has no alive prefill worker, fall back to the
-    other cluster (``reason`` says so). Raises :class:`NoWorker`."""
+    the least-loaded decode worker not named in ``exclude_decode`` (workers that just refused the
+    request). If the chosen cluster has no alive prefill worker, fall back to the other cluster
+    (``reason`` says so). Raises :class:`NoWorker`."""
     route = choose_route(incremental_len, threshold)
     reason = f"l={incremental_len} {'>' if route == REMOTE else '<='} t={threshold}"
     prefills = [w for w in workers if w["role"] == "prefill"]
@@ -74,7 +76,7 @@ def place(incremental_len: int, threshold: int, workers: list[dict[str, Any]], i
             raise NoWorker("prefill")
         reason += f"; no alive {route} prefill worker, fell back to {other}"
         route = other
-    decode = least_loaded([w for w in workers if w["role"] == "decode"], inflight)
+    decode = least_loaded([w for w in workers if w["role"] == "decode" and w["name"] not in exclude_decode], inflight)
     if decode is None:
         raise NoWorker("decode")
     return Placement(route, incremental_len, threshold, prefill, decode, reason)

@@ -87,7 +87,8 @@ class Router:
                 await self.refresh_view()
         incremental = prompt_len  # no prefix cache yet: the whole prompt is incremental
         try:
-            p = policy.place(incremental, self.threshold, self.workers, self.inflight)
+            exclude = {str(n) for n in (args.get("exclude_decode") or [])}
+            p = policy.place(incremental, self.threshold, self.workers, self.inflight, exclude_decode=exclude)
         except policy.NoWorker as e:
             raise RpcError(ErrorCode.UNAVAILABLE, str(e), retry_after=1) from None
         self.decisions[p.route] += 1

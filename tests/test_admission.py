@@ -1,0 +1,209 @@
+"""End to end: the decode worker's KV block pool when it runs short.
+
+- Preemption: rows that outgrow a small pool are swapped out and resumed; output stays exact.
+- Admission when full: a flood of long prompts on a tiny pool with a short admission queue. Every
+  request completes exactly or gets a clean OpenAI error (429 + Retry-After); all queues drain and
+  the pool returns to empty. Nothing hangs.
+- A prompt larger than the whole pool is a clear 400.
+- A decode worker that refuses (overloaded) makes the gateway place the request on another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import random
+import re
+import time
+
+import aiohttp
+import pytest
+import torch
+
+from tests.cluster import Cluster
+from tests.conftest import reference_model
+
+pytestmark = pytest.mark.timeout(240)
+
+SPEC = "tiny-dense"
+PAGE = 16 * 4 * 2 * 2 * 64 * 4  # tiny-dense: 16 tokens x 4 attention layers x (K, V) x 2 heads x 64 x fp32 = 64 KiB
+LOCAL = 100_000  # threshold: every prompt takes the local route (PD-P), which is quicker on 2 cores
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed * 7919 + n)
+    return [rng.randrange(0, 256) for _ in range(n)]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(prompt: tuple[int, ...], n: int) -> list[int]:
+    """Greedy tokens from ``model.generate`` in this process, EOS ignored (the requests set ignore_eos)."""
+    lm = reference_model(SPEC)
+    ids = torch.tensor([list(prompt)])
+    out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def body_of(prompt: list[int], n: int) -> dict:
+    return {"model": "prfaas/tiny-dense", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}
+
+
+async def run(cluster: Cluster, body: dict) -> tuple[int, list[int] | dict, dict]:
+    """(status, token ids or the error body, response headers) of one streaming completion."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=200)) as s:
+        async with s.post(cluster.url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                return r.status, await r.json(content_type=None), dict(r.headers)
+            text = await r.text()
+    events = [ln[6:] for ln in text.splitlines() if ln.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", events[-3:]
+    ids: list[int] = []
+    for e in events[:-1]:
+        chunk = json.loads(e)
+        assert "error" not in chunk, chunk
+        for ch in chunk["choices"]:
+            ids += ch.get("token_ids") or []
+    return 200, ids, {}
+
+
+async def stats(cluster: Cluster, service: str) -> dict:
+    return await cluster.call(service, "stats")
+
+
+async def wait_drained(cluster: Cluster, service: str = "decode", timeout: float = 15.0) -> dict:
+    """Poll until the decode worker holds nothing: no request, no queue, every block free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = await stats(cluster, service)
+        held = {k: s[k] for k in ("running", "waiting", "admission_queue", "swapped", "kv_blocks_used", "kv_reserved_bytes") if s[k]}
+        if not held:
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{service} still holds {held} {timeout}s after the last request")
+        await asyncio.sleep(0.05)
+
+
+def start(tmp_path_factory, name: str, **kw) -> Cluster:
+    return Cluster(model=SPEC, threshold=LOCAL, log_dir=tmp_path_factory.mktemp(f"logs-{name}"), **kw).start()
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """One decode worker with a 40-block pool (640 tokens), 2 waiting places and a 3 s admission deadline."""
+    c = start(tmp_path_factory, "small-pool",
+              decode_args=("--kv-budget-bytes", str(40 * PAGE), "--max-waiting", "2", "--admission-timeout", "3"))
+    yield c
+    c.stop()
+
+
+async def test_pool_is_what_was_asked(small):
+    s = await stats(small, "decode")
+    assert (s["kv_blocks_total"], s["kv_block_bytes"], s["kv_block_size"]) == (40, PAGE, 16)
+    assert s["kv_blocks_used"] == 0
+
+
+async def test_preemption_swaps_out_and_resumes_exactly(small):
+    """Three rows whose prompts fit (10 blocks each) but whose growth (to 17 blocks each) does not:
+    the newest is swapped out, resumes when blocks free up, and every row's tokens stay exact."""
+    before = await stats(small, "decode")
+    prompts = [prompt_of(150, seed=i) for i in range(3)]
+    results = await asyncio.gather(*(run(small, body_of(p, 120)) for p in prompts))
+    for p, (status, ids, _) in zip(prompts, results):
+        assert status == 200, ids
+        assert ids == reference(tuple(p), 120)
+    after = await wait_drained(small)
+    assert after["preemptions"] > before["preemptions"], "the pool never ran short: the test proves nothing"
+
+
+async def test_flood_completes_or_refuses_cleanly(small):
+    """12 prompts of 300 tokens (19 blocks each) at once on a 40-block pool with 2 waiting places."""
+    before = await stats(small, "decode")
+    prompts = [prompt_of(300, seed=100 + i) for i in range(12)]
+    results = await asyncio.gather(*(run(small, body_of(p, 48)) for p in prompts))
+    done = refused = 0
+    for p, (status, out, headers) in zip(prompts, results):
+        if status == 200:
+            assert out == reference(tuple(p), 48)
+            done += 1
+        else:
+            assert status == 429, (status, out)
+            assert out["error"]["code"] == "overloaded" and "KV" in out["error"]["message"], out
+            assert float(headers["Retry-After"]) > 0
+            refused += 1
+    assert done >= 2 and refused >= 1, (done, refused)
+    after = await wait_drained(small)
+    assert after["refused"] - before["refused"] == refused
+    # and the worker still serves exactly
+    p = prompt_of(40, seed=999)
+    status, ids, _ = await run(small, body_of(p, 8))
+    assert status == 200 and ids == reference(tuple(p), 8)
+    await wait_drained(small)
+
+
+async def test_prompt_larger_than_the_pool_is_a_clear_400(small):
+    status, out, _ = await run(small, body_of(prompt_of(700, seed=5), 4))
+    assert status == 400, out
+    assert "pool" in out["error"]["message"], out
+    await wait_drained(small)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """decode-0: a 40-block pool (room for one 460-token request) and no waiting places; decode-1: a roomy pool."""
+    c = start(tmp_path_factory, "two-decoders",
+              decode_args=("--kv-budget-bytes", str(40 * PAGE), "--max-waiting", "0"),
+              second_decode_args=("--kv-budget-bytes", str(400 * PAGE)))
+    yield c
+    c.stop()
+
+
+async def metric(cluster: Cluster, name: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(cluster.url + "/metrics") as r:
+        m = re.search(rf"^{name} (\S+)$", await r.text(), re.M)
+    return float(m.group(1))
+
+
+async def wait_running(cluster: Cluster, service: str, n: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (await stats(cluster, service))["running"] < n:
+        assert time.monotonic() < deadline, f"{service} never ran {n} request(s)"
+        await asyncio.sleep(0.02)
+
+
+async def planner_sees_running(cluster: Cluster, timeout: float = 10.0) -> None:
+    """Wait until the planner's view (which the router places from) shows one running request on
+    each decode worker, then one router refresh period, so both decode workers load the same."""
+    deadline = time.monotonic() + timeout
+    while True:
+        view = (await cluster.call("planner", "view"))["workers"]
+        running = {w["name"]: (w.get("stats") or {}).get("running", 0) for w in view if w["role"] == "decode"}
+        if running == {"decode-0": 1, "decode-1": 1}:
+            break
+        assert time.monotonic() < deadline, running
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.7)
+
+
+async def test_refused_request_is_placed_on_another_decode_worker(pair):
+    """A fills decode-0, B goes to decode-1 (less loaded); C ties, is sent to decode-0 first, is
+    refused there (pool full, no waiting place) and must be re-placed on decode-1."""
+    reroutes = await metric(pair, "prfaas_decode_reroutes_total")
+    a_prompt, b_prompt, c_prompt = (prompt_of(300, seed=s) for s in (1, 2, 3))
+    a = asyncio.create_task(run(pair, body_of(a_prompt, 300)))
+    await wait_running(pair, "decode", 1)
+    b = asyncio.create_task(run(pair, body_of(b_prompt, 300)))
+    await wait_running(pair, "decode2", 1)
+    await planner_sees_running(pair)
+    status, ids, _ = await run(pair, body_of(c_prompt, 12))
+    assert status == 200, ids
+    assert ids == reference(tuple(c_prompt), 12)
+    assert await metric(pair, "prfaas_decode_reroutes_total") == reroutes + 1
+    assert (await stats(pair, "decode"))["refused"] >= 1
+    for task, p in ((a, a_prompt), (b, b_prompt)):
+        status, ids, _ = await task
+        assert status == 200 and ids == reference(tuple(p), 300)
+    await wait_drained(pair, "decode")
+    await wait_drained(pair, "decode2")
