@@ -158,7 +158,7 @@ class BufferPool:
     def __init__(self, max_bytes: int = 1 << 30):
         self.max_bytes = max_bytes
         self.free: dict[int, list[bytearray]] = {}
-        self.order: list[bytearray] = []
+        self.order: dict[int, bytearray] = {}  # id -> buffer, oldest first (by identity: never compare contents)
         self.free_bytes = 0
         self.hits = 0
         self.misses = 0
@@ -168,7 +168,7 @@ class BufferPool:
         bucket = self.free.get(n)
         if bucket:
             buf = bucket.pop()
-            self.order.remove(buf)
+            del self.order[id(buf)]
             self.free_bytes -= n
             self.hits += 1
             return buf
@@ -176,16 +176,17 @@ class BufferPool:
         return bytearray(n)
 
     def give(self, buf: bytearray) -> None:
-        """Return a buffer for reuse."""
+        """Return a buffer for reuse (a buffer already held is ignored)."""
         n = len(buf)
-        if n == 0 or n > self.max_bytes:
+        if n == 0 or n > self.max_bytes or id(buf) in self.order:
             return
         self.free.setdefault(n, []).append(buf)
-        self.order.append(buf)
+        self.order[id(buf)] = buf
         self.free_bytes += n
         while self.free_bytes > self.max_bytes:
-            old = self.order.pop(0)
-            self.free[len(old)].remove(old)
+            old = self.order.pop(next(iter(self.order)))
+            bucket = self.free[len(old)]
+            del bucket[next(i for i, b in enumerate(bucket) if b is old)]
             self.free_bytes -= len(old)
 
 

@@ -96,52 +96,98 @@ async def engine_recv(listen: str, ctl: str) -> None:
     await asyncio.Event().wait()
 
 
-async def engine_send(target: str, ctl: str, plan: list[dict]) -> None:
-    from common.kv_sender import KvLink
-    from common.kv_stream import DEFAULT_CHUNK_BYTES, tensor_ranges
-    from common.rpc import RpcClient
+class _EngineSender:
+    """One sending process of the engine: a KvLink per (bytes, connections) config, one transfer at a time."""
 
-    control = RpcClient(ctl, service="bench", name="bench", connect_timeout=20)
+    def __init__(self, target: str, ctl: str):
+        from common.rpc import RpcClient
+
+        self.target = target
+        self.control = RpcClient(ctl, service="bench", name="bench", connect_timeout=20)
+        self.key: tuple | None = None
+        self.link = None
+        self.data = None
+
+    async def use(self, nbytes: int, conns: int, chunk: int | None = None) -> None:
+        """Switch to a config: a fresh link with ``conns`` connections and the payload, warmed up."""
+        from common.kv_sender import KvLink
+        from common.kv_stream import DEFAULT_CHUNK_BYTES
+
+        key = (nbytes, conns, chunk)
+        if key == self.key:
+            return
+        if self.link is not None:
+            await self.link.close()
+        if self.data is None or self.data[3] != nbytes:
+            self.data = (*make_layers(nbytes), nbytes)
+        self.link = KvLink(self.target, name="bench-tx", fingerprint={"model_id": "bench"}, connections=conns,
+                           chunk_bytes=chunk or DEFAULT_CHUNK_BYTES, max_inflight_bytes=64 * MiB, connect_timeout=20)
+        await self.link.ensure_connected()
+        self.key = key
+        for _ in range(WARMUP):  # connections, buffer pool, TCP windows
+            await self.once()
+
+    async def once(self) -> tuple[float, int, dict]:
+        """One measured transfer: (seconds, payload bytes, the receiver's report)."""
+        from common.kv_stream import tensor_ranges
+
+        layers, layouts, seq, _ = self.data
+        total = sum(lay["total"] for lay in layouts)
+        req = f"b{self.key}-{time.monotonic()}"
+        await self.control.call("expect", {"req_id": req, "nbytes": total}, timeout=20)
+        if tracemalloc.is_tracing():
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+        t0 = time.perf_counter()
+        tr = await self.link.begin(req, layouts, seq)
+        for i, st in enumerate(layers):
+            await self.link.send(tr, i, [rg for n, t in st.items() for rg in tensor_ranges(layouts[i], n, t)])
+        await self.link.finish(tr, {"first_token": 0, "prompt_len": seq}, timeout=600)
+        dt = time.perf_counter() - t0
+        done = await self.control.call("release", {"req_id": req}, timeout=20)
+        if not done["complete"]:
+            raise RuntimeError("receiver did not hold the whole transfer")
+        done["send_heap"] = tracemalloc.get_traced_memory()[1] - base if tracemalloc.is_tracing() else None
+        return dt, total, done
+
+    async def close(self) -> None:
+        if self.link is not None:
+            await self.link.close()
+        await self.control.close()
+
+
+async def engine_send(target: str, ctl: str, plan: list[dict]) -> None:
+    """Run ``plan`` (each step: bytes, conns, reps, optional chunk) and print one RESULT line."""
     if os.environ.get("BENCH_TRACEMALLOC") == "1":
         tracemalloc.start()
+    tx = _EngineSender(target, ctl)
     results = []
-    cache: dict[int, tuple] = {}
     for step in plan:
-        nbytes, conns, reps = step["bytes"], step["conns"], step["reps"]
-        if nbytes not in cache:
-            cache.clear()
-            cache[nbytes] = make_layers(nbytes)
-        layers, layouts, seq = cache[nbytes]
-        total = sum(lay["total"] for lay in layouts)
-        link = KvLink(target, name="bench-tx", fingerprint={"model_id": "bench"}, connections=conns,
-                      chunk_bytes=step.get("chunk", DEFAULT_CHUNK_BYTES), max_inflight_bytes=64 * MiB, connect_timeout=20)
-        await link.ensure_connected()
-        times = []
-        for r in range(reps + WARMUP):  # the first runs warm up (connections, buffer pool, TCP windows)
-            req = f"b{nbytes}-{conns}-{r}-{time.monotonic()}"
-            await control.call("expect", {"req_id": req, "nbytes": total}, timeout=20)
-            if tracemalloc.is_tracing():
-                tracemalloc.reset_peak()
-                base = tracemalloc.get_traced_memory()[0]
-            t0 = time.perf_counter()
-            tr = await link.begin(req, layouts, seq)
-            for i, st in enumerate(layers):
-                await link.send(tr, i, [rg for n, t in st.items() for rg in tensor_ranges(layouts[i], n, t)])
-            await link.finish(tr, {"first_token": 0, "prompt_len": seq}, timeout=600)
-            dt = time.perf_counter() - t0
-            send_heap = tracemalloc.get_traced_memory()[1] - base if tracemalloc.is_tracing() else None
-            done = await control.call("release", {"req_id": req}, timeout=20)
-            if not done["complete"]:
-                raise RuntimeError("receiver did not hold the whole transfer")
-            if r >= WARMUP:
-                times.append(dt)
-                heap = {"send": send_heap, "recv": done["heap_peak_bytes"]}
-        snap = link.snapshot()
-        await link.close()
-        results.append({**step, "total": total, "seconds": times, "goodput_bps": total * 8 / statistics.median(times),
-                        "retransmits": snap.get("retransmits", 0), "heap_peak_bytes": heap})
+        await tx.use(step["bytes"], step["conns"], step.get("chunk"))
+        runs = [await tx.once() for _ in range(step["reps"])]
+        snap = tx.link.snapshot()
+        total = runs[0][1]
+        results.append({**step, "total": total, "seconds": [r[0] for r in runs],
+                        "goodput_bps": total * 8 / statistics.median(r[0] for r in runs),
+                        "retransmits": snap.get("retransmits", 0),
+                        "heap_peak_bytes": {"send": runs[-1][2]["send_heap"], "recv": runs[-1][2]["heap_peak_bytes"]}})
     print("RESULT " + json.dumps(results), flush=True)
-    await control.close()
+    await tx.close()
+
+
+async def engine_send_interactive(target: str, ctl: str) -> None:
+    """Driven over stdin, one transfer per ``RUN <bytes> <conns>`` line, answering ``TIME <s> <bytes>``."""
+    tx = _EngineSender(target, ctl)
+    loop = asyncio.get_running_loop()
+    print("READY", flush=True)
+    while True:
+        line = (await loop.run_in_executor(None, sys.stdin.readline)).split()
+        if not line or line[0] != "RUN":
+            break
+        await tx.use(int(line[1]), int(line[2]))
+        dt, total, _ = await tx.once()
+        print(f"TIME {dt} {total}", flush=True)
+    await tx.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,38 +227,73 @@ def raw_recv(listen: str) -> None:
         threading.Thread(target=serve, args=(c,), daemon=True).start()
 
 
-def raw_send(target: str, plan: list[dict]) -> None:
-    from common.rpc import parse_addr
+class _RawSender:
+    """The raw-socket baseline's sending process: blocking sockets, one thread per connection."""
 
-    host, port = parse_addr(target)
+    def __init__(self, target: str):
+        from common.rpc import parse_addr
+
+        self.addr = parse_addr(target)
+        self.key: tuple | None = None
+        self.socks: list[socket.socket] = []
+
+    def use(self, nbytes: int, conns: int) -> None:
+        if (nbytes, conns) == self.key:
+            return
+        self.close()
+        self.payload = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
+        self.socks = [socket.create_connection(self.addr) for _ in range(conns)]
+        self.share = [nbytes // conns + (1 if i < nbytes % conns else 0) for i in range(conns)]
+        self.starts = [sum(self.share[:i]) for i in range(conns)]
+        self.key = (nbytes, conns)
+        for _ in range(WARMUP):
+            self.once()
+
+    def once(self) -> float:
+        def push(i: int) -> None:
+            s = self.socks[i]
+            s.sendall(self.share[i].to_bytes(8, "big"))
+            s.sendall(self.payload[self.starts[i] : self.starts[i] + self.share[i]])
+            if s.recv(1) != b"k":
+                raise RuntimeError("raw receiver did not confirm")
+
+        threads = [threading.Thread(target=push, args=(i,)) for i in range(len(self.socks))]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+        self.socks = []
+
+
+def raw_send(target: str, plan: list[dict]) -> None:
+    tx = _RawSender(target)
     results = []
     for step in plan:
-        nbytes, conns, reps = step["bytes"], step["conns"], step["reps"]
-        payload = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
-        socks = [socket.create_connection((host, port)) for _ in range(conns)]
-        share = [nbytes // conns + (1 if i < nbytes % conns else 0) for i in range(conns)]
-        starts = [sum(share[:i]) for i in range(conns)]
-        times = []
-        for r in range(reps + WARMUP):
-            def push(i: int) -> None:
-                s = socks[i]
-                s.sendall(share[i].to_bytes(8, "big"))
-                s.sendall(payload[starts[i] : starts[i] + share[i]])
-                if s.recv(1) != b"k":
-                    raise RuntimeError("raw receiver did not confirm")
-
-            threads = [threading.Thread(target=push, args=(i,)) for i in range(conns)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if r >= WARMUP:
-                times.append(time.perf_counter() - t0)
-        for s in socks:
-            s.close()
-        results.append({**step, "seconds": times, "goodput_bps": nbytes * 8 / statistics.median(times)})
+        tx.use(step["bytes"], step["conns"])
+        times = [tx.once() for _ in range(step["reps"])]
+        results.append({**step, "seconds": times, "goodput_bps": step["bytes"] * 8 / statistics.median(times)})
+    tx.close()
     print("RESULT " + json.dumps(results), flush=True)
+
+
+def raw_send_interactive(target: str) -> None:
+    """Driven over stdin like :func:`engine_send_interactive`."""
+    tx = _RawSender(target)
+    print("READY", flush=True)
+    for raw in sys.stdin:
+        line = raw.split()
+        if not line or line[0] != "RUN":
+            break
+        nbytes = int(line[1])
+        tx.use(nbytes, int(line[2]))
+        print(f"TIME {tx.once()} {nbytes}", flush=True)
+    tx.close()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,11 +344,11 @@ def role_cmd(*args: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), *args]
 
 
-def spawn(cmd: list[str], ns=None, lab=None) -> subprocess.Popen:
+def spawn(cmd: list[str], ns=None, lab=None, stdin=None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if lab is not None:
         return lab.run(ns, cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(ROOT))
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(ROOT))
+    return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(ROOT))
 
 
 def wait_line(p: subprocess.Popen, prefix: str, timeout: float = 900.0) -> str:
@@ -328,30 +409,64 @@ def gbps(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x / 1e9:.2f}"
 
 
+def interleaved(configs: list[tuple[int, int]], reps: int) -> dict[tuple[int, int], dict]:
+    """Engine and raw-socket baseline, both process pairs up at once, driven transfer by transfer:
+    for each config and repetition, one engine transfer and one raw transfer back to back (order
+    alternating), so drift in the machine's load hits both alike. Per config: median goodputs
+    (bits/s) and the median of the per-repetition ratios engine/raw."""
+    a, b, c = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    procs = [spawn(role_cmd("--role", "engine-recv", "--listen", a, "--ctl", b)),
+             spawn(role_cmd("--role", "raw-recv", "--listen", c))]
+    try:
+        for p in procs:
+            wait_line(p, "READY", 120)
+        eng = spawn(role_cmd("--role", "engine-send-interactive", "--target", a, "--ctl", b), stdin=subprocess.PIPE)
+        raw = spawn(role_cmd("--role", "raw-send-interactive", "--target", c), stdin=subprocess.PIPE)
+        procs += [eng, raw]
+        for p in (eng, raw):
+            wait_line(p, "READY", 120)
+
+        def once(p: subprocess.Popen, nbytes: int, conns: int) -> float:
+            p.stdin.write(f"RUN {nbytes} {conns}\n")
+            p.stdin.flush()
+            dt, total = wait_line(p, "TIME ").split()
+            return int(total) * 8 / float(dt)
+
+        out = {}
+        for nbytes, conns in configs:
+            e_bps, r_bps = [], []
+            for r in range(reps):
+                order = ((eng, e_bps), (raw, r_bps)) if r % 2 == 0 else ((raw, r_bps), (eng, e_bps))
+                for p, acc in order:
+                    acc.append(once(p, nbytes, conns))
+            out[(nbytes, conns)] = {"engine": statistics.median(e_bps), "raw": statistics.median(r_bps),
+                                    "ratio": statistics.median(e / r for e, r in zip(e_bps, r_bps))}
+        for p in (eng, raw):
+            p.stdin.write("END\n")
+            p.stdin.flush()
+        return out
+    finally:
+        stop(*procs)
+
+
 def loopback(quick: bool) -> float:
     reps = 10 if quick else 20
     sizes = [16 * MiB, 256 * MiB]
     conns_list = [1, 2, 4, 8]
-    plan = [{"bytes": b, "conns": c, "reps": reps} for b in sizes for c in conns_list]
-    a, b, c = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    engine = run_pair(["--role", "engine-recv", "--listen", a, "--ctl", b], ["--role", "engine-send", "--target", a, "--ctl", b], plan)
-    raw = run_pair(["--role", "raw-recv", "--listen", c], ["--role", "raw-send", "--target", c], plan)
+    res = interleaved([(b, c) for b in sizes for c in conns_list], reps)
     d = f"127.0.0.1:{free_port()}"
     naive = run_pair(["--role", "http-recv", "--listen", d], ["--role", "http-send", "--target", d],
                      [{"bytes": s, "conns": 1, "reps": reps} for s in sizes])
-    print("\n== Loopback goodput (Gbit/s; medians; one sending and one receiving process) ==")
+    print("\n== Loopback goodput (Gbit/s; medians; one sending and one receiving process each; engine and raw")
+    print("   transfers interleaved; ratio = median of the per-repetition engine/raw ratios) ==")
     print(f"{'size':>8} {'conns':>5} {'engine':>8} {'raw':>8} {'ratio':>6} {'iperf3':>8} {'pickle+HTTP':>12}")
-    ratio_4_256 = float("nan")
-    for e, r in zip(engine, raw):
-        ratio = e["goodput_bps"] / r["goodput_bps"]
-        ip = iperf3("127.0.0.1", e["bytes"], e["conns"]) if not quick or e["conns"] == 4 else None
-        nv = next((n["goodput_bps"] for n in naive if n["bytes"] == e["bytes"]), None) if e["conns"] == 1 else None
-        print(f"{e['bytes'] // MiB:>6}Mi {e['conns']:>5} {gbps(e['goodput_bps']):>8} {gbps(r['goodput_bps']):>8} {ratio:>6.2f} {gbps(ip):>8} {gbps(nv):>12}")
-        if e["bytes"] == 256 * MiB and e["conns"] == 4:
-            ratio_4_256 = ratio
+    for (nbytes, conns), r in res.items():
+        ip = iperf3("127.0.0.1", nbytes, conns) if not quick or conns == 4 else None
+        nv = next((n["goodput_bps"] for n in naive if n["bytes"] == nbytes), None) if conns == 1 else None
+        print(f"{nbytes // MiB:>6}Mi {conns:>5} {gbps(r['engine']):>8} {gbps(r['raw']):>8} {r['ratio']:>6.2f} {gbps(ip):>8} {gbps(nv):>12}")
     if shutil.which("iperf3") is None:
         print("(iperf3 is not installed: its column is empty)")
-    return ratio_4_256
+    return res[(256 * MiB, 4)]["ratio"]
 
 
 def copies() -> None:
@@ -417,8 +532,10 @@ def main() -> None:
         roles = {
             "engine-recv": lambda: uvloop.run(engine_recv(args.listen, args.ctl)),
             "engine-send": lambda: uvloop.run(engine_send(args.target, args.ctl, plan)),
+            "engine-send-interactive": lambda: uvloop.run(engine_send_interactive(args.target, args.ctl)),
             "raw-recv": lambda: raw_recv(args.listen),
             "raw-send": lambda: raw_send(args.target, plan),
+            "raw-send-interactive": lambda: raw_send_interactive(args.target),
             "http-recv": lambda: uvloop.run(http_recv(args.listen)),
             "http-send": lambda: uvloop.run(http_send(args.target, plan)),
         }

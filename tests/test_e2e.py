@@ -15,7 +15,7 @@ import pytest
 from common.rpc import RpcClient
 from tests.conftest import reference_greedy
 
-LENGTHS = [1, 15, 16, 17, 300, 1100]  # 1100 > the default threshold t = 1024
+LENGTHS = [1, 15, 16, 17, 33, 300, 1100]  # block size 16 (c01: 1, bs-1, bs, bs+1, 2bs+1); 1100 > t = 1024
 NEW_TOKENS = 24
 
 

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.kv_stream import (
+    BufferPool,
     DTYPES,
     KvAssembly,
     KvError,
@@ -554,3 +555,24 @@ def test_receiver_recycles_only_finished_transfers():
     again = rx.expect("next", 256)
     again.allocate(layout)
     assert rx.pool.hits == 1  # the next transfer writes into the recycled buffer
+
+
+def test_buffer_pool_tracks_buffers_by_identity_not_contents():
+    """Buffers with equal contents (e.g. two zeroed ones, or two that held the same layer) are distinct:
+    taking one must never drop the other from the pool's books, and eviction must drop a free buffer,
+    never one in use."""
+    pool = BufferPool(max_bytes=16)
+    a, b = bytearray(8), bytearray(8)  # equal contents
+    pool.give(a)
+    pool.give(b)
+    x = pool.take(8)
+    assert x is b
+    pool.give(bytearray(8))  # 16 bytes free: at the cap
+    pool.give(bytearray(8))  # 24 > 16: the oldest free buffer (a) is evicted
+    assert pool.free_bytes == 16
+    held = [pool.take(8), pool.take(8)]
+    assert all(h is not x and h is not a for h in held)
+    assert pool.free_bytes == 0 and not pool.free.get(8) and not pool.order
+    pool.give(x)
+    pool.give(x)  # a buffer already held is not held twice
+    assert pool.free_bytes == 8 and pool.take(8) is x and pool.take(8) is not x
