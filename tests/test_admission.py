@@ -103,6 +103,17 @@ async def test_pool_is_what_was_asked(small):
     s = await stats(small, "decode")
     assert (s["kv_blocks_total"], s["kv_block_bytes"], s["kv_block_size"]) == (40, PAGE, 16)
     assert s["kv_blocks_used"] == 0
+    # the same gauges reach /metrics through the planner (reports every 0.5 s)
+    deadline = time.monotonic() + 10
+    while True:
+        async with aiohttp.ClientSession() as session, session.get(small.url + "/metrics") as r:
+            text = await r.text()
+        if 'prfaas_decode_kv_blocks_total{worker="decode-0"} 40' in text:
+            break
+        assert time.monotonic() < deadline, text[-2000:]
+        await asyncio.sleep(0.2)
+    for name in ("kv_blocks_used", "kv_blocks_free", "batch_size", "step_time_s", "preemptions", "refused", "swapped"):
+        assert re.search(rf'^prfaas_decode_{name}{{worker="decode-0"}} \S+$', text, re.M), name
 
 
 async def test_preemption_swaps_out_and_resumes_exactly(small):
