@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -110,21 +110,39 @@ class TorchBackend(Backend):
 
     # -- prefill ------------------------------------------------------------------------------
     def prefill(self, input_ids: list[int], on_layer: OnLayer, should_stop: Callable[[], bool] = lambda: False,
-                chunk_tokens: int = 0) -> torch.Tensor:
+                chunk_tokens: int = 0, prefix: list[LayerState] | None = None, prefix_len: int = 0,
+                checkpoints: Iterable[int] = (), on_checkpoint: Callable[[int, dict[int, LayerState]], None] | None = None
+                ) -> torch.Tensor:
         """See :meth:`Backend.prefill`. ``chunk_tokens`` > 0 runs a chunked prefill: each chunk's
         attention K/V is reported as soon as that layer finishes the chunk (``seq_from`` = the chunk's
-        first token), and linear states once, after the last chunk (``seq_from`` None)."""
-        cache = DynamicCache(config=self.config)
-        layers = self._decoder_layers()
+        first token), and linear states once, after the last chunk (``seq_from`` None).
+
+        ``prefix``/``prefix_len``: resume after a prefix-cache hit. ``prefix[i]`` is layer ``i``'s
+        state for tokens ``[0, prefix_len)`` (attention ``k``/``v`` ``[1, H, prefix_len, d]``; linear
+        states as they were exactly after token ``prefix_len - 1``); only tokens ``[prefix_len, n)`` are
+        computed, and attention layers report per chunk, the first with ``seq_from`` = ``prefix_len``
+        (their exported K/V still starts at token 0). ``checkpoints``: token positions in
+        ``(prefix_len, n]`` where a chunk ends and ``on_checkpoint(pos, {layer: linear states})`` is
+        called with copies of every linear layer's state after token ``pos - 1`` (the prefix cache
+        keeps them so a later hit can resume there). Raises ``ValueError`` if ``prefix_len >= n``.
+        """
         n = len(input_ids)
+        if prefix_len and not 0 < prefix_len < n:
+            raise ValueError(f"a prefix of {prefix_len} tokens leaves nothing to compute in a prompt of {n}")
+        cache = self._cache_with_prefix(prefix) if prefix_len else DynamicCache(config=self.config)
+        layers = self._decoder_layers()
         step = chunk_tokens if chunk_tokens > 0 else n
-        bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
+        cuts = set(range(prefix_len, n, step)) | {c for c in checkpoints if prefix_len < c < n}
+        starts = sorted(cuts | {prefix_len})
+        bounds = list(zip(starts, starts[1:] + [n]))
+        marks = {c for c in checkpoints if prefix_len < c <= n}
         current = {"a": 0, "final": True}
         kinds = self.loaded.layer_types
+        per_chunk = len(bounds) > 1 or prefix_len > 0
 
         def make_hook(i: int):
             def hook(_module, _args, _output):
-                if kinds[i] == "attention" and len(bounds) > 1:
+                if kinds[i] == "attention" and per_chunk:
                     on_layer(i, export_layer(cache, i), current["a"])
                 elif current["final"]:
                     on_layer(i, export_layer(cache, i), None)
@@ -145,10 +163,27 @@ class TorchBackend(Backend):
                     ids = torch.tensor([input_ids[a:b]], dtype=torch.long)
                     pos = torch.arange(a, b, dtype=torch.long).unsqueeze(0)
                     out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+                    if b in marks and on_checkpoint is not None:
+                        on_checkpoint(b, {i: export_layer(cache, i) for i, k in enumerate(kinds) if k != "attention"})
         finally:
             for h in handles:
                 h.remove()
         return out.logits[0, -1].float()
+
+    def _cache_with_prefix(self, prefix: list[LayerState]) -> DynamicCache:
+        """A transformers cache holding ``prefix`` (one state per layer, see :meth:`prefill`); copies."""
+        cache = DynamicCache(config=self.config)
+        for i, state in enumerate(prefix):
+            if "k" in state:
+                cache.layers[i].update(state["k"].contiguous(), state["v"].contiguous())
+            for kind in ("conv", "rec"):  # conv first: it marks the layer as having a previous state
+                for name, t in sorted(state.items()):
+                    head, _, j = name.partition(".")
+                    if head == kind == "conv":
+                        cache.update_conv_state(t.clone(), i, int(j))
+                    elif head == kind == "rec":
+                        cache.update_recurrent_state(t.clone(), i, int(j))
+        return cache
 
     def layer_layouts(self, prompt_len: int) -> list[dict]:
         """Every layer's KVCache layout for a prompt of ``prompt_len`` tokens (see ``common/kv_stream.py``)."""

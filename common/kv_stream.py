@@ -57,11 +57,13 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
-def tensor_ranges(layout: Layout, name: str, tensor: torch.Tensor, seq_from: int | None = None) -> list[Range]:
+def tensor_ranges(layout: Layout, name: str, tensor: torch.Tensor, seq_from: int | None = None, base: int = 0) -> list[Range]:
     """Byte ranges of ``tensor`` (named ``name`` in ``layout``) to send, as views of its own memory.
 
     ``seq_from=None``: the whole tensor (its shape must equal the layout's). Otherwise ``tensor`` is a
-    4-D ``[1, heads, T, d]`` prefix (T <= the layout's L) and only tokens ``[seq_from, T)`` are sent.
+    4-D ``[1, heads, T, d]`` prefix and only tokens ``[seq_from, T)`` are sent. ``base``: the token the
+    layout starts at (a transfer of a suffix, after a prefix the receiver already holds): token ``t``
+    of ``tensor`` is token ``t - base`` of the layout, so ``base <= seq_from`` and ``T - base <= L``.
     Raises :class:`KvError` on a shape or dtype mismatch.
     """
     desc = next((d for d in layout["tensors"] if d["name"] == name), None)
@@ -70,22 +72,23 @@ def tensor_ranges(layout: Layout, name: str, tensor: torch.Tensor, seq_from: int
     if dtype_name(tensor.dtype) != desc["dtype"]:
         raise KvError(f"{name}: dtype {tensor.dtype} != layout {desc['dtype']}")
     tensor = tensor.detach()
-    if seq_from is None:
+    if seq_from is None and base == 0:
         if list(tensor.shape) != desc["shape"]:
             raise KvError(f"{name}: shape {list(tensor.shape)} != layout {desc['shape']}")
         return [(desc["offset"], _byte_view(tensor.contiguous()))]
+    seq_from = base if seq_from is None else seq_from
     _, heads, total_len, d = desc["shape"]
-    if tensor.dim() != 4 or tensor.shape[1] != heads or tensor.shape[3] != d or tensor.shape[2] > total_len:
-        raise KvError(f"{name}: prefix shape {list(tensor.shape)} does not fit layout {desc['shape']}")
+    if tensor.dim() != 4 or tensor.shape[1] != heads or tensor.shape[3] != d or tensor.shape[2] - base > total_len:
+        raise KvError(f"{name}: prefix shape {list(tensor.shape)} from token {base} does not fit layout {desc['shape']}")
     t_len = tensor.shape[2]
-    if not 0 <= seq_from <= t_len:
-        raise KvError(f"{name}: seq_from {seq_from} outside [0, {t_len}]")
+    if not base <= seq_from <= t_len:
+        raise KvError(f"{name}: seq_from {seq_from} outside [{base}, {t_len}]")
     item = DTYPES[desc["dtype"]].itemsize
     out = []
     for h in range(heads):
         rows = tensor[0, h, seq_from:t_len]
         if rows.numel():
-            out.append((desc["offset"] + (h * total_len + seq_from) * d * item, _byte_view(rows.contiguous())))
+            out.append((desc["offset"] + (h * total_len + seq_from - base) * d * item, _byte_view(rows.contiguous())))
     return out
 
 

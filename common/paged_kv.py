@@ -59,6 +59,8 @@ class PagedSeq:
     slot: int | None = None
     length: int = 0
     released: bool = False
+    cached_tokens: int = 0  # leading tokens whose blocks came from the prefix cache (shared, read-only)
+    table_runs: tuple[int, list[tuple[int, int]]] | None = None  # (len(blocks), runs of blocks), see PagedKvStore.runs
 
 
 # -- attention ----------------------------------------------------------------------------------
@@ -213,11 +215,18 @@ class PagedKvStore:
         with self._lock:
             return self.pool.can_allocate(self.pool.blocks_for(tokens), 1 if self.linear_layers else 0)
 
-    def reserve(self, req_id: str, tokens: int) -> PagedSeq:
-        """Take blocks for ``tokens`` tokens and a state slot, all or nothing. Raises :class:`PoolExhausted`."""
+    def reserve(self, req_id: str, tokens: int, prefix_blocks: list[int] = ()) -> PagedSeq:
+        """Take blocks for ``tokens`` tokens and a state slot, all or nothing. ``prefix_blocks``: blocks
+        of a prefix-cache hit that become the first blocks of the table, shared (one more reference
+        each), not copied; only the rest is allocated. Raises :class:`PoolExhausted`."""
+        prefix_blocks = list(prefix_blocks)
         with self._lock:
-            blocks, slots = self.pool.allocate(self.pool.blocks_for(tokens), 1 if self.linear_layers else 0)
-        return PagedSeq(req_id, blocks=blocks, slot=slots[0] if slots else None)
+            need = max(0, self.pool.blocks_for(tokens) - len(prefix_blocks))
+            blocks, slots = self.pool.allocate(need, 1 if self.linear_layers else 0,
+                                               after=prefix_blocks[-1] if prefix_blocks else None)
+            if prefix_blocks:
+                self.pool.incref(prefix_blocks)
+        return PagedSeq(req_id, blocks=prefix_blocks + blocks, slot=slots[0] if slots else None)
 
     def grow(self, seq: PagedSeq, tokens: int) -> None:
         """Make room for ``tokens`` tokens in total, continuing the last run where possible.
@@ -266,7 +275,12 @@ class PagedKvStore:
         out: list[tuple[int, int]] = []
         left = tokens
         bs = self.block_size
-        for b0, count in BlockPool.runs(seq.blocks[: self.pool.blocks_for(tokens)]):
+        cached = seq.table_runs
+        if cached is None or cached[0] != len(seq.blocks):  # the table only grows at its end, or is replaced
+            cached = seq.table_runs = (len(seq.blocks), BlockPool.runs(seq.blocks))
+        for b0, count in cached[1]:
+            if left <= 0:
+                break
             n = min(left, count * bs)
             out.append((b0, n))
             left -= n
@@ -274,9 +288,12 @@ class PagedKvStore:
             raise ValueError(f"{seq.req_id}: {tokens} tokens do not fit in {len(seq.blocks)} blocks")
         return out
 
-    def byte_pieces(self, seq: PagedSeq, layer: int, name: str, offset: int, n: int, seq_len: int) -> list[memoryview]:
-        """Where ``n`` bytes at ``offset`` of state ``name`` of ``layer`` (wire layout, for a prompt of
-        ``seq_len`` tokens) live in the pool, as writable views in order.
+    def byte_pieces(self, seq: PagedSeq, layer: int, name: str, offset: int, n: int, seq_len: int,
+                    token_base: int = 0) -> list[memoryview]:
+        """Where ``n`` bytes at ``offset`` of state ``name`` of ``layer`` (wire layout, for ``seq_len``
+        tokens starting at token ``token_base`` of the request) live in the pool, as writable views in
+        order. ``token_base`` is a whole number of blocks (a transfer of the suffix after a prefix-cache
+        hit), so no transfer ever writes into a shared prefix block.
 
         Attention ``k``/``v`` are ``[1, H, seq_len, d]`` on the wire: byte ``o`` is head
         ``o // (seq_len * d * itemsize)``, token ``(o % that) // (d * itemsize)``; the range splits at
@@ -295,7 +312,10 @@ class PagedKvStore:
             bb = self.block_bytes
             head_bytes = seq_len * self.head_dim * self.dtype.itemsize
             head_stride = self.num_pages * bb  # bytes between heads in the arena
-            if offset < 0 or offset + n > self.kv_heads * head_bytes or seq_len > len(seq.blocks) * self.block_size:
+            if token_base % self.block_size:
+                raise ValueError(f"token_base {token_base} is not a whole number of {self.block_size}-token blocks")
+            first_block = token_base // self.block_size
+            if offset < 0 or offset + n > self.kv_heads * head_bytes or token_base + seq_len > len(seq.blocks) * self.block_size:
                 raise ValueError(f"{name}[{offset}:{offset + n}] outside {self.kv_heads} heads x {seq_len} tokens "
                                  f"in {len(seq.blocks)} blocks")
             spans: list[list[int]] = []  # [start, end) byte offsets in the arena
@@ -304,7 +324,7 @@ class PagedKvStore:
                 h, in_head = divmod(at, head_bytes)
                 j, within = divmod(in_head, bb)
                 take = min(end - at, bb - within, head_bytes - in_head)
-                start = h * head_stride + seq.blocks[j] * bb + within
+                start = h * head_stride + seq.blocks[first_block + j] * bb + within
                 if spans and spans[-1][1] == start:
                     spans[-1][1] = start + take
                 else:
@@ -419,17 +439,18 @@ class PagedKvStore:
 class PagedAssembly(KvAssembly):
     """A transfer whose destination is a request's blocks and slot in a :class:`PagedKvStore`.
 
-    ``expected``: the layouts the decode worker computed for the prompt (``Backend.layer_layouts``);
-    ``KV_BEGIN`` must announce exactly these. Each ``KV_LAYER`` payload lands in place through
+    ``expected``: the layouts the decode worker computed for the tokens it needs
+    (``Backend.layer_layouts(prompt_len - token_base)``); ``KV_BEGIN`` must announce exactly these. Each ``KV_LAYER`` payload lands in place through
     :meth:`PagedKvStore.byte_pieces`. ``layer_flags[i]`` (a ``threading.Event``) mirrors
     ``layer_ready[i]`` for the compute thread, and is also set on abort so a waiter never hangs;
     ``on_change`` (if set) is called on the event loop when the transfer completes or fails.
     """
 
-    def __init__(self, req_id: str, store: PagedKvStore, seq: PagedSeq, expected: list[Layout]):
+    def __init__(self, req_id: str, store: PagedKvStore, seq: PagedSeq, expected: list[Layout], token_base: int = 0):
         super().__init__(req_id, len(expected), reserved_bytes=sum(int(lay["total"]) for lay in expected))
         self.store, self.seq, self.expected = store, seq, expected
-        self.prompt_len = _prompt_len(expected)
+        self.token_base = token_base  # tokens the request already holds (shared prefix blocks); the wire starts here
+        self.wire_len = _prompt_len(expected)
         self.layer_flags = [threading.Event() for _ in expected]
         self.first = asyncio.Event()  # KV_DONE (the first token) arrived, or the transfer failed
         self.on_change: Callable[[], None] | None = None
@@ -446,7 +467,8 @@ class PagedAssembly(KvAssembly):
             a, b = max(offset, d["offset"]), min(end, d["offset"] + d["nbytes"])
             if a < b:
                 try:
-                    out += self.store.byte_pieces(self.seq, layer, d["name"], a - d["offset"], b - a, self.prompt_len)
+                    out += self.store.byte_pieces(self.seq, layer, d["name"], a - d["offset"], b - a, self.wire_len,
+                                                  self.token_base)
                 except ValueError as e:
                     raise KvError(str(e)) from None
         return out

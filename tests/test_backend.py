@@ -439,7 +439,7 @@ def test_paged_assembly_refuses_other_layouts(spec):
     seq = store.reserve("x", n + 1)
     try:
         asm = PagedAssembly("x", store, seq, layouts)
-        assert asm.prompt_len == n and asm.num_layers == be.num_layers
+        assert asm.wire_len == n and asm.token_base == 0 and asm.num_layers == be.num_layers
         with pytest.raises(KvError):
             asm.write(0, 0, b"\0")  # before KV_BEGIN
         for bad in (be.layer_layouts(n - 1), be.layer_layouts(n + 1), layouts[:-1], layouts + [layouts[-1]]):
