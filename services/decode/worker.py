@@ -41,6 +41,7 @@ from common.detok import IncrementalDetokenizer
 from common.kv_receiver import KvReceiver, Overloaded
 from common.kv_stream import KvError
 from common.paged_kv import LayerNotReady, PagedAssembly, PagedSeq, PoolExhausted
+from common.prefix_cache import PrefixCache, block_hashes
 from common.rpc import RpcClient, RpcError
 from common.sampling import SamplingParams, sample_batch
 from proto.frames import ErrorCode
@@ -67,6 +68,7 @@ class DecodeRequest:
         self.admitted_at = 0.0
         self.in_loop = False  # the batch loop owns (and will free) its blocks
         self.no_early = False
+        self.input_ids: list[int] = []  # the prompt, until its blocks are offered to the prefix cache
 
     @property
     def done(self) -> bool:
@@ -102,7 +104,8 @@ class DecodeWorker:
     EARLY_WAIT_S = 0.5  # an early first step waits this long per layer, then yields to the batch
 
     def __init__(self, backend: Backend, name: str, kv_addr: str, receiver: KvReceiver, prefill_timeout: float = 300.0,
-                 kv_pool_bytes: int = 1 << 30, block_size: int = 16, max_waiting: int = 64, admission_timeout: float = 30.0):
+                 kv_pool_bytes: int = 1 << 30, block_size: int = 16, max_waiting: int = 64, admission_timeout: float = 30.0,
+                 prefix_cache: bool = True):
         self.backend = backend
         self.name = name
         self.kv_addr = kv_addr
@@ -111,6 +114,11 @@ class DecodeWorker:
         self.max_waiting = max_waiting
         self.admission_timeout = admission_timeout
         self.store = backend.paged_store(kv_pool_bytes, block_size)
+        # Prompt blocks stay cached after their request (shared by reference, evicted LRU under
+        # pressure); a later prompt with the same prefix has only its suffix transferred.
+        self.prefix_cache = PrefixCache(self.store.pool, node=name) if prefix_cache else None
+        self.prompt_tokens = 0
+        self.prefix_hit_tokens = 0
         self.tokenizer = backend.loaded.tokenizer
         self.vocab_size = int(backend.loaded.model.config.vocab_size)
         self.transferring: set[str] = set()
@@ -172,6 +180,9 @@ class DecodeWorker:
             "first_step_after_kv_s": self.first_step_after_kv_s,
             "completed": self.completed,
             "request_tasks": service.live_call_tasks("generate"),
+            "prompt_tokens": self.prompt_tokens,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,
         }
 
     def _prefill_client(self, addr: str) -> RpcClient:
@@ -186,22 +197,43 @@ class DecodeWorker:
         pool = self.store.pool
         return pool.pages_for(pool.blocks_for(tokens), 1 if self.store.linear_layers else 0) <= pool.num_pages
 
-    async def _admit(self, req_id: str, tokens: int) -> PagedSeq:
-        """Blocks for ``tokens`` tokens and a state slot, now or after a bounded FIFO wait.
+    def _reserve(self, req_id: str, input_ids: list[int], hashes: list[int]) -> PagedSeq | None:
+        """Blocks for the prompt plus one token and a state slot, starting with the longest cached
+        prefix (shared blocks; at most ``len - 1`` tokens, so the prefill always computes the last
+        token), evicting cached blocks LRU if that makes room. None if it does not fit now."""
+        tokens = len(input_ids) + 1
+        bs = self.store.block_size
+        prefix: list[int] = []
+        if self.prefix_cache is not None:
+            _, prefix, _ = self.prefix_cache.match(hashes[: (len(input_ids) - 1) // bs])
+        if not self._room_for(tokens, len(prefix)):
+            return None
+        try:
+            seq = self.store.reserve(req_id, tokens, prefix_blocks=prefix)
+        except PoolExhausted:
+            return None
+        seq.cached_tokens = len(prefix) * bs
+        return seq
+
+    async def _admit(self, req_id: str, input_ids: list[int]) -> PagedSeq:
+        """Blocks for the prompt (see :meth:`_reserve`), now or after a bounded FIFO wait.
         Raises :class:`RpcError` (``bad_request``: never fits; ``overloaded``: queue full or deadline)."""
+        tokens = len(input_ids) + 1
+        hashes = block_hashes(input_ids, self.store.block_size) if self.prefix_cache is not None else []
         if not self._fits_ever(tokens):
             self.refused += 1
             raise RpcError(ErrorCode.BAD_REQUEST, f"a prompt of {tokens - 1} tokens needs more KVCache than this decode "
                            f"worker's whole pool ({self.store.pool.num_pages} blocks of {self.store.block_size} tokens)")
-        if not self.admission and not self.swapped and self._room_for(tokens):
-            with contextlib.suppress(PoolExhausted):
-                return self.store.reserve(req_id, tokens)
+        if not self.admission and not self.swapped:
+            seq = self._reserve(req_id, input_ids, hashes)
+            if seq is not None:
+                return seq
         if len(self.admission) >= self.max_waiting:
             self.refused += 1
             raise RpcError(ErrorCode.OVERLOADED, f"KV pool full and {len(self.admission)} requests already wait for blocks",
                            retry_after=max(0.05, self.step_time_ewma * 8))
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        entry = (req_id, tokens, fut)
+        entry = (req_id, input_ids, hashes, fut)
         self.admission.append(entry)
         ok = False
         try:
@@ -220,26 +252,26 @@ class DecodeWorker:
             elif not ok and not fut.cancelled():
                 self.store.release(fut.result())  # blocks arrived as the wait ended: give them back
 
-    def _room_for(self, tokens: int) -> bool:
-        """Whether a new request of ``tokens`` tokens fits and leaves one block of growth headroom per
-        request already admitted (so admissions do not force preemptions at once)."""
+    def _room_for(self, tokens: int, shared_blocks: int = 0) -> bool:
+        """Whether a new request of ``tokens`` tokens (``shared_blocks`` of them already cached) fits
+        and leaves one block of growth headroom per request already admitted (so admissions do not
+        force preemptions at once). Evicts cached prefix blocks (LRU) to make that room if it can."""
         pool = self.store.pool
-        need = pool.pages_for(pool.blocks_for(tokens), 1 if self.store.linear_layers else 0)
-        headroom = len(self.running) + len(self.joining)
-        return pool.free_pages - need >= min(headroom, pool.num_pages - need)
+        need = pool.pages_for(max(0, pool.blocks_for(tokens) - shared_blocks), 1 if self.store.linear_layers else 0)
+        want = need + min(len(self.running) + len(self.joining), pool.num_pages - need)
+        if pool.free_pages < want and self.prefix_cache is not None:
+            self.prefix_cache.ensure_free(want)
+        return pool.free_pages >= want
 
     def _pump(self) -> None:
         """Hand free blocks to waiting requests, oldest first (after swapped-out ones)."""
         while self.admission and not self.swapped:
-            req_id, tokens, fut = self.admission[0]
+            req_id, input_ids, hashes, fut = self.admission[0]
             if fut.done():
                 self.admission.popleft()
                 continue
-            if not self._room_for(tokens):
-                return
-            try:
-                seq = self.store.reserve(req_id, tokens)
-            except PoolExhausted:
+            seq = self._reserve(req_id, input_ids, hashes)
+            if seq is None:
                 return
             self.admission.popleft()
             fut.set_result(seq)
@@ -262,9 +294,14 @@ class DecodeWorker:
         call: asyncio.Task | None = None
         asm: PagedAssembly | None = None
         try:
-            req.seq = await self._admit(req_id, len(input_ids) + 1)  # 1. pre-allocate
+            req.seq = await self._admit(req_id, input_ids)  # 1. pre-allocate
             req.admitted_at = time.monotonic()
-            asm = req.asm = PagedAssembly(req_id, self.store, req.seq, self.backend.layer_layouts(len(input_ids)))
+            req.input_ids = input_ids
+            kv_from = req.seq.cached_tokens  # only the suffix crosses the link
+            self.prompt_tokens += len(input_ids)
+            self.prefix_hit_tokens += kv_from
+            asm = req.asm = PagedAssembly(req_id, self.store, req.seq, self.backend.layer_layouts(len(input_ids) - kv_from),
+                                          token_base=kv_from)
             asm.on_change = self._wakeup.set
             try:
                 self.receiver.expect(req_id, asm.reserved_bytes, assembly=asm)
@@ -275,7 +312,8 @@ class DecodeWorker:
             t0 = time.monotonic()
             call = asyncio.create_task(self._prefill_client(prefill_addr).call(  # 2. transfer
                 "prefill",
-                {"req_id": req_id, "input_ids": input_ids, "sampling": sampling.to_wire(), "kv_addr": self.kv_addr},
+                {"req_id": req_id, "input_ids": input_ids, "sampling": sampling.to_wire(), "kv_addr": self.kv_addr,
+                 "kv_from": kv_from},
                 timeout=self.prefill_timeout,
             ))
             first_wait = asyncio.create_task(asyncio.wait_for(asm.first.wait(), self.prefill_timeout))
@@ -386,7 +424,7 @@ class DecodeWorker:
                 r.cancelled = True
             elif r.asm.done.is_set():
                 self.joining.remove(r)
-                self.receiver.release(r.req_id)  # the transfer is over; the blocks stay with the request
+                self._transfer_done(r)
                 self.running[r.req_id] = r
         if not self.running:
             for r in self.joining:
@@ -394,6 +432,15 @@ class DecodeWorker:
                     self.joining.remove(r)
                     return r
         return None
+
+    def _transfer_done(self, r: DecodeRequest) -> None:
+        """The transfer is over: drop its reservation (the blocks stay with the request) and offer the
+        prompt's full blocks to the prefix cache (it takes its own reference on new ones)."""
+        self.receiver.release(r.req_id)
+        if self.prefix_cache is not None and r.input_ids:
+            hashes = block_hashes(r.input_ids, self.store.block_size)
+            self.prefix_cache.insert(hashes, r.seq.blocks[: len(hashes)])
+            r.input_ids = []
 
     async def _early_step(self, req: DecodeRequest) -> None:
         """First step of ``req`` alone, each layer waiting for its KVCache (the transfer's tail)."""
@@ -412,7 +459,7 @@ class DecodeWorker:
             self.joining.appendleft(req)  # nothing was committed; the step reruns once the KVCache is in
             return
         if req.asm.complete:
-            self.receiver.release(req.req_id)
+            self._transfer_done(req)
 
     async def _grow_or_preempt(self) -> list[DecodeRequest]:
         """Room for one more token in every running row, preempting (swap out) the most recently
@@ -426,7 +473,8 @@ class DecodeWorker:
                 i += 1
                 continue
             except PoolExhausted:
-                pass
+                if self.prefix_cache is not None and self.prefix_cache.ensure_free(self.store.pool.free_pages + 1):
+                    continue  # cached blocks made room: no preemption needed
             victim = order[-1]
             if victim is r and len(order) == 1:
                 self.running.pop(r.req_id)
