@@ -456,6 +456,12 @@ class PrefixCache:
         """Pages the cache's own references pin if nothing else held them: blocks + slots * slot_pages."""
         return len(self._entries) + len(self._slots) * self.pool.slot_pages
 
+    def idle_pages(self) -> int:
+        """Pages only the cache holds now (its blocks no request references, plus its slots): what
+        eviction could free at once. O(entries)."""
+        idle = sum(1 for e in self._entries.values() if self.pool.refcount(e.block_id) == 1)
+        return idle + len(self._slots) * self.pool.slot_pages
+
     def stats(self) -> dict:
         """Counters: entries/blocks/slots now cached, pages they pin, lookups (calls to
         :meth:`match`), lookup_blocks (hashes asked for), hit_blocks (blocks returned),

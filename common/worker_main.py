@@ -1,18 +1,23 @@
-"""Start-up shared by the prefill and decode worker processes: flags, model, backend, planner link."""
+"""Start-up shared by the prefill and decode worker processes: flags, model, backend, planner and router links."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from common import service
 from common.backend import BACKENDS
+
+log = logging.getLogger("prfaas.worker")
 
 
 def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     """Flags every worker takes, each defaulting from the environment."""
     p.add_argument("--listen", help="host:port for RPC")
     p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
+    p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"),
+                   help="host:port of the router, where the worker publishes its prefix-cache events (unset: not published)")
     p.add_argument("--name", default=f"{role}-{os.getpid()}")
     p.add_argument("--model", default=service.env_default("PRFAAS_MODEL"),
                    help="tiny-hybrid (default), tiny-dense, or a local Hugging Face checkpoint directory")
@@ -59,3 +64,29 @@ def stats_handler(stats):
     async def handler(args: dict) -> dict:
         return stats()
     return handler
+
+
+def start_kv_publisher(args: argparse.Namespace, worker, role: str, cluster: str):
+    """Start publishing ``worker.prefix_cache``'s events to ``--router``; return the publisher to
+    close on shutdown, or None when the worker has no prefix cache or no router is configured."""
+    from common.kv_events import KvEventPublisher
+
+    cache = getattr(worker, "prefix_cache", None)
+    if cache is None:
+        log.info("no prefix cache on %s: nothing to publish to the router", args.name)
+        return None
+    if not args.router:
+        log.warning("no --router (PRFAAS_ROUTER_ADDR): %s's prefix cache is not published, so placement cannot "
+                    "prefer it", args.name)
+        return None
+    publisher = KvEventPublisher(args.router, args.name, cluster, role, cache)
+    publisher.start()
+    log.info("publishing %s's prefix-cache events to the router at %s (epoch %s)", args.name, args.router, publisher.epoch)
+    return publisher
+
+
+def report_with_publisher(stats, publisher):
+    """The worker's ``stats`` function, plus ``kv_events`` (the publisher's counters) when one runs."""
+    if publisher is None:
+        return stats
+    return lambda: {**stats(), "kv_events": publisher.stats()}

@@ -71,15 +71,15 @@ class Cluster:
             "gateway": py + ["services.gateway", "--host", "127.0.0.1", "--port", str(gw_port), "--router", a["router"],
                              "--planner", a["planner"]] + model,
             "prefill_remote": py + ["services.prefill", "--name", "prefill-remote-0", "--cluster", "prfaas", "--listen",
-                                    a["prefill_remote"], "--planner", a["planner"]] + model,
+                                    a["prefill_remote"], "--planner", a["planner"], "--router", a["router"]] + model,
             "prefill_local": py + ["services.prefill", "--name", "prefill-local-0", "--cluster", "pd", "--listen",
-                                   a["prefill_local"], "--planner", a["planner"]] + model,
+                                   a["prefill_local"], "--planner", a["planner"], "--router", a["router"]] + model,
             "decode": py + ["services.decode", "--name", "decode-0", "--listen", a["decode"], "--kv-listen", a["decode_kv"],
-                            "--planner", a["planner"]] + model + list(self.decode_args),
+                            "--planner", a["planner"], "--router", a["router"]] + model + list(self.decode_args),
         }
         if self.second_decode_args is not None:
             cmds["decode2"] = py + ["services.decode", "--name", "decode-1", "--listen", a["decode2"], "--kv-listen",
-                                    a["decode2_kv"], "--planner", a["planner"]] + model + list(self.second_decode_args)
+                                    a["decode2_kv"], "--planner", a["planner"], "--router", a["router"]] + model + list(self.second_decode_args)
         return cmds
 
     def start(self, timeout: float = 180.0) -> "Cluster":

@@ -78,7 +78,7 @@ async def wait_drained(cluster: Cluster, service: str = "decode", timeout: float
     deadline = time.monotonic() + timeout
     while True:
         s = await stats(cluster, service)
-        held = {k: s[k] for k in ("running", "waiting", "admission_queue", "swapped", "kv_blocks_used", "kv_reserved_bytes") if s[k]}
+        held = {k: s[k] for k in ("running", "waiting", "admission_queue", "swapped", "kv_blocks_held", "kv_reserved_bytes") if s[k]}
         if not held:
             return s
         if time.monotonic() > deadline:

@@ -76,7 +76,7 @@ class Probe:
         """What is still held in ``snap``; empty when the whole system is idle."""
         out = []
         d = snap["decode"]
-        for k in ("running", "waiting", "kv_bytes_inflight", "batch_size", "swapped", "kv_blocks_used", "kv_reserved_bytes",
+        for k in ("running", "waiting", "kv_bytes_inflight", "batch_size", "swapped", "kv_blocks_held", "kv_reserved_bytes",
                   "request_tasks"):
             if d[k]:
                 out.append(f"decode {k}={d[k]}")

@@ -66,7 +66,7 @@ async def test_lease_frees_blocks_of_a_frozen_transfer(cluster):
             assert "lease expired" in err["message"], err
             assert waited < LEASE_S + 10
             d = await stats(cluster, "decode")
-            assert d["kv_blocks_used"] == 0 and d["kv_reserved_bytes"] == 0 and d["request_tasks"] == 0, d
+            assert d["kv_blocks_held"] == 0 and d["kv_reserved_bytes"] == 0 and d["request_tasks"] == 0, d
             assert d["kv_receiver"]["expired_leases"] >= 1
         finally:
             os.kill(proc.pid, signal.SIGCONT)
@@ -79,6 +79,6 @@ async def test_lease_frees_blocks_of_a_frozen_transfer(cluster):
             ids = (await r.json())["choices"][0]["token_ids"]
     assert ids == reference_greedy(SPEC, p, 8)
     deadline = time.monotonic() + 10
-    while (d := await stats(cluster, "decode"))["kv_blocks_used"] or d["request_tasks"]:
+    while (d := await stats(cluster, "decode"))["kv_blocks_held"] or d["request_tasks"]:
         assert time.monotonic() < deadline, d
         await asyncio.sleep(0.05)

@@ -11,9 +11,11 @@ from services.router.policy import (
     NoWorker,
     choose_route,
     least_loaded,
+    pick_affine,
     place,
     worker_load,
 )
+from services.router.server import place_with_prefix
 
 
 def w(name: str, role: str = "prefill", cluster: str = "pd", alive: bool = True, **stats) -> dict:
@@ -216,3 +218,164 @@ def test_place_does_not_mutate_inputs():
     place(5000, 100, ws, inflight)
     assert ws == snapshot
     assert inflight == {"dec-a": 1}
+
+
+# ------------------------------------------------------------------------------------- pick_affine
+
+
+def test_pick_affine_without_prefixes_is_least_loaded():
+    cases = [
+        ([w("a"), w("b")], {"a": 1}),
+        ([w("a", waiting=2), w("b", running=1), w("c", waiting=1)], {"c": 1}),
+        ([w("delta"), w("alpha"), w("charlie")], {}),
+        ([w("a", alive=False), w("b", waiting=3), w("c", waiting=4)], {}),
+    ]
+    for ws, inflight in cases:
+        got = pick_affine(ws, {}, inflight)
+        assert got.worker["name"] == least_loaded(ws, inflight)["name"]
+        assert got.prefix_blocks == 0 and got.skipped == ()
+
+
+def test_pick_affine_prefers_the_longest_prefix_over_a_lighter_load():
+    got = pick_affine([w("a"), w("b")], {"a": 3}, {"a": 1})
+    assert (got.worker["name"], got.prefix_blocks, got.skipped) == ("a", 3, ())
+    # the longest prefix wins over a shorter one, whatever the names and loads (within the guard)
+    got = pick_affine([w("a"), w("b"), w("c")], {"a": 2, "c": 5}, {"c": 1})
+    assert (got.worker["name"], got.prefix_blocks) == ("c", 5)
+
+
+def test_pick_affine_guard_boundary_two_workers():
+    ws = [w("a"), w("b")]
+    # a: 3 <= 2 * 1 + 1 = 3 stays; 4 > 3 is skipped
+    assert pick_affine(ws, {"a": 5}, {"a": 3, "b": 1}).worker["name"] == "a"
+    got = pick_affine(ws, {"a": 5}, {"a": 4, "b": 1})
+    assert (got.worker["name"], got.prefix_blocks, got.skipped) == ("b", 0, ("a",))
+    # an idle peer: 1 <= 1 stays, 2 > 1 is skipped (a mean that counted a itself would never skip it)
+    assert pick_affine(ws, {"a": 5}, {"a": 1}).worker["name"] == "a"
+    assert pick_affine(ws, {"a": 5}, {"a": 2}).worker["name"] == "b"
+
+
+def test_pick_affine_guard_boundary_four_workers_counts_reported_load():
+    ws = [w("a"), w("b", waiting=1), w("c", running=1), w("d", waiting=1, running=1)]
+    # the others' mean is (1 + 1 + 2) / 3 = 4/3, limit 2 * 4/3 + 1 = 11/3
+    assert pick_affine(ws, {"a": 7}, {"a": 3}).worker["name"] == "a"
+    got = pick_affine(ws, {"a": 7}, {"a": 4})
+    assert (got.worker["name"], got.skipped) == ("b", ("a",))  # b and c tie on load 1: name
+    # reported running counts as load too
+    got = pick_affine([w("a", running=3), w("b")], {"a": 4}, {})
+    assert got.worker["name"] == "b"
+
+
+def test_pick_affine_guard_falls_to_the_next_longest_prefix():
+    ws = [w("a"), w("b"), w("c")]
+    got = pick_affine(ws, {"a": 5, "b": 2}, {"a": 10, "b": 3})
+    # a: 10 > 2 * (3 + 0) / 2 + 1 = 4, skipped; b: 3 <= 2 * (10 + 0) / 2 + 1 = 11
+    assert (got.worker["name"], got.prefix_blocks, got.skipped) == ("b", 2, ("a",))
+
+
+def test_pick_affine_equal_prefix_ties_by_load_then_name():
+    assert pick_affine([w("a"), w("b")], {"a": 2, "b": 2}, {"a": 1}).worker["name"] == "b"
+    assert pick_affine([w("b"), w("a")], {"a": 2, "b": 2}, {}).worker["name"] == "a"
+
+
+def test_pick_affine_ignores_dead_workers_and_their_load():
+    ws = [w("a", alive=False), w("b"), w("c")]
+    # the dead a holds the longest prefix: not chosen. Its load (100) is not in c's peers' mean, so c
+    # (4 > 2 * 0 + 1) is skipped for b.
+    got = pick_affine(ws, {"a": 9, "c": 1}, {"a": 100, "c": 4})
+    assert (got.worker["name"], got.skipped) == ("b", ("c",))
+    assert pick_affine([w("a", alive=False)], {"a": 1}, {}) is None
+    assert pick_affine([], {}, {}) is None
+    # a lone worker is never skipped, however loaded
+    assert pick_affine([w("a")], {}, {"a": 1000}).worker["name"] == "a"
+
+
+def test_pick_affine_flood_of_one_prefix_spreads_within_twice_the_peers_mean():
+    ws = [w("a"), w("b"), w("c"), w("d")]
+    inflight: dict[str, int] = {}
+    order = []
+    for _ in range(12):
+        name = pick_affine(ws, {"a": 8}, inflight).worker["name"]
+        order.append(name)
+        inflight[name] = inflight.get(name, 0) + 1
+        others = [inflight.get(n, 0) for n in "bcd"]
+        assert inflight.get("a", 0) <= 2 * sum(others) / 3 + 2
+    assert order == ["a", "a", "b", "c", "a", "d", "a", "b", "c", "a", "d", "a"]
+    assert inflight == {"a": 6, "b": 2, "c": 2, "d": 2}
+
+
+def test_pick_affine_does_not_mutate_inputs():
+    ws = [w("a", waiting=1), w("b")]
+    snapshot = [dict(x, stats=dict(x["stats"])) for x in ws]
+    prefix, inflight = {"a": 3}, {"a": 2}
+    pick_affine(ws, prefix, inflight)
+    assert ws == snapshot and prefix == {"a": 3} and inflight == {"a": 2}
+
+
+# ------------------------------------------------------------------------------- place_with_prefix
+
+
+def prefix_workers(**overrides) -> list[dict]:
+    ws = cluster_workers() + [w("local-q", "prefill", "pd")]
+    for name, changes in overrides.items():
+        next(x for x in ws if x["name"] == name.replace("_", "-")).update(changes)
+    return ws
+
+
+def test_place_with_prefix_scarce_local_on_the_pd_cache():
+    # 100 tokens, 10-token blocks, t = 50: local-q holds 6 blocks, so l_local = 40 <= 50
+    p = place_with_prefix(100, 10, {"local-q": 6}, 50, prefix_workers(), {}, bandwidth_plentiful=False)
+    assert (p.route, p.prefill["name"], p.incremental_len) == (LOCAL, "local-q", 40)
+    assert (p.l_pd, p.l_prfaas, p.prefill_prefix_tokens, p.prefix_move) == (60, 0, 60, None)
+    assert "l_pd=60" in p.reason and "local-q has 60 cached tokens" in p.reason
+
+
+def test_place_with_prefix_scarce_remote_uses_the_prfaas_cache():
+    # l_local = 100 > 50: remote, where 9 blocks are cached, l = 10; no move when bandwidth is scarce
+    p = place_with_prefix(100, 10, {"remote-p": 9}, 50, prefix_workers(), {}, bandwidth_plentiful=False)
+    assert (p.route, p.prefill["name"], p.incremental_len, p.l_prfaas, p.prefix_move) == (REMOTE, "remote-p", 10, 90, None)
+
+
+def test_place_with_prefix_plentiful_moves_the_longer_prefix():
+    # l = 100 - max(0, 90) = 10 <= 50: local, and the prfaas prefix should move to pd
+    p = place_with_prefix(100, 10, {"remote-p": 9}, 50, prefix_workers(), {}, bandwidth_plentiful=True)
+    assert (p.route, p.incremental_len, p.prefix_move, p.prefill_prefix_tokens) == (LOCAL, 10, ("prfaas", "pd"), 0)
+    assert p.prefill["name"] == "local-p"  # no local worker holds anything: least loaded, then name
+    assert "move prefix prfaas->pd" in p.reason
+
+
+def test_place_with_prefix_full_hit_still_computes_the_last_token():
+    p = place_with_prefix(100, 10, {"local-p": 10, "dec-b": 10}, 50, prefix_workers(), {}, bandwidth_plentiful=False)
+    assert (p.l_pd, p.incremental_len, p.prefill_prefix_tokens, p.decode_prefix_tokens) == (99, 1, 99, 100)
+    assert p.decode["name"] == "dec-b"
+
+
+def test_place_with_prefix_decode_affinity_and_exclusion():
+    p = place_with_prefix(100, 10, {"dec-b": 4}, 50, prefix_workers(), {}, bandwidth_plentiful=False)
+    assert (p.decode["name"], p.decode_prefix_tokens) == ("dec-b", 40)
+    p = place_with_prefix(100, 10, {"dec-b": 4}, 50, prefix_workers(), {}, False, exclude_decode={"dec-b"})
+    assert (p.decode["name"], p.decode_prefix_tokens) == ("dec-a", 0)
+
+
+def test_place_with_prefix_dead_holders_do_not_count():
+    ws = prefix_workers(local_q={"alive": False})
+    p = place_with_prefix(100, 10, {"local-q": 6}, 50, ws, {}, bandwidth_plentiful=False)
+    assert (p.l_pd, p.route, p.incremental_len) == (0, REMOTE, 100)
+
+
+def test_place_with_prefix_falls_back_and_recomputes_l():
+    ws = prefix_workers(remote_p={"alive": False})
+    p = place_with_prefix(100, 10, {"local-q": 2}, 50, ws, {}, bandwidth_plentiful=False)
+    assert (p.route, p.prefill["name"], p.incremental_len) == (LOCAL, "local-q", 80)
+    assert "no alive remote prefill worker, fell back to local (l=80)" in p.reason
+    with pytest.raises(NoWorker) as ei:
+        place_with_prefix(100, 10, {}, 50, [x for x in ws if x["role"] == "decode"], {}, False)
+    assert ei.value.role == "prefill"
+    with pytest.raises(NoWorker) as ei:
+        place_with_prefix(100, 10, {}, 50, [x for x in ws if x["role"] == "prefill"], {}, False)
+    assert ei.value.role == "decode"
+
+
+def test_place_with_prefix_refuses_a_prefix_longer_than_the_prompt():
+    with pytest.raises(ValueError):
+        place_with_prefix(100, 10, {"local-p": 11}, 50, prefix_workers(), {}, False)

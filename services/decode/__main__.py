@@ -10,7 +10,7 @@ from common.planner_agent import PlannerAgent
 from common import peer_auth
 from common.kv_receiver import KvReceiver
 from common.rpc import RpcServer, parse_addr
-from common.worker_main import add_worker_flags, load_backend, stats_handler, tls_server_context
+from common.worker_main import add_worker_flags, load_backend, report_with_publisher, start_kv_publisher, stats_handler, tls_server_context
 from services.decode.worker import DecodeWorker
 
 
@@ -24,8 +24,10 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     advertise = args.kv_advertise or kv_listen
     worker = DecodeWorker(backend, args.name, advertise, receiver, prefill_timeout=args.prefill_timeout,
                           kv_pool_bytes=args.kv_budget_bytes, block_size=args.block_size, max_waiting=args.max_waiting,
-                          admission_timeout=args.admission_timeout)
-    rpc = RpcServer("decode", args.name, stream_handlers={"generate": worker.generate}, handlers={"stats": stats_handler(worker.stats)})
+                          admission_timeout=args.admission_timeout, prefix_cache=args.prefix_cache == "on")
+    publisher = start_kv_publisher(args, worker, "decode", "pd")
+    report = report_with_publisher(worker.stats, publisher)
+    rpc = RpcServer("decode", args.name, stream_handlers={"generate": worker.generate}, handlers={"stats": stats_handler(report)})
     host, port = parse_addr(listen)
     await rpc.start(host, port)
     khost, kport = parse_addr(kv_listen)
@@ -34,11 +36,13 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     agent = PlannerAgent(planner, {
         "name": args.name, "role": "decode", "cluster": "pd", "addr": listen, "kv_addr": advertise,
         "fingerprint": backend.loaded.fingerprint,
-    }, worker.stats, args.report_interval)
+    }, report, args.report_interval)
     agent.start()
     print(f"READY decode {args.name} listening on {listen} kv={kv_listen} model={backend.loaded.model_id} "
           f"weights={backend.loaded.weight_hash}", flush=True)
     await stop.wait()
+    if publisher is not None:
+        await publisher.close()
     await agent.close()
     await rpc.close()
     await receiver.close()
@@ -61,6 +65,9 @@ def main() -> None:
     p.add_argument("--admission-timeout", type=float, default=30.0,
                    help="seconds a request may wait for KV blocks before it is refused (overloaded)")
     p.add_argument("--kv-lease-s", type=float, default=600.0, help="seconds before an unreleased KV reservation is freed")
+    p.add_argument("--prefix-cache", choices=["on", "off"],
+                   default="off" if service.env_default("PRFAAS_PREFIX_CACHE", "1") == "0" else "on",
+                   help="keep prompt blocks cached after their request, so a shared prefix is not transferred again")
     args = p.parse_args()
     service.setup_logging("decode")
     service.run(lambda stop: amain(args, stop))

@@ -165,6 +165,9 @@ class DecodeWorker:
             "kv_receiver": self.receiver.stats(),
             "kv_blocks_total": pool["pages"],
             "kv_blocks_used": pool["pages_used"],
+            # pages held by requests: used minus what only the prefix cache holds (evictable at any time)
+            "kv_blocks_held": pool["pages_used"] - (self.prefix_cache.idle_pages() if self.prefix_cache is not None else 0),
+            "kv_blocks_cached": self.prefix_cache.pages_cached if self.prefix_cache is not None else 0,
             "kv_blocks_free": pool["pages_free"],
             "kv_block_bytes": pool["page_bytes"],
             "kv_block_size": pool["block_size"],
@@ -501,10 +504,14 @@ class DecodeWorker:
         while self.swapped:
             r = self.swapped[0]
             layers, length = r.swapped
+            pool = self.store.pool
+            if self.prefix_cache is not None:
+                self.prefix_cache.ensure_free(pool.pages_for(pool.blocks_for(length + 1), 1 if self.store.linear_layers else 0))
             try:
                 seq = self.store.reserve(r.req_id, length + 1)
             except PoolExhausted:
-                if not self.running:  # nothing will free blocks: it must fail cleanly, not wait forever
+                if not (self.running or self.joining or self.receiver.reservations):
+                    # nothing holds blocks that will come free: fail cleanly rather than wait forever
                     self.swapped.popleft()
                     r.out.put_nowait({"error": f"the KV pool cannot hold {r.req_id} any more", "code": ErrorCode.OVERLOADED})
                     r.cancelled = True

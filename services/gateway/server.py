@@ -2,7 +2,9 @@
 
 Request lifecycle (who frees what):
 1. Parse and validate the body (``openai_api``); bad input is a 4xx OpenAI error body, nothing else runs.
-2. ``place`` at the router: a prefill worker (PrfaaS or PD-P by the threshold rule) and a decode worker.
+2. ``place`` at the router with the prompt's chained full-block hashes (``PRFAAS_BLOCK_SIZE`` tokens
+   per block): a prefill worker (PrfaaS or PD-P by the cached-prefix threshold rule) and a decode
+   worker, each preferring the one that caches the longest prefix of the prompt.
 3. ``generate`` stream at the decode worker, which drives the prefill and streams tokens back.
 4. Tokens go to the client as one JSON body or as SSE chunks ending in ``data: [DONE]``.
 5. ``release`` at the router, always, in ``finally``. A client that disconnects cancels the handler
@@ -23,8 +25,10 @@ import orjson
 from aiohttp import web
 
 from common import service
+from common.kv_events import block_size_from_env
 from common.link_stats import render_prometheus
 from common.model import load_model_info
+from common.prefix_cache import block_hashes
 from common.rpc import RpcClient, RpcError
 from proto.frames import ErrorCode
 from services.gateway import openai_api as oa
@@ -72,8 +76,9 @@ class Gateway:
     """The HTTP app and its clients: one to the router, one per decode worker address."""
 
     def __init__(self, ctx: oa.ModelContext, router_addr: str, planner_addr: str, name: str = "gateway",
-                 request_timeout: float = 600.0):
+                 request_timeout: float = 600.0, block_size: int | None = None):
         self.ctx = ctx
+        self.block_size = block_size if block_size is not None else block_size_from_env()
         self.name = name
         self.request_timeout = request_timeout
         self.router = RpcClient(router_addr, service="gateway", name=name, connect_timeout=2.0)
@@ -146,8 +151,9 @@ class Gateway:
         the first item."""
         excluded: list[str] = []
         refusal: RpcError | None = None
+        hashes = await self._block_hashes(req.prompt_ids)
         while True:
-            placement = await self._place(req, excluded, refusal)
+            placement = await self._place(req, excluded, refusal, hashes)
             started = False
             self.active += 1
             try:
@@ -179,12 +185,26 @@ class Gateway:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.router.call("release", {"req_id": req.request_id}, timeout=2.0))
 
-    async def _place(self, req: oa.GenerateRequest, excluded: list[str], refusal: RpcError | None) -> dict[str, Any]:
-        """Ask the router for a placement avoiding the decode workers in ``excluded`` (which refused
-        with ``refusal``). Raises :class:`oa.OpenAIError`."""
+    async def _block_hashes(self, prompt_ids: list[int]) -> list[int] | None:
+        """The prompt's chained full-block hashes for the router's prefix lookup (off the event loop
+        for long prompts: about 0.2 µs per token), or None if the ids cannot be hashed (placed without)."""
         try:
-            return await self.router.call("place", {"req_id": req.request_id, "prompt_len": len(req.prompt_ids),
-                                                    "exclude_decode": excluded}, timeout=10.0)
+            if len(prompt_ids) < 8192:
+                return block_hashes(prompt_ids, self.block_size)
+            return await asyncio.to_thread(block_hashes, prompt_ids, self.block_size)
+        except ValueError as e:
+            log.warning("prompt not hashed for prefix routing: %s", e)
+            return None
+
+    async def _place(self, req: oa.GenerateRequest, excluded: list[str], refusal: RpcError | None,
+                     hashes: list[int] | None = None) -> dict[str, Any]:
+        """Ask the router for a placement avoiding the decode workers in ``excluded`` (which refused
+        with ``refusal``), cache-aware when ``hashes`` are given. Raises :class:`oa.OpenAIError`."""
+        args: dict[str, Any] = {"req_id": req.request_id, "prompt_len": len(req.prompt_ids), "exclude_decode": excluded}
+        if hashes is not None:
+            args.update(block_hashes=hashes, block_size=self.block_size)
+        try:
+            return await self.router.call("place", args, timeout=10.0)
         except RpcError as e:
             if refusal is not None and e.code == ErrorCode.UNAVAILABLE:
                 raise _service_error(refusal) from None  # every decode worker refused: say so
@@ -302,6 +322,7 @@ class Gateway:
                 lines.append(f'prfaas_route_decisions_total{{route="{route}"}} {decisions.get(route, 0)}')
             lines += ["# TYPE prfaas_route_fallbacks_total counter", f"prfaas_route_fallbacks_total {stats['route_fallbacks']}",
                       "# TYPE prfaas_route_threshold_tokens gauge", f"prfaas_route_threshold_tokens {stats['threshold_tokens']}"]
+            lines += _prefix_metrics(stats)
         except (RpcError, asyncio.TimeoutError, OSError):
             lines.append("# router unreachable: route counters omitted")
         lines += await self._worker_metrics()
@@ -328,7 +349,69 @@ class Gateway:
         for key, kind, help_text in DECODE_METRICS:
             lines += [f"# HELP prfaas_decode_{key} {help_text}", f"# TYPE prfaas_decode_{key} {kind}"]
             lines += [f'prfaas_decode_{key}{{worker="{w["name"]}"}} {(w.get("stats") or {}).get(key) or 0}' for w in decoders]
+        lines += _worker_prefix_metrics(workers)
         return lines
+
+
+def _prefix_metrics(stats: dict[str, Any]) -> list[str]:
+    """The router's prefix-routing counters and global KVCache index sizes, from its ``stats``."""
+    prefix = stats.get("prefix") or {}
+    index = stats.get("kv_index") or {}
+    if not prefix and not index:
+        return []
+    hits = prefix.get("hit_tokens") or {}
+    lines = [
+        "# HELP prfaas_prefix_requests_total Placements counted for prefix routing.", "# TYPE prfaas_prefix_requests_total counter",
+        f"prfaas_prefix_requests_total {prefix.get('requests', 0)}",
+        "# HELP prfaas_prefix_prompt_tokens_total Prompt tokens of the placed requests.",
+        "# TYPE prfaas_prefix_prompt_tokens_total counter", f"prfaas_prefix_prompt_tokens_total {prefix.get('prompt_tokens', 0)}",
+        "# HELP prfaas_prefix_hit_tokens_total Prompt tokens cached on the chosen prefill worker, by its cluster.",
+        "# TYPE prfaas_prefix_hit_tokens_total counter",
+    ]
+    lines += [f'prfaas_prefix_hit_tokens_total{{cluster="{c}"}} {hits.get(c, 0)}' for c in sorted({"pd", "prfaas", *hits})]
+    lines += [
+        "# HELP prfaas_prefix_decode_hit_tokens_total Prompt tokens cached on the chosen decode worker.",
+        "# TYPE prfaas_prefix_decode_hit_tokens_total counter",
+        f"prfaas_prefix_decode_hit_tokens_total {prefix.get('decode_hit_tokens', 0)}",
+        "# HELP prfaas_prefix_moves_total Placements that suggested moving a cached prefix across clusters.",
+        "# TYPE prfaas_prefix_moves_total counter", f"prfaas_prefix_moves_total {prefix.get('moves', 0)}",
+        "# HELP prfaas_prefix_guard_skips_total Placements where the load guard passed over a worker with a longer cached prefix.",
+        "# TYPE prfaas_prefix_guard_skips_total counter", f"prfaas_prefix_guard_skips_total {prefix.get('guard_skips', 0)}",
+        "# HELP prfaas_kv_index_blocks Blocks of each worker's prefix cache known to the router's global index.",
+        "# TYPE prfaas_kv_index_blocks gauge",
+    ]
+    lines += [f'prfaas_kv_index_blocks{{node="{n}"}} {b}' for n, b in sorted((index.get("blocks") or {}).items())]
+    for key, help_text in (("resyncs", "Snapshots applied to the global index."),
+                           ("gaps", "Event batches the global index refused (a resync followed)."),
+                           ("events_applied", "Cache events applied to the global index.")):
+        lines += [f"# HELP prfaas_kv_index_{key}_total {help_text}", f"# TYPE prfaas_kv_index_{key}_total counter",
+                  f"prfaas_kv_index_{key}_total {index.get(key, 0)}"]
+    return lines
+
+
+WORKER_PREFIX_METRICS = (  # (key of a worker's stats["prefix_cache"], Prometheus name suffix, type, help)
+    ("entries", "entries", "gauge", "Blocks in the worker's prefix cache."),
+    ("pages_cached", "pages_cached", "gauge", "Pool pages the prefix cache pins (blocks and state slots)."),
+    ("lookups", "lookups_total", "counter", "Prefix-cache lookups."),
+    ("lookup_blocks", "lookup_blocks_total", "counter", "Blocks asked for in prefix-cache lookups."),
+    ("hit_blocks", "hit_blocks_total", "counter", "Blocks found in prefix-cache lookups."),
+    ("inserted", "inserted_total", "counter", "Blocks inserted into the prefix cache."),
+    ("evictions", "evictions_total", "counter", "Blocks evicted from the prefix cache."),
+)
+
+
+def _worker_prefix_metrics(workers: list[dict[str, Any]]) -> list[str]:
+    """``prfaas_worker_prefix_*{worker=...}`` from each worker's ``stats["prefix_cache"]``, for the
+    keys present (a worker without a prefix cache reports none)."""
+    caches = [(w["name"], (w.get("stats") or {}).get("prefix_cache")) for w in workers]
+    caches = [(n, c) for n, c in caches if isinstance(c, dict)]
+    lines: list[str] = []
+    for key, suffix, kind, help_text in WORKER_PREFIX_METRICS:
+        rows = [f'prfaas_worker_prefix_{suffix}{{worker="{n}"}} {c[key]}' for n, c in caches
+                if isinstance(c.get(key), (int, float)) and not isinstance(c.get(key), bool)]
+        if rows:
+            lines += [f"# HELP prfaas_worker_prefix_{suffix} {help_text}", f"# TYPE prfaas_worker_prefix_{suffix} {kind}", *rows]
+    return lines
 
 
 DECODE_METRICS = (  # (stats key of a decode worker, Prometheus type, help)

@@ -1,17 +1,22 @@
 """Per-request placement, pure: no sockets, no torch.
 
 Rule (paper §3): with ``l`` the *incremental* prefill length (prompt tokens minus the longest cached
-prefix; the prefix cache comes later, so today ``l`` is the prompt length) and ``t`` the threshold,
-``l > t`` goes to the PrfaaS cluster ("remote") and ``l <= t`` to the local PD-P ("local").
+prefix, see ``kv_index.choose_cluster``; without block hashes ``l`` is the prompt length) and ``t``
+the threshold, ``l > t`` goes to the PrfaaS cluster ("remote") and ``l <= t`` to the local PD-P
+("local").
 
 Load counts at dispatch: the router adds a request to a worker's in-flight count when it places it,
 not when its first byte returns, so a burst never piles onto one node.
+
+Within a cluster, :func:`pick_affine` is cache-affine with a load guard: the worker holding the
+longest cached prefix wins unless it is loaded beyond twice its peers' mean (plus one), so a flood of
+requests sharing one prefix cannot pile onto the one worker that cached it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 REMOTE, LOCAL = "remote", "local"
 CLUSTER_OF_ROUTE = {REMOTE: "prfaas", LOCAL: "pd"}
@@ -30,7 +35,14 @@ class NoWorker(LookupError):
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one request goes. ``reason`` says why, for logs and counters."""
+    """Where one request goes. ``reason`` says why, for logs and counters.
+
+    The prefix fields (tokens) are zero, and ``prefix_move`` None, when the request came without
+    block hashes: ``l_pd``/``l_prfaas`` are the longest cached prefixes over alive prefill workers
+    of each cluster, ``prefill_prefix_tokens``/``decode_prefix_tokens`` what the chosen workers hold,
+    ``prefix_move`` a suggested ``(from_cluster, to_cluster)`` cache move, ``guard_skips`` the workers
+    the load guard passed over although they held a longer prefix than the chosen one.
+    """
 
     route: str
     incremental_len: int
@@ -38,6 +50,12 @@ class Placement:
     prefill: dict[str, Any]
     decode: dict[str, Any]
     reason: str
+    l_pd: int = 0
+    l_prfaas: int = 0
+    prefill_prefix_tokens: int = 0
+    decode_prefix_tokens: int = 0
+    prefix_move: tuple[str, str] | None = None
+    guard_skips: tuple[str, ...] = ()
 
 
 def choose_route(incremental_len: int, threshold: int) -> str:
@@ -57,6 +75,49 @@ def least_loaded(workers: list[dict[str, Any]], inflight: dict[str, int]) -> dic
     if not alive:
         return None
     return min(alive, key=lambda w: (worker_load(w, inflight), w["name"]))
+
+
+class AffinePick(NamedTuple):
+    """What :func:`pick_affine` chose: the worker, its cached prefix (blocks), and the names of the
+    candidates with a longer prefix that the load guard skipped (sorted)."""
+
+    worker: dict[str, Any]
+    prefix_blocks: int
+    skipped: tuple[str, ...]
+
+
+def pick_affine(workers: list[dict[str, Any]], prefix_blocks_by_node: dict[str, int],
+                inflight: dict[str, int]) -> AffinePick | None:
+    """The alive worker with the longest cached prefix, guarded by load; ``None`` when none is alive.
+
+    Candidates are the alive ``workers``. The load guard skips a candidate whose
+    :func:`worker_load` exceeds ``2 * mean + 1``, ``mean`` being the mean load of the *other*
+    candidates (a lone candidate is never skipped). Among the rest the order is: most cached blocks
+    (``prefix_blocks_by_node``, 0 when absent), then least load, then name. The least loaded
+    candidate is never over the guard, so someone is always chosen; with no prefix anywhere the
+    choice equals :func:`least_loaded`.
+
+    Why the others' mean: with two workers, a mean that included the candidate itself could never
+    be exceeded twice over (``k <= 2 * k / 2 + 1`` for every ``k``), so the guard would never fire.
+    Under a flood of one prefix the holder settles at about twice its peers' load.
+    """
+    alive = [w for w in workers if w.get("alive")]
+    if not alive:
+        return None
+    loads = {w["name"]: worker_load(w, inflight) for w in alive}
+    total = sum(loads.values())
+    others = len(alive) - 1
+
+    def over(w: dict[str, Any]) -> bool:  # load > 2 * (total - load) / others + 1, without dividing
+        load = loads[w["name"]]
+        return others > 0 and load * others > 2 * (total - load) + others
+
+    def blocks(w: dict[str, Any]) -> int:
+        return prefix_blocks_by_node.get(w["name"], 0)
+
+    best = min((w for w in alive if not over(w)), key=lambda w: (-blocks(w), loads[w["name"]], w["name"]))
+    skipped = tuple(sorted(w["name"] for w in alive if over(w) and blocks(w) > blocks(best)))
+    return AffinePick(best, blocks(best), skipped)
 
 
 def place(incremental_len: int, threshold: int, workers: list[dict[str, Any]], inflight: dict[str, int],

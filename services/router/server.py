@@ -5,6 +5,22 @@ both chosen workers) -> the gateway drives the request -> ``release`` (counts lo
 is not on the data path: tokens never pass through it, so a router restart loses no request that
 was already placed. In-flight entries carry a lease (``release_after`` seconds) so a gateway that
 dies without releasing cannot pin load on a worker forever.
+
+The paper's global KVCache manager lives here, as a :class:`~services.router.kv_index.KvIndex`:
+placement reads the cached-prefix lengths ``l_pd`` and ``l_prfaas`` on every request, so keeping the
+index in the same process costs no extra hop (and no second service to fail) on the path of every
+request, while the index's inputs (workers' cache events) are off that path and may lag a little.
+Lifecycle of a node in the index: ``kv_events`` batches from the worker's
+:class:`~common.kv_events.KvEventPublisher` (applied in order; a gap, an unknown node or a new
+epoch is answered ``resync``) -> ``kv_resync`` snapshot when asked -> forgotten once the planner has
+reported the worker dead for ``forget_after`` seconds, or replaced when it comes back with a new
+epoch. A router restart starts with an empty index; every publisher's next batch is answered
+``resync``, which rebuilds it within about a second.
+
+``place`` with ``block_hashes`` (the prompt's chained full-block hashes) picks the cluster by the
+paper's short-timescale rule (``kv_index.choose_cluster``; ``bandwidth_plentiful`` comes from a flag
+until link signals drive it) and then the worker with the longest cached prefix in that cluster,
+and the decode worker likewise, each under the load guard of :func:`policy.pick_affine`.
 """
 
 from __future__ import annotations
@@ -15,23 +31,134 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 from common import service
 from common.rpc import RpcClient, RpcError, RpcServer, parse_addr
 from proto.frames import ErrorCode
+from services.planner.registry import CLUSTERS, ROLES
 from services.router import policy
+from services.router.kv_index import HASH_LIMIT, KvIndex, choose_cluster, incremental_lengths, prefix_move
 
 log = logging.getLogger("prfaas.router")
 
+MAX_SNAPSHOT_ENTRIES = 1 << 22  # entries (blocks) one node's snapshot may hold; bounds a pending snapshot's memory
+
+
+def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str, int], threshold: int,
+                      workers: list[dict[str, Any]], inflight: dict[str, int], bandwidth_plentiful: bool,
+                      exclude_decode: set[str] | frozenset[str] = frozenset()) -> policy.Placement:
+    """Cache-aware placement, pure: route by the cached prefixes, then cache-affine workers.
+
+    ``prefix_blocks`` maps node name -> leading blocks of the prompt cached there (from
+    :meth:`KvIndex.lookup`). ``l_pd``/``l_prfaas`` are the longest over *alive* prefill workers of
+    each cluster, in tokens (:func:`incremental_lengths`); :func:`choose_cluster` picks the route and
+    ``l``. If that cluster has no alive prefill worker, the other cluster is used (``reason`` says
+    "fell back") and ``l`` is recomputed for it. A prefix move is suggested only when bandwidth is
+    plentiful. Then :func:`policy.pick_affine` picks the prefill worker in the chosen cluster and the
+    decode worker (not in ``exclude_decode``). ``prefill_prefix_tokens`` is capped like ``l_pd``
+    (the last prompt token is always computed); ``decode_prefix_tokens`` is blocks x ``block_size``.
+    Raises :class:`policy.NoWorker`, or ``ValueError`` for lengths that do not fit the prompt.
+    """
+    alive = [w for w in workers if w.get("alive")]
+    prefills = {c: [w for w in alive if w["role"] == "prefill" and w["cluster"] == c] for c in CLUSTERS}
+
+    def longest(ws: list[dict[str, Any]]) -> int:
+        return max((prefix_blocks.get(w["name"], 0) for w in ws), default=0)
+
+    lens = incremental_lengths(prompt_len, block_size, longest(prefills["pd"]), longest(prefills["prfaas"]))
+    l_pd, l_prfaas = lens["l_pd"], lens["l_prfaas"]
+    route, l, why = choose_cluster(prompt_len, l_pd, l_prfaas, threshold, bandwidth_plentiful)
+    reason = f"prompt={prompt_len} l_pd={l_pd} l_prfaas={l_prfaas}; {why}"
+    if not prefills[policy.CLUSTER_OF_ROUTE[route]]:
+        other = policy.LOCAL if route == policy.REMOTE else policy.REMOTE
+        if not prefills[policy.CLUSTER_OF_ROUTE[other]]:
+            raise policy.NoWorker("prefill")
+        cached = max(l_pd, l_prfaas) if bandwidth_plentiful else lens["l_" + policy.CLUSTER_OF_ROUTE[other]]
+        l = prompt_len - cached
+        reason += f"; no alive {route} prefill worker, fell back to {other} (l={l})"
+        route = other
+    move = prefix_move(route, l_pd, l_prfaas) if bandwidth_plentiful else None
+    if "fell back" in reason and bandwidth_plentiful:
+        reason += f"; move prefix {move[0]}->{move[1]}" if move else "; no prefix move"
+
+    pf = policy.pick_affine(prefills[policy.CLUSTER_OF_ROUTE[route]], prefix_blocks, inflight)
+    dec = policy.pick_affine([w for w in alive if w["role"] == "decode" and w["name"] not in exclude_decode],
+                             prefix_blocks, inflight)
+    if pf is None:  # unreachable: the route's cluster has an alive prefill worker
+        raise policy.NoWorker("prefill")
+    if dec is None:
+        raise policy.NoWorker("decode")
+    pf_tokens = min(pf.prefix_blocks * block_size, prompt_len - 1)
+    dec_tokens = dec.prefix_blocks * block_size
+    reason += f"; prefill {pf.worker['name']} has {pf_tokens} cached tokens"
+    if pf.skipped:
+        reason += f" (load guard skipped {', '.join(pf.skipped)})"
+    reason += f"; decode {dec.worker['name']} has {dec_tokens}"
+    if dec.skipped:
+        reason += f" (load guard skipped {', '.join(dec.skipped)})"
+    return policy.Placement(route, l, threshold, pf.worker, dec.worker, reason, l_pd=l_pd, l_prfaas=l_prfaas,
+                            prefill_prefix_tokens=pf_tokens, decode_prefix_tokens=dec_tokens, prefix_move=move,
+                            guard_skips=pf.skipped + dec.skipped)
+
+
+@dataclass
+class _PendingSnapshot:
+    """A ``kv_resync`` snapshot arriving in parts; committed to the index on its last part."""
+
+    epoch: str
+    seq: int
+    cluster: str
+    role: str
+    next_part: int = 0
+    entries: list[tuple[int, int | None]] = field(default_factory=list)
+
+
+def _ident(args: dict[str, Any]) -> tuple[str, str, str, str]:
+    """``(node, cluster, role, epoch)`` of a kv_events/kv_resync call. Raises ``RpcError`` (bad_request)."""
+    node, cluster, role, epoch = (args.get(k) for k in ("node", "cluster", "role", "epoch"))
+    if not (isinstance(node, str) and node and isinstance(epoch, str) and epoch):
+        raise RpcError(ErrorCode.BAD_REQUEST, "kv calls need a non-empty str node and epoch")
+    if cluster not in CLUSTERS or role not in ROLES:
+        raise RpcError(ErrorCode.BAD_REQUEST, f"cluster must be one of {CLUSTERS} and role one of {ROLES}, got {cluster!r}/{role!r}")
+    return node, cluster, role, epoch
+
+
+def _prefix_args(args: dict[str, Any], prompt_len: int) -> tuple[list[int], int] | None:
+    """``(block_hashes, block_size)`` of a ``place`` call, or None when it has no ``block_hashes``.
+    Raises ``RpcError`` (bad_request) when they are malformed or cover more than the prompt."""
+    hashes = args.get("block_hashes")
+    if hashes is None:
+        return None
+    size = args.get("block_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise RpcError(ErrorCode.BAD_REQUEST, "place with block_hashes needs an integer block_size >= 1 (tokens)")
+    if not isinstance(hashes, list):
+        raise RpcError(ErrorCode.BAD_REQUEST, "block_hashes must be a list of unsigned 64-bit ints")
+    if len(hashes) * size > prompt_len:
+        raise RpcError(ErrorCode.BAD_REQUEST, f"{len(hashes)} block hashes of {size} tokens do not fit a {prompt_len}-token prompt")
+    for h in hashes:
+        if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < HASH_LIMIT:
+            raise RpcError(ErrorCode.BAD_REQUEST, f"block hash {h!r} is not an unsigned 64-bit int")
+    return hashes, size
+
 
 class Router:
-    """Placement over the planner's worker view; ``threshold`` in tokens, ``refresh`` in seconds."""
+    """Placement over the planner's worker view and the global KVCache index.
 
-    def __init__(self, planner_addr: str, threshold: int, name: str = "router", refresh: float = 0.5, release_after: float = 3600.0):
+    ``threshold`` in tokens; ``refresh`` and ``release_after`` in seconds; ``bandwidth_plentiful``
+    selects the short-timescale rule; ``forget_after``: seconds a worker must have been reported
+    dead before its cache leaves the index.
+    """
+
+    def __init__(self, planner_addr: str, threshold: int, name: str = "router", refresh: float = 0.5, release_after: float = 3600.0,
+                 bandwidth_plentiful: bool = False, forget_after: float = 10.0):
         self.threshold = threshold
         self.refresh = refresh
         self.release_after = release_after
+        self.bandwidth_plentiful = bandwidth_plentiful
+        self.forget_after = forget_after
         self.planner = RpcClient(planner_addr, service="router", name=name, connect_timeout=2.0)
         self.workers: list[dict[str, Any]] = []
         self.view_at = 0.0
@@ -39,10 +166,18 @@ class Router:
         self.placed: dict[str, tuple[list[str], float]] = {}  # req_id -> (worker names, placed at)
         self.decisions: Counter[str] = Counter()
         self.fallbacks = 0
+        self.index = KvIndex()
+        self.kv_epochs: dict[str, str] = {}  # node -> epoch of the cache the index holds (every indexed node has one)
+        self.kv_block_size: dict[str, int] = {}  # node -> block size its publisher reported
+        self._pending: dict[str, _PendingSnapshot] = {}
+        self._block_size_warned: set[str] = set()
+        self.prefix_counts: Counter[str] = Counter()  # requests, prompt_tokens, decode_hit_tokens, moves, guard_skips
+        self.hit_tokens: Counter[str] = Counter()  # cluster -> cached prompt tokens on the chosen prefill worker
+        self.forgotten = 0
         self.server = RpcServer(
             "router", name,
             handlers={"place": self.place, "release": self.release, "stats": self.stats, "health": self.health,
-                      "set_threshold": self.set_threshold},
+                      "set_threshold": self.set_threshold, "kv_events": self.kv_events, "kv_resync": self.kv_resync},
         )
         self._task: asyncio.Task | None = None
 
@@ -68,6 +203,7 @@ class Router:
         view = await self.planner.call("view", timeout=2.0)
         self.workers = view["workers"]
         self.view_at = time.monotonic()
+        self._forget_dead()
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
@@ -76,24 +212,123 @@ class Router:
                 log.warning("lease of %s expired without release", req_id)
                 self._release(req_id)
 
+    # -- global KVCache index ----------------------------------------------------------------
+    def _forget(self, node: str) -> None:
+        self.index.forget(node)
+        self.kv_epochs.pop(node, None)
+        self.kv_block_size.pop(node, None)
+        self._pending.pop(node, None)
+
+    def _forget_dead(self) -> None:
+        """Drop the cache of every indexed worker the planner has reported dead for ``forget_after`` s.
+        A worker missing from the view (e.g. the planner restarted) is kept: it re-registers soon."""
+        for w in self.workers:
+            name = w.get("name")
+            if name in self.kv_epochs and not w.get("alive") and float(w.get("age_s") or 0) > self.forget_after:
+                log.info("forgetting %s's prefix cache: dead for %.1fs", name, float(w.get("age_s") or 0))
+                self._forget(name)
+                self.forgotten += 1
+
+    def _note_block_size(self, node: str, args: dict[str, Any]) -> None:
+        size = args.get("block_size")
+        if isinstance(size, int) and not isinstance(size, bool):
+            self.kv_block_size[node] = size
+
+    async def kv_events(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Apply one batch of a worker's prefix-cache events; ``{resync: true}`` when the index cannot
+        (unknown node past seq 1, a gap, an incomplete batch, or a new epoch whose batch does not
+        start at seq 1). A new epoch first drops the node's old cache: a restarted worker's seqs
+        start at 1 again and must replace, not be skipped as re-deliveries."""
+        node, cluster, role, epoch = _ident(args)
+        first_seq, events = args.get("first_seq"), args.get("events")
+        if not isinstance(first_seq, int) or isinstance(first_seq, bool) or not isinstance(events, list):
+            raise RpcError(ErrorCode.BAD_REQUEST, "kv_events needs an integer first_seq and a list of events")
+        known = self.kv_epochs.get(node)
+        if known is not None and known != epoch:
+            log.info("%s restarted (epoch %s -> %s): dropping its indexed cache", node, known, epoch)
+            self._forget(node)
+        try:
+            ok = self.index.apply(node, cluster, role, first_seq, events, bool(args.get("complete", True)))
+        except (TypeError, ValueError) as e:
+            raise RpcError(ErrorCode.BAD_REQUEST, f"malformed kv_events batch: {e}") from None
+        if not ok:
+            return {"resync": True}
+        self.kv_epochs[node] = epoch
+        self._note_block_size(node, args)
+        return {"ok": True, "seq": self.index.last_seq(node)}
+
+    async def kv_resync(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Receive one part of a worker's cache snapshot; on the ``last`` part, replace the node's
+        index with it. Parts must come in order 0, 1, ... with one epoch and seq; otherwise (e.g. the
+        router restarted between parts) the partial snapshot is dropped and ``{resync: true}`` asks
+        for a fresh one."""
+        node, cluster, role, epoch = _ident(args)
+        seq, entries, part = args.get("seq"), args.get("entries"), args.get("part", 0)
+        if not (isinstance(seq, int) and isinstance(part, int) and isinstance(entries, list)):
+            raise RpcError(ErrorCode.BAD_REQUEST, "kv_resync needs an integer seq and part and a list of entries")
+        if part == 0:
+            self._pending[node] = _PendingSnapshot(epoch, seq, cluster, role)
+        pending = self._pending.get(node)
+        if pending is None or (pending.epoch, pending.seq, pending.next_part) != (epoch, seq, part):
+            self._pending.pop(node, None)
+            return {"resync": True}
+        try:
+            pending.entries += [(h, p) for h, p in entries]
+        except (TypeError, ValueError):
+            self._pending.pop(node, None)
+            raise RpcError(ErrorCode.BAD_REQUEST, "kv_resync entries must be [hash, parent] pairs") from None
+        if len(pending.entries) > MAX_SNAPSHOT_ENTRIES:
+            self._pending.pop(node, None)
+            raise RpcError(ErrorCode.BAD_REQUEST, f"snapshot of {node} exceeds {MAX_SNAPSHOT_ENTRIES} entries")
+        pending.next_part += 1
+        if not args.get("last", True):
+            return {"ok": True, "more": True}
+        del self._pending[node]
+        try:
+            self.index.resync(node, pending.cluster, pending.role, seq, pending.entries)
+        except ValueError as e:
+            raise RpcError(ErrorCode.BAD_REQUEST, f"malformed kv_resync snapshot: {e}") from None
+        self.kv_epochs[node] = epoch
+        self._note_block_size(node, args)
+        log.info("resynced %s (%s/%s): %d blocks as of seq %d", node, cluster, role, len(pending.entries), seq)
+        return {"ok": True, "entries": len(pending.entries)}
+
+    def _check_block_size(self, size: int) -> None:
+        """Warn once per node whose cache is keyed with another block size: its hashes never match."""
+        for node, theirs in self.kv_block_size.items():
+            if theirs != size and node not in self._block_size_warned:
+                self._block_size_warned.add(node)
+                log.warning("%s hashes %d-token blocks but placements use %d: its cache can never match (set PRFAAS_BLOCK_SIZE alike)",
+                            node, theirs, size)
+
+    # -- placement ---------------------------------------------------------------------------
     async def place(self, args: dict[str, Any]) -> dict[str, Any]:
         req_id = str(args.get("req_id", ""))
         try:
             prompt_len = int(args["prompt_len"])
         except (KeyError, TypeError, ValueError):
             raise RpcError(ErrorCode.BAD_REQUEST, "place needs an integer prompt_len") from None
+        prefix = _prefix_args(args, prompt_len)
         if not self.workers or time.monotonic() - self.view_at > 2.0:
             with contextlib.suppress(RpcError, asyncio.TimeoutError, OSError):
                 await self.refresh_view()
-        incremental = prompt_len  # no prefix cache yet: the whole prompt is incremental
         try:
             exclude = {str(n) for n in (args.get("exclude_decode") or [])}
-            p = policy.place(incremental, self.threshold, self.workers, self.inflight, exclude_decode=exclude)
+            if prefix is None or prompt_len < 1:  # no hashes: the whole prompt is incremental
+                p = policy.place(prompt_len, self.threshold, self.workers, self.inflight, exclude_decode=exclude)
+            else:
+                hashes, block_size = prefix
+                self._check_block_size(block_size)
+                p = place_with_prefix(prompt_len, block_size, self.index.lookup(hashes), self.threshold, self.workers,
+                                      self.inflight, self.bandwidth_plentiful, exclude)
         except policy.NoWorker as e:
             raise RpcError(ErrorCode.UNAVAILABLE, str(e), retry_after=1) from None
+        except ValueError as e:
+            raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
         self.decisions[p.route] += 1
         if "fell back" in p.reason:
             self.fallbacks += 1
+        self._count_prefix(prompt_len, p)
         names = [p.prefill["name"], p.decode["name"]]
         for n in names:
             self.inflight[n] += 1
@@ -107,7 +342,21 @@ class Router:
             "reason": p.reason,
             "prefill": {k: p.prefill[k] for k in ("name", "addr", "cluster")},
             "decode": {k: p.decode[k] for k in ("name", "addr", "kv_addr")},
+            "l_pd": p.l_pd,
+            "l_prfaas": p.l_prfaas,
+            "prefill_prefix_tokens": p.prefill_prefix_tokens,
+            "decode_prefix_tokens": p.decode_prefix_tokens,
+            "prefix_move": list(p.prefix_move) if p.prefix_move else None,
         }
+
+    def _count_prefix(self, prompt_len: int, p: policy.Placement) -> None:
+        c = self.prefix_counts
+        c["requests"] += 1
+        c["prompt_tokens"] += prompt_len
+        c["decode_hit_tokens"] += p.decode_prefix_tokens
+        c["moves"] += p.prefix_move is not None
+        c["guard_skips"] += bool(p.guard_skips)
+        self.hit_tokens[p.prefill["cluster"]] += p.prefill_prefix_tokens
 
     async def set_threshold(self, args: dict[str, Any]) -> dict[str, Any]:
         """Replace ``t`` (tokens). One assignment on the event loop: a placement sees the old or the new
@@ -133,11 +382,20 @@ class Router:
         return {"released": self._release(str(args.get("req_id", "")))}
 
     async def stats(self, args: dict[str, Any]) -> dict[str, Any]:
+        c = self.prefix_counts
         return {
             "route_decisions": dict(self.decisions),
             "route_fallbacks": self.fallbacks,
             "threshold_tokens": self.threshold,
             "inflight": dict(self.inflight),
+            "prefix": {
+                "requests": c["requests"], "prompt_tokens": c["prompt_tokens"],
+                "hit_tokens": {cluster: self.hit_tokens.get(cluster, 0) for cluster in CLUSTERS},
+                "decode_hit_tokens": c["decode_hit_tokens"], "moves": c["moves"], "guard_skips": c["guard_skips"],
+                "bandwidth_plentiful": self.bandwidth_plentiful,
+            },
+            "kv_index": {**self.index.stats(), "epochs": dict(sorted(self.kv_epochs.items())), "forgotten": self.forgotten,
+                         "block_size": dict(sorted(self.kv_block_size.items()))},
         }
 
     async def health(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -151,11 +409,13 @@ class Router:
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     planner_addr = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
-    router = Router(planner_addr, args.threshold, args.name)
+    router = Router(planner_addr, args.threshold, args.name, bandwidth_plentiful=args.bandwidth_plentiful,
+                    forget_after=args.forget_after)
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_ROUTER_ADDR"))
     await router.server.start(host, port)
     router.start()
-    print(f"READY router listening on {host}:{port} threshold={args.threshold}", flush=True)
+    print(f"READY router listening on {host}:{port} threshold={args.threshold} "
+          f"bandwidth={'plentiful' if args.bandwidth_plentiful else 'scarce'}", flush=True)
     await stop.wait()
     await router.close()
 
@@ -166,6 +426,13 @@ def main() -> None:
     p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
     p.add_argument("--threshold", type=int, default=int(service.env_default("PRFAAS_THRESHOLD_TOKENS", str(policy.DEFAULT_THRESHOLD_TOKENS))),
                    help="t: incremental prefill tokens above which prefill goes to the PrfaaS cluster")
+    p.add_argument("--bandwidth-plentiful", action="store_true",
+                   default=service.env_default("PRFAAS_BANDWIDTH_PLENTIFUL", "0") not in ("0", "false", "no"),
+                   help="short-timescale rule for plentiful cross-cluster bandwidth: route on the longer cached prefix of "
+                        "either cluster and suggest moving it (default: scarce, each cluster judged on its own cache); "
+                        "from config until link signals drive it")
+    p.add_argument("--forget-after", type=float, default=10.0,
+                   help="seconds a worker must be reported dead before its prefix cache leaves the index")
     p.add_argument("--name", default="router")
     args = p.parse_args()
     service.setup_logging("router")
