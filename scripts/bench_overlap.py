@@ -141,6 +141,9 @@ def overlap(quick: bool) -> float:
     prompt_len = 6000 if quick else 8000
     reps = 2 if quick else 3
     os.environ.setdefault("PRFAAS_THREADS", "1")
+    # Every mode prefills the same prompts: with prefix caches on, the repeats would hit and skip most
+    # of the compute and the transfer. This measures the pipeline of full prefills, so they are off.
+    os.environ["PRFAAS_PREFIX_CACHE"] = "0"
     with Site() as site:
         if site.lab is None:
             print(f"\n(overlap: namespaces unavailable ({site.why}); using a userspace rate-capped proxy)")

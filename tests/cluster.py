@@ -52,7 +52,9 @@ class Cluster:
     late_delay: float = 0.0
     health_before_late: int | None = None  # gateway /health status just before the late services started
     decode_args: tuple[str, ...] = ()  # extra flags for the decode worker (e.g. a small KV pool)
+    router_args: tuple[str, ...] = ()  # extra flags for the router (e.g. --bandwidth-plentiful)
     second_decode_args: tuple[str, ...] | None = None  # start a second decode worker ("decode2") with these flags
+    extra_decoders: int = 0  # more decode workers "decode3", "decode4", ... (names decode-2, decode-3, ...), default flags
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     addrs: dict[str, str] = field(default_factory=dict)
     url: str = ""
@@ -60,6 +62,8 @@ class Cluster:
     def commands(self) -> dict[str, list[str]]:
         a = {n: f"127.0.0.1:{free_port()}" for n in ("router", "planner", "prefill_remote", "prefill_local", "decode", "decode_kv",
                                                     "decode2", "decode2_kv")}
+        for k in range(self.extra_decoders):
+            a[f"decode{k + 3}"], a[f"decode{k + 3}_kv"] = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         gw_port = free_port()
         self.addrs = dict(a, gateway=f"127.0.0.1:{gw_port}")
         self.url = f"http://127.0.0.1:{gw_port}"
@@ -67,7 +71,7 @@ class Cluster:
         model = ["--model", self.model]
         cmds = {
             "planner": py + ["services.planner", "--listen", a["planner"]],
-            "router": py + ["services.router", "--listen", a["router"], "--planner", a["planner"], "--threshold", str(self.threshold)],
+            "router": py + ["services.router", "--listen", a["router"], "--planner", a["planner"], "--threshold", str(self.threshold)] + list(self.router_args),
             "gateway": py + ["services.gateway", "--host", "127.0.0.1", "--port", str(gw_port), "--router", a["router"],
                              "--planner", a["planner"]] + model,
             "prefill_remote": py + ["services.prefill", "--name", "prefill-remote-0", "--cluster", "prfaas", "--listen",
@@ -77,6 +81,10 @@ class Cluster:
             "decode": py + ["services.decode", "--name", "decode-0", "--listen", a["decode"], "--kv-listen", a["decode_kv"],
                             "--planner", a["planner"], "--router", a["router"]] + model + list(self.decode_args),
         }
+        for k in range(self.extra_decoders):
+            n = f"decode{k + 3}"
+            cmds[n] = py + ["services.decode", "--name", f"decode-{k + 2}", "--listen", a[n], "--kv-listen", a[n + "_kv"],
+                            "--planner", a["planner"], "--router", a["router"]] + model
         if self.second_decode_args is not None:
             cmds["decode2"] = py + ["services.decode", "--name", "decode-1", "--listen", a["decode2"], "--kv-listen",
                                     a["decode2_kv"], "--planner", a["planner"], "--router", a["router"]] + model + list(self.second_decode_args)
@@ -127,7 +135,7 @@ class Cluster:
         report = json.loads(body)
         if not all(report.get(kind) for kind in ("prefill_remote", "prefill_local", "decode") if kind in self.procs):
             return False
-        names = {"decode": "decode-0", "decode2": "decode-1"}
+        names = {"decode": "decode-0", "decode2": "decode-1", **{f"decode{k + 3}": f"decode-{k + 2}" for k in range(self.extra_decoders)}}
         workers = report.get("workers") or {}
         return all(workers.get(names[n], {}).get("alive") for n in names if n in self.procs)
 

@@ -406,10 +406,14 @@ async def test_connection_cut_mid_transfer(env, how):
     await run_transfer(link, rx, "after-cut", make_layers(4, seq=300, seed=9))
 
 
+SMALL_RX = {"socket_buffer_bytes": 0}  # kernel-default receive buffers, for the stall tests
+
+
 def stall(rx: KvReceiver, c) -> None:
     """Make one of a link's connections stall: the receiver stops reading it (it stays open), and
     small send buffers (kernel and transport) make the stall show within a few hundred KiB instead
-    of several MiB."""
+    of several MiB. The receiver must have been made with ``socket_buffer_bytes=0`` (see
+    :data:`SMALL_RX`), or its large receive buffer would swallow the whole test transfer."""
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
     c.writer.transport.set_write_buffer_limits(high=64 << 10)
     rx_peer(rx, c).transport.pause_reading()
@@ -436,7 +440,7 @@ async def test_stalled_connection_detected_and_chunks_move(env, detector):
     """The receiver stops reading one connection (it stays open): its writes stop draining. The
     link must notice (drain deadline, or pongs overdue) and move that connection's chunks to the
     others; the transfer completes bitwise within about the detection deadline."""
-    rx, port = await env.receiver()
+    rx, port = await env.receiver(**SMALL_RX)
     deadline = 1.0
     if detector == "drain_deadline":
         link = env.link(port, connections=4, stall_timeout=deadline, ping_interval=30.0, ping_timeout=30.0)
@@ -459,7 +463,7 @@ async def test_stalled_connection_detected_and_chunks_move(env, detector):
 async def test_begin_resent_when_its_connection_fails(env):
     """KV_BEGIN went out on a connection that then stalls: once the link drops that connection,
     KV_BEGIN goes again on another, instead of waiting for the admission deadline."""
-    rx, port = await env.receiver()
+    rx, port = await env.receiver(**SMALL_RX)
     link = env.link(port, connections=2, ping_interval=0.2, ping_timeout=0.6)
     await link.ensure_connected()
     first = min(link.conns)  # all queues empty: KV_BEGIN takes the first connection
@@ -474,7 +478,7 @@ async def test_begin_resent_when_its_connection_fails(env):
 async def test_done_resent_when_its_connection_fails(env):
     """KV_DONE went out on a connection that carried none of the transfer's chunks and then stalls:
     the link sends KV_DONE again on another connection, instead of waiting for the finish timeout."""
-    rx, port = await env.receiver(num_layers=1)
+    rx, port = await env.receiver(num_layers=1, **SMALL_RX)
     link = env.link(port, connections=2, ping_interval=0.2, ping_timeout=0.6)
     await link.ensure_connected()
     c0, c1 = (link.conns[i] for i in sorted(link.conns))
@@ -505,7 +509,7 @@ async def test_done_resent_when_its_connection_fails(env):
 async def test_abort_while_stalled_returns_the_window(env):
     """A transfer aborted while its chunks wait behind a stalled connection: when that connection
     is then dropped, those chunks are discarded (not resent) and their window bytes come back."""
-    rx, port = await env.receiver()
+    rx, port = await env.receiver(**SMALL_RX)
     link = env.link(port, connections=3, stall_timeout=2.0, ping_interval=30.0, ping_timeout=30.0)
     await link.ensure_connected()
     cid = max(link.conns)

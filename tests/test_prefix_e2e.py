@@ -10,7 +10,9 @@ KV may cross to the decode worker: the bytes it receives are checked exactly.
 
 from __future__ import annotations
 
+import asyncio
 import random
+import re
 
 import aiohttp
 import pytest
@@ -74,3 +76,66 @@ async def test_c01_exact_with_prefix_hits(cluster, route):
                 assert await greedy(s, c, q) == reference_greedy(spec, q, NEW), f"{spec} {route} shared prefix of {n}"
     finally:
         await c.call("router", "set_threshold", {"threshold": 1024})
+
+
+@pytest.fixture(scope="module")
+def plentiful(tmp_path_factory):
+    """A hybrid cluster whose router treats cross-cluster bandwidth as plentiful."""
+    from tests.cluster import Cluster
+
+    c = Cluster(model="tiny-hybrid", log_dir=tmp_path_factory.mktemp("logs-plentiful"),
+                router_args=("--bandwidth-plentiful",)).start()
+    yield c
+    c.stop()
+
+
+async def test_prefix_moves_to_the_chosen_cluster_first(plentiful):
+    """Bandwidth plentiful, the prefix cached in PD-P, the request sent to the PrfaaS cluster: the
+    PrfaaS worker first pulls the cached blocks (and the linear-state checkpoint) from PD-P, then
+    computes only the rest. The output stays exact."""
+    c = plentiful
+    p = prompt_of(1100, 77)
+    want = reference_greedy("tiny-hybrid", p, NEW)
+    async with aiohttp.ClientSession() as s:
+        await c.call("router", "set_threshold", {"threshold": 10**9})  # first: local, so PD-P caches it
+        assert await greedy(s, c, p) == want
+        assert (await c.call("prefill_local", "stats"))["prompt_tokens"] == 1100
+        # wait until the router's index knows PD-P holds the prefix
+        for i in range(100):
+            probe = {"req_id": f"probe-{i}", "prompt_len": 1100, "block_hashes": hashes_of(p), "block_size": BS}
+            placed = await c.call("router", "place", probe)
+            await c.call("router", "release", {"req_id": probe["req_id"]})
+            if placed["l_pd"] == 1088:
+                break
+            await asyncio.sleep(0.05)
+        assert placed["l_pd"] == 1088, placed
+        await c.call("router", "set_threshold", {"threshold": 0})  # now: l = 12 > 0, remote, with a move
+        r0 = await c.call("prefill_remote", "stats")
+        assert await greedy(s, c, p) == want
+        r1 = await c.call("prefill_remote", "stats")
+    assert r1["prefix_pulled_tokens"] - r0["prefix_pulled_tokens"] == 1088
+    assert r1["prefix_hit_tokens"] - r0["prefix_hit_tokens"] == 1088
+    assert r1["prompt_tokens"] - r0["prompt_tokens"] == 1100
+    assert re.search(r"move prefix pd->prfaas", c.log("router")), c.log("router")[-2000:]
+
+
+def hashes_of(tokens: list[int]) -> list[int]:
+    from common.prefix_cache import block_hashes
+
+    return block_hashes(tokens, BS)
+
+
+async def test_request_done_at_its_first_token_still_fills_the_decode_cache(cluster):
+    """max_tokens 1 ends at the first token, before the batch loop: its prompt blocks must still be
+    offered to the decode worker's prefix cache."""
+    c, spec = cluster
+    p = prompt_of(200, 99)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(c.url + "/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+        async with s.post(c.url + "/v1/completions", json={"model": model, "prompt": p, "max_tokens": 1, "temperature": 0}) as r:
+            assert r.status == 200, await r.text()
+        d0 = await c.call("decode", "stats")
+        assert await greedy(s, c, p) == reference_greedy(spec, p, NEW)
+        d1 = await c.call("decode", "stats")
+    assert d1["prefix_hit_tokens"] - d0["prefix_hit_tokens"] == (200 - 1) // BS * BS

@@ -316,7 +316,7 @@ class DecodeWorker:
             call = asyncio.create_task(self._prefill_client(prefill_addr).call(  # 2. transfer
                 "prefill",
                 {"req_id": req_id, "input_ids": input_ids, "sampling": sampling.to_wire(), "kv_addr": self.kv_addr,
-                 "kv_from": kv_from},
+                 "kv_from": kv_from, "prefix_source": args.get("prefix_source")},
                 timeout=self.prefill_timeout,
             ))
             first_wait = asyncio.create_task(asyncio.wait_for(asm.first.wait(), self.prefill_timeout))
@@ -360,6 +360,8 @@ class DecodeWorker:
             self.transferring.discard(req_id)
             self.receiver.release(req_id)
             if not req.in_loop and req.seq is not None:
+                if asm is not None and asm.complete and asm.error is None:
+                    self._transfer_done(req)  # done at the first token: its prompt blocks still serve the cache
                 self.store.release(req.seq)
                 self._pump()
             self._wakeup.set()

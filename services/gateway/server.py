@@ -164,6 +164,7 @@ class Gateway:
                     "sampling": req.sampling.to_wire(),
                     "prefill_addr": placement["prefill"]["addr"],
                     "route": placement["route"],
+                    "prefix_source": (placement.get("prefix_source") or {}).get("addr"),
                 }
                 async with asyncio.timeout(self.request_timeout):
                     async with contextlib.aclosing(decoder.stream("generate", args)) as items:  # CANCEL at once on close

@@ -27,7 +27,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     )
     publisher = start_kv_publisher(args, worker, "prefill", args.cluster)
     report = report_with_publisher(worker.stats, publisher)
-    server = RpcServer("prefill", args.name, handlers={"prefill": worker.prefill, "inject_fault": worker.inject_fault, "health": _health,
+    server = RpcServer("prefill", args.name, stream_handlers={"export_prefix": worker.export_prefix}, handlers={"prefill": worker.prefill, "inject_fault": worker.inject_fault, "health": _health,
                                                   "stats": stats_handler(report)})
     host, port = parse_addr(listen)
     await server.start(host, port)

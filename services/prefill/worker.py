@@ -27,9 +27,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from typing import Any
+
+import torch
 
 from common import service
 from common.backend import Backend
@@ -38,7 +41,7 @@ from common.kv_sender import KvLink
 from common.kv_stream import tensor_ranges
 from common.paged_kv import PagedKvStore, PagedSeq, PoolExhausted
 from common.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
-from common.rpc import RpcError
+from common.rpc import RpcClient, RpcError
 from common.sampling import SamplingParams, sample_next
 from proto.frames import ErrorCode
 
@@ -81,6 +84,8 @@ class PrefillWorker:
         self.cancelled = 0
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_pulled_tokens = 0
+        self._peers: dict[str, RpcClient] = {}
         self.block_size = block_size
         self.checkpoint_every = max(1, checkpoint_every)
         self.kv_store: PagedKvStore | None = None
@@ -96,6 +101,7 @@ class PrefillWorker:
             "completed": self.completed, "cancelled": self.cancelled, "prompt_tokens": self.prompt_tokens,
             "links": self.link_stats(), "request_tasks": service.live_call_tasks("prefill"),
             "prefix_hit_tokens": self.prefix_hit_tokens,
+            "prefix_pulled_tokens": self.prefix_pulled_tokens,
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,
         }
 
@@ -113,6 +119,8 @@ class PrefillWorker:
     async def close(self) -> None:
         for link in self._links.values():
             await link.close()
+        for c in self._peers.values():
+            await c.close()
 
     async def inject_fault(self, args: dict[str, Any]) -> dict[str, Any]:
         """RPC for tests: see :class:`~common.faults.Faults`. Refused unless injection is enabled."""
@@ -134,6 +142,11 @@ class PrefillWorker:
                 or kv_from % self.block_size:
             raise RpcError(ErrorCode.BAD_REQUEST, f"kv_from must be a whole number of {self.block_size}-token blocks "
                            f"below the prompt length, got {kv_from!r}")
+        source = args.get("prefix_source")
+        if source and self.prefix_cache is not None:
+            if not isinstance(source, str):
+                raise RpcError(ErrorCode.BAD_REQUEST, "prefix_source must be a host:port string")
+            await self._pull_prefix(source, input_ids)
         self.waiting += 1
         try:
             await self._slot.acquire()
@@ -238,6 +251,87 @@ class PrefillWorker:
             hit.unpin()
 
     # -- prefix cache ------------------------------------------------------------------------------
+    async def export_prefix(self, args: dict[str, Any]):
+        """Stream RPC: ``{hashes: [int], from_block: int}`` -> the cached blocks of that chain after
+        ``from_block``, one item each: ``{block: j, kv: [[layer, k bytes, v bytes], ...]}`` (each
+        ``[H, block_size, d]`` in the arena's dtype), then, for a hybrid model, ``{state: [[layer,
+        name, bytes], ...]}``: the linear states checkpointed after the last block. Only a chain that
+        ends at a checkpoint is exported for a hybrid model. Nothing when no more is cached.
+        Raises :class:`RpcError` ``bad_request``."""
+        cache, store = self.prefix_cache, self.kv_store
+        hashes, start = args.get("hashes"), args.get("from_block", 0)
+        if cache is None:
+            raise RpcError(ErrorCode.BAD_REQUEST, f"{self.name} has no prefix cache")
+        if not isinstance(hashes, list) or not all(isinstance(h, int) and 0 <= h < 1 << 64 for h in hashes) \
+                or not isinstance(start, int) or start < 0:
+            raise RpcError(ErrorCode.BAD_REQUEST, "export_prefix needs hashes (unsigned 64-bit ints) and from_block >= 0")
+        n, blocks, slot = cache.match(hashes, need_state=bool(store.linear_layers))
+        if n <= start:
+            return
+        pinned = blocks[:n]
+        store.pool.incref(pinned)  # eviction cannot take them while we stream
+        try:
+            for j in range(start, n):
+                b = pinned[j]
+                yield {"block": j, "kv": [[i, _tensor_bytes(store.k[i][:, b]), _tensor_bytes(store.v[i][:, b])]
+                                          for i in store.attn_layers]}
+            if store.linear_layers:
+                yield {"state": [[i, name, _tensor_bytes(t[slot])] for i in store.linear_layers
+                                 for name, t in store.states[i].items()]}
+        finally:
+            store.pool.free(pinned)
+
+    async def _pull_prefix(self, source: str, input_ids: list[int], timeout: float = 30.0) -> int:
+        """Copy into this worker's cache the blocks of ``input_ids``'s prefix that the prefill worker at
+        ``source`` holds beyond ours (the router names it when bandwidth is plentiful and the longer
+        prefix sits in the other cluster: the cache moves first, then prefill starts from there).
+        Best effort: a failure is logged and the prefill simply computes more. Returns tokens pulled."""
+        cache, store = self.prefix_cache, self.kv_store
+        bs = self.block_size
+        hashes = block_hashes(input_ids, bs)[: (len(input_ids) - 1) // bs]
+        linear = bool(store.linear_layers)
+        have, _, _ = cache.match(hashes, need_state=linear)
+        items: list[dict] = []
+        try:
+            async with asyncio.timeout(timeout):
+                async for item in self._peer(source).stream("export_prefix", {"hashes": hashes, "from_block": have}):
+                    items.append(item)
+        except (RpcError, OSError, asyncio.TimeoutError) as e:
+            log.warning("pulling a cached prefix from %s failed: %s", source, e)
+            return 0
+        got = [it for it in items if "block" in it]
+        state = next((it["state"] for it in items if "state" in it), None)
+        if not got or (linear and state is None) or [it["block"] for it in got] != list(range(have, have + len(got))):
+            return 0
+        pool = store.pool
+        need = pool.pages_for(len(got), 1 if linear else 0)
+        if not cache.ensure_free(need):
+            return 0
+        try:
+            blocks, slots = pool.allocate(len(got), 1 if linear else 0)
+        except PoolExhausted:
+            return 0
+        shape = (store.kv_heads, bs, store.head_dim)
+        for b, it in zip(blocks, got):
+            for i, kb, vb in it["kv"]:
+                store.k[i][:, b].copy_(_tensor_of(kb, store.dtype, shape))
+                store.v[i][:, b].copy_(_tensor_of(vb, store.dtype, shape))
+        for i, name, data in state or []:
+            dst = store.states[i][name][slots[0]]
+            dst.copy_(_tensor_of(data, dst.dtype, tuple(dst.shape)))
+        result = cache.insert(hashes[have : have + len(got)], blocks, {len(got) - 1: slots[0]} if linear else None,
+                              parent=hashes[have - 1] if have else ROOT_HASH)
+        pool.free(blocks, [s for s in slots if len(got) - 1 not in result.adopted])
+        self.prefix_pulled_tokens += len(got) * bs
+        log.info("pulled %d cached tokens from %s", len(got) * bs, source)
+        return len(got) * bs
+
+    def _peer(self, addr: str) -> RpcClient:
+        c = self._peers.get(addr)
+        if c is None:
+            c = self._peers[addr] = RpcClient(addr, service="prefill", name=self.name, connect_timeout=5.0)
+        return c
+
     def _match(self, input_ids: list[int]) -> "_Hit":
         """The longest cached prefix this worker can resume from (pinned until :meth:`_Hit.unpin`), and
         where this prefill should checkpoint linear states for later hits."""
@@ -290,6 +384,18 @@ class PrefillWorker:
                     store.states[i][name][slot].copy_(t[0])
         result = cache.insert(hit.hashes[first:full], blocks, slot_of, parent=hit.hashes[first - 1] if first else ROOT_HASH)
         pool.free(blocks, [slot for j, slot in slot_of.items() if j not in result.adopted])
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _tensor_of(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor view of ``data`` (bytes from :func:`_tensor_bytes`). Raises ``ValueError`` on a size mismatch."""
+    t = torch.frombuffer(bytearray(data), dtype=dtype)
+    if t.numel() != math.prod(shape):
+        raise ValueError(f"{len(data)} bytes do not make a {dtype} tensor of shape {shape}")
+    return t.view(shape)
 
 
 class _Hit:

@@ -41,7 +41,9 @@ class Placement:
     block hashes: ``l_pd``/``l_prfaas`` are the longest cached prefixes over alive prefill workers
     of each cluster, ``prefill_prefix_tokens``/``decode_prefix_tokens`` what the chosen workers hold,
     ``prefix_move`` a suggested ``(from_cluster, to_cluster)`` cache move, ``guard_skips`` the workers
-    the load guard passed over although they held a longer prefix than the chosen one.
+    the load guard passed over although they held a longer prefix than the chosen one, and
+    ``prefix_source`` (name, addr, tokens) the prefill worker of the other cluster that holds the
+    longer prefix when a move is suggested: the chosen prefill worker pulls it before it computes.
     """
 
     route: str
@@ -56,6 +58,7 @@ class Placement:
     decode_prefix_tokens: int = 0
     prefix_move: tuple[str, str] | None = None
     guard_skips: tuple[str, ...] = ()
+    prefix_source: dict[str, Any] | None = None  # with a move: the prefill worker to pull the prefix from
 
 
 def choose_route(incremental_len: int, threshold: int) -> str:

@@ -83,6 +83,13 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
     if "fell back" in reason and bandwidth_plentiful:
         reason += f"; move prefix {move[0]}->{move[1]}" if move else "; no prefix move"
 
+    source = None
+    if move is not None:  # the longer prefix sits in the other cluster: name a worker holding it
+        holders = [w for w in prefills[move[0]] if prefix_blocks.get(w["name"], 0)]
+        if holders:
+            best = max(holders, key=lambda w: (prefix_blocks[w["name"]], w["name"]))
+            source = {"name": best["name"], "addr": best["addr"],
+                      "tokens": min(prefix_blocks[best["name"]] * block_size, prompt_len - 1)}
     pf = policy.pick_affine(prefills[policy.CLUSTER_OF_ROUTE[route]], prefix_blocks, inflight)
     dec = policy.pick_affine([w for w in alive if w["role"] == "decode" and w["name"] not in exclude_decode],
                              prefix_blocks, inflight)
@@ -100,7 +107,8 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
         reason += f" (load guard skipped {', '.join(dec.skipped)})"
     return policy.Placement(route, l, threshold, pf.worker, dec.worker, reason, l_pd=l_pd, l_prfaas=l_prfaas,
                             prefill_prefix_tokens=pf_tokens, decode_prefix_tokens=dec_tokens, prefix_move=move,
-                            guard_skips=pf.skipped + dec.skipped)
+                            guard_skips=pf.skipped + dec.skipped,
+                            prefix_source=source if source and source["tokens"] > pf_tokens else None)
 
 
 @dataclass
@@ -347,6 +355,7 @@ class Router:
             "prefill_prefix_tokens": p.prefill_prefix_tokens,
             "decode_prefix_tokens": p.decode_prefix_tokens,
             "prefix_move": list(p.prefix_move) if p.prefix_move else None,
+            "prefix_source": p.prefix_source,
         }
 
     def _count_prefix(self, prompt_len: int, p: policy.Placement) -> None:
