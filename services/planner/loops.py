@@ -1,0 +1,512 @@
+"""The planner's two control loops (paper §3.4.3, eqs. 6-8): pure controllers, no I/O, no asyncio.
+
+Time is passed in as a number (seconds, any monotonic origin); signals are plain dataclasses; every
+action is returned as a value with a ``reason`` string and counted in ``decisions`` by kind. The
+planner service is the thin shell that samples stats, calls ``tick`` and applies what comes back.
+
+Short-timescale loop (``ShortLoop``, ticks of ~1 s): owns the routing threshold ``t`` (tokens) and
+the "bandwidth plentiful" flag the router's prefix rule reads.
+
+* Anchor: the throughput model's optimum ``t*`` (eq. 7, ``throughput.best_threshold``) for the current
+  instance counts with the link bound set to the measured capacity times ``util_target``; under
+  congestion the bound is the measured effective egress instead (the link delivers no more).
+* Offload pressure (egress utilisation above ``util_enter``, congestion, or a PrfaaS queue surge
+  while PD-P is not surging) held for ``enter_ticks`` consecutive ticks raises ``t`` to
+  ``max(anchor, t * f)``, ``f`` a bounded multiplicative factor from utilisation / queue pressure.
+* Offload healthy (utilisation below ``util_exit``, no congestion, PrfaaS queue small) held for
+  ``exit_ticks`` ticks moves ``t`` back toward the anchor; a building PD-P queue lowers the target
+  below the anchor by a bounded factor (more offload). Between the enter and exit bands: hold.
+* Rate limits: one change per ``min_interval_s``, a reversal of direction only after
+  ``reverse_interval_s``, each step at most a factor ``max_step``, changes under ``deadband`` ignored.
+
+Long-timescale loop (``LongLoop``, evaluated every ``period_s``, minutes): compares the smoothed
+prefill capacity ``Theta_prfaas + Theta_pdp`` with ``Theta_pdd`` (eq. 8). An imbalance beyond
+``enter_margin`` that persists (above ``exit_margin``) for ``hold_s``, is not contradicted by the
+measured queues, and whose one-worker fix is predicted to raise ``min(prefill, decode)`` by at least
+``min_gain``, yields ONE ``RoleChange`` with a fresh epoch. While it is pending (until ``ack`` or
+``ack_timeout_s``) and for ``cooldown_s`` afterwards nothing else is proposed. The caller drains the
+worker, flips its role, acks the epoch, and asks the short loop to re-solve ``t``
+(``ShortLoop.request_resolve``). Old or unknown epochs are refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from services.planner import throughput as tm
+
+ThresholdSolver = Callable[[float], float]
+"""link bound (Gbps) -> optimum threshold t (tokens) for the current instance counts."""
+
+
+# --------------------------------------------------------------------------- model anchor
+
+
+class ModelThreshold:
+    """The eq. 7 optimum ``t*`` as a function of the link bound (Gbps), from ``throughput``.
+
+    Results are cached per ``quantum_gbps`` bucket of the link bound (the bound is rounded to the
+    bucket before solving), so a noisy measurement does not re-run the grid search every tick.
+    """
+
+    def __init__(self, dep: tm.Deployment, dist: tm.LengthDistribution, *, grid: int = 200,
+                 quantum_gbps: float = 0.5, max_cache: int = 256):
+        if not quantum_gbps > 0:
+            raise ValueError("quantum_gbps must be positive")
+        self.dep, self.dist, self.grid = dep, dist, grid
+        self.quantum_gbps, self.max_cache = quantum_gbps, max_cache
+        self._cache: dict[int, float] = {}
+
+    def __call__(self, link_gbps: float) -> float:
+        k = max(1, round(link_gbps / self.quantum_gbps))
+        if k not in self._cache:
+            if len(self._cache) >= self.max_cache:
+                self._cache.clear()
+            dep = replace(self.dep, link_gbps=k * self.quantum_gbps)
+            self._cache[k] = float(tm.best_threshold(dep, self.dist, self.grid).t)
+        return self._cache[k]
+
+    def with_split(self, n_p: int, n_d: int) -> "ModelThreshold":
+        """The same model after a role change (new PD-P / PD-D counts)."""
+        return ModelThreshold(replace(self.dep, n_p=n_p, n_d=n_d), self.dist, grid=self.grid,
+                              quantum_gbps=self.quantum_gbps, max_cache=self.max_cache)
+
+
+# --------------------------------------------------------------------------- short loop
+
+
+@dataclass(frozen=True)
+class ShortSignals:
+    """One short-loop sample. Deltas are since the previous tick.
+
+    egress_util: PrfaaS KV egress (bytes/s sent by PrfaaS prefill workers) / measured link capacity;
+        0..1, above 1 when the capacity estimate lags.
+    link_gbps: measured link capacity (Gbps); None = ``ShortConfig.link_gbps`` (nominal).
+    stalls, retransmits: send stalls and TCP retransmits since the previous tick (counts).
+    rtt_inflation: smoothed RTT / base RTT (1.0 = uncongested).
+    q_prfaas, q_pdp, q_decode: requests waiting for PrfaaS prefill, PD-P prefill, decode admission.
+    """
+
+    egress_util: float
+    link_gbps: float | None = None
+    stalls: int = 0
+    retransmits: int = 0
+    rtt_inflation: float = 1.0
+    q_prfaas: int = 0
+    q_pdp: int = 0
+    q_decode: int = 0
+
+
+@dataclass(frozen=True)
+class ShortConfig:
+    """Short-loop knobs. Utilisations are fractions of link capacity, times seconds, t tokens."""
+
+    link_gbps: float = 100.0  # nominal link capacity (Gbps) when no measurement is given
+    t_min: float = 128.0
+    t_max: float = 131072.0
+    util_target: float = 0.80  # headroom: the model is solved with link * util_target
+    util_enter: float = 0.85  # pressure above this
+    util_exit: float = 0.70  # healthy below this
+    rtt_inflation_limit: float = 1.5
+    retransmit_limit: int = 50  # per tick
+    stall_limit: int = 5  # per tick
+    q_prfaas_enter: int = 16  # PrfaaS waiting requests: surge above this
+    q_prfaas_exit: int = 4  # ... and healthy at or below this
+    q_pdp_enter: int = 16  # PD-P waiting requests: build-up above this
+    q_gain: float = 0.25  # multiplicative factor per unit of relative queue excess
+    max_adjust: float = 1.5  # bound on the queue factor below the anchor
+    enter_ticks: int = 3
+    exit_ticks: int = 10
+    min_interval_s: float = 10.0
+    reverse_interval_s: float = 30.0
+    max_step: float = 1.5  # one change moves t by at most this factor
+    min_step: float = 0.10  # under pressure t rises at least by this fraction
+    deadband: float = 0.02  # relative; smaller moves are not made
+    plentiful_util: float = 0.50  # plentiful: utilisation below this, no congestion ...
+    plentiful_ticks: int = 5  # ... for this many ticks
+    scarce_util: float = 0.70  # scarce: utilisation above this or congestion ...
+    scarce_ticks: int = 2  # ... for this many ticks
+
+    def __post_init__(self) -> None:
+        if not (0 < self.util_exit < self.util_enter and self.plentiful_util < self.scarce_util):
+            raise ValueError("need util_exit < util_enter and plentiful_util < scarce_util")
+        if not (0 < self.t_min <= self.t_max) or self.max_step <= 1 or self.max_adjust < 1:
+            raise ValueError("need 0 < t_min <= t_max, max_step > 1, max_adjust >= 1")
+        if min(self.enter_ticks, self.exit_ticks, self.plentiful_ticks, self.scarce_ticks) < 1:
+            raise ValueError("tick counts must be >= 1")
+        if self.reverse_interval_s < self.min_interval_s:
+            raise ValueError("reverse_interval_s must be >= min_interval_s")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one short-loop tick changed. ``actions`` is a subset of ``ShortLoop.KINDS``."""
+
+    at: float  # s
+    t: float  # threshold in force after the tick (tokens)
+    prev_t: float
+    plentiful: bool  # bandwidth state after the tick
+    actions: tuple[str, ...]
+    reason: str
+
+
+class ShortLoop:
+    """Seconds-scale controller of ``t`` and of the plentiful/scarce flag (see module docstring)."""
+
+    KINDS = ("raise_t", "lower_t", "resolve_t", "plentiful", "scarce")
+
+    def __init__(self, config: ShortConfig, solver: ThresholdSolver, t0: float | None = None):
+        self.cfg, self._solver = config, solver
+        self.t = self._clamp(solver(config.link_gbps * config.util_target) if t0 is None else t0)
+        self.plentiful = False
+        self.decisions: dict[str, int] = {k: 0 for k in self.KINDS}
+        self.suppressed: dict[str, int] = {"rate_limit": 0, "reverse_limit": 0}
+        self.ticks = 0
+        self._press = self._healthy = self._plent = self._scarce = 0
+        self._last_change_at = -math.inf
+        self._last_dir = 0  # +1 raised, -1 lowered, 0 none yet
+        self._last_now = -math.inf
+        self._resolve = False
+        self._anchor = self.t
+        self._last_reason = ""
+
+    def request_resolve(self, solver: ThresholdSolver | None = None) -> None:
+        """Re-anchor ``t`` on the model at the next tick the rate limit allows (after a role change,
+        pass the solver for the new split). Not step-bounded: the instance counts moved."""
+        if solver is not None:
+            self._solver = solver
+        self._resolve = True
+
+    def _clamp(self, t: float) -> float:
+        return min(max(float(t), self.cfg.t_min), self.cfg.t_max)
+
+    def tick(self, now: float, s: ShortSignals) -> Decision | None:
+        """One sample at ``now`` (s, non-decreasing). Returns the change made, or None."""
+        # Invariant: t changes at most once per min_interval_s, reverses direction at most once per
+        # reverse_interval_s, by at most a factor max_step (except a requested re-solve), and only
+        # after its condition held for enter_ticks / exit_ticks consecutive ticks.
+        if now < self._last_now:
+            raise ValueError(f"time went backwards: {now} < {self._last_now}")
+        self._last_now = now
+        self.ticks += 1
+        c = self.cfg
+        cap = c.link_gbps if s.link_gbps is None else s.link_gbps
+        util = s.egress_util
+        congested = (s.retransmits > c.retransmit_limit or s.stalls > c.stall_limit
+                     or s.rtt_inflation > c.rtt_inflation_limit)
+        why: list[str] = []
+        if util > c.util_enter:
+            why.append(f"egress util {util:.2f} > {c.util_enter}")
+        if congested:
+            why.append(f"congestion (retx {s.retransmits}, stalls {s.stalls}, "
+                       f"rtt x{s.rtt_inflation:.2f})")
+        if s.q_prfaas > c.q_prfaas_enter and s.q_pdp <= c.q_pdp_enter:
+            why.append(f"PrfaaS queue {s.q_prfaas} > {c.q_prfaas_enter}")
+        healthy = util < c.util_exit and not congested and s.q_prfaas <= c.q_prfaas_exit
+        self._press = self._press + 1 if why else 0
+        self._healthy = self._healthy + 1 if healthy else 0
+
+        actions: list[str] = []
+        reasons: list[str] = []
+        self._tick_plentiful(util, congested, actions, reasons)
+
+        prev_t = self.t
+        new_t, kind, reason = self._target(util, cap, congested, s, why)
+        if kind is not None:
+            direction = 1 if new_t > self.t else -1
+            if now - self._last_change_at < c.min_interval_s:
+                self.suppressed["rate_limit"] += 1
+            elif (direction != self._last_dir and self._last_dir != 0
+                  and now - self._last_change_at < c.reverse_interval_s):
+                self.suppressed["reverse_limit"] += 1
+            else:
+                self.t, self._last_change_at, self._last_dir = new_t, now, direction
+                if kind == "resolve_t":
+                    self._resolve = False
+                actions.append(kind)
+                reasons.append(reason)
+        if not actions:
+            return None
+        for a in actions:
+            self.decisions[a] += 1
+        self._last_reason = "; ".join(reasons)
+        return Decision(now, self.t, prev_t, self.plentiful, tuple(actions), self._last_reason)
+
+    def _tick_plentiful(self, util: float, congested: bool, actions: list[str],
+                        reasons: list[str]) -> None:
+        c = self.cfg
+        self._plent = self._plent + 1 if util < c.plentiful_util and not congested else 0
+        self._scarce = self._scarce + 1 if util > c.scarce_util or congested else 0
+        if not self.plentiful and self._plent >= c.plentiful_ticks:
+            self.plentiful = True
+            actions.append("plentiful")
+            reasons.append(f"bandwidth plentiful: util {util:.2f} < {c.plentiful_util}, "
+                           f"no congestion for {self._plent} ticks")
+        elif self.plentiful and self._scarce >= c.scarce_ticks:
+            self.plentiful = False
+            actions.append("scarce")
+            reasons.append(f"bandwidth scarce: util {util:.2f} > {c.scarce_util} or congestion "
+                           f"for {self._scarce} ticks")
+
+    def _target(self, util: float, cap: float, congested: bool, s: ShortSignals,
+                why: list[str]) -> tuple[float, str | None, str]:
+        """The wanted (t, kind, reason); kind None means hold."""
+        c, t = self.cfg, self.t
+        pressured = self._press >= c.enter_ticks
+        # Under congestion the link carries only what it carries: solve with the effective egress.
+        bound = min(cap, util * cap) if congested else cap
+        bound = max(bound, 1e-3) * c.util_target
+        if self._resolve:
+            anchor = self._clamp(self._solver(bound if pressured else cap * c.util_target))
+            self._anchor = anchor
+            if abs(anchor - t) > c.deadband * t:
+                return anchor, "resolve_t", f"re-solve after split change: model t* {anchor:.0f}"
+            self._resolve = False
+        if pressured:
+            anchor = self._clamp(self._solver(bound))
+            self._anchor = anchor
+            f_util = util / c.util_target if util > c.util_target else 1.0
+            f_q = 1.0
+            if s.q_prfaas > c.q_prfaas_enter:
+                f_q = 1.0 + c.q_gain * (s.q_prfaas / c.q_prfaas_enter - 1.0)
+            f = min(max(f_util, f_q, 1.0 + c.min_step), c.max_step)
+            new = min(max(anchor, t * f), t * c.max_step, c.t_max)
+            if new > t * (1 + c.deadband):
+                return new, "raise_t", (f"offload pressure for {self._press} ticks: "
+                                        f"{', '.join(why)}; model t* {anchor:.0f} at "
+                                        f"{bound:.1f} Gbps, factor {f:.2f}")
+            return t, None, ""
+        if self._healthy >= c.exit_ticks:
+            anchor = self._clamp(self._solver(cap * c.util_target))
+            self._anchor = anchor
+            g = 1.0
+            if s.q_pdp > c.q_pdp_enter:
+                g = max(1.0 / c.max_adjust, 1.0 / (1.0 + c.q_gain * (s.q_pdp / c.q_pdp_enter - 1.0)))
+            target = self._clamp(anchor * g)
+            note = f"; PD-P queue {s.q_pdp} > {c.q_pdp_enter}, factor {g:.2f}" if g < 1 else ""
+            if t > target * (1 + c.deadband):
+                return (max(target, t / c.max_step), "lower_t",
+                        f"offload healthy for {self._healthy} ticks (util {util:.2f}); toward "
+                        f"model t* {anchor:.0f}{note}")
+            if g == 1.0 and t < target / (1 + c.deadband):
+                return (min(target, t * c.max_step), "raise_t",
+                        f"PD-P queue drained; back to model t* {anchor:.0f}")
+        return t, None, ""
+
+    def state(self) -> dict[str, Any]:
+        """Metrics snapshot: plain str/int/float/bool/dict, msgpack- and JSON-safe."""
+        return {
+            "t": self.t, "anchor_t": self._anchor, "plentiful": self.plentiful,
+            "ticks": self.ticks, "decisions": dict(self.decisions),
+            "suppressed": dict(self.suppressed), "pressure_ticks": self._press,
+            "healthy_ticks": self._healthy, "resolve_pending": self._resolve,
+            "last_change_at": None if math.isinf(self._last_change_at) else self._last_change_at,
+            "last_reason": self._last_reason,
+        }
+
+
+# --------------------------------------------------------------------------- long loop
+
+
+@dataclass(frozen=True)
+class LongSignals:
+    """One long-loop sample: stage capacities (req/s, from the model at the current split and t, or
+    measured) and the current split and queues.
+
+    theta_prfaas: eq. 3 capacity of the PrfaaS cluster (0 without one).
+    theta_pdp: eq. 4 capacity of the N_p PD-P workers. theta_pdd: eq. 5 capacity of the N_d decoders.
+    q_pdp, q_decode: requests waiting for PD-P prefill and for decode admission.
+    """
+
+    theta_prfaas: float
+    theta_pdp: float
+    theta_pdd: float
+    n_p: int
+    n_d: int
+    q_pdp: float = 0.0
+    q_decode: float = 0.0
+
+    @classmethod
+    def from_evaluation(cls, ev: tm.Evaluation, n_p: int, n_d: int, q_pdp: float = 0.0,
+                        q_decode: float = 0.0) -> "LongSignals":
+        """From ``throughput.evaluate`` at the current split and t (an unused stage counts 0)."""
+        return cls(ev.theta_prfaas if ev.p > 0 else 0.0, ev.theta_pdp if ev.p < 1 else 0.0,
+                   ev.theta_pdd, n_p, n_d, q_pdp, q_decode)
+
+
+@dataclass(frozen=True)
+class LongConfig:
+    """Long-loop knobs: margins are relative (0.15 = 15 %), times in seconds, queues in requests."""
+
+    period_s: float = 60.0
+    ewma_alpha: float = 0.5  # weight of the newest sample
+    enter_margin: float = 0.15  # prefill/decode capacity ratio beyond 1 +- this starts tracking
+    exit_margin: float = 0.05  # ... and tracking continues while beyond 1 +- this
+    hold_s: float = 180.0
+    cooldown_s: float = 600.0
+    ack_timeout_s: float = 300.0
+    min_gain: float = 0.02  # predicted relative gain of min(prefill, decode) capacity
+    q_min: float = 4.0  # queues below this never veto
+    q_ratio: float = 2.0  # the other stage's queue this many times larger vetoes
+    min_prefill: int = 1
+    min_decode: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.exit_margin < self.enter_margin) or not (0 < self.ewma_alpha <= 1):
+            raise ValueError("need 0 <= exit_margin < enter_margin and 0 < ewma_alpha <= 1")
+
+
+@dataclass(frozen=True)
+class RoleChange:
+    """Convert ONE local PD-cluster worker from ``from_role`` to ``to_role`` ("prefill"/"decode").
+
+    The caller drains the worker first, applies the change, then calls ``LongLoop.ack(epoch)`` and,
+    since ``resolve_t`` is set, ``ShortLoop.request_resolve`` with the new split's solver.
+    """
+
+    epoch: int
+    from_role: str
+    to_role: str
+    n_p_after: int
+    n_d_after: int
+    at: float
+    reason: str
+    resolve_t: bool = True
+
+
+class LongLoop:
+    """Minutes-scale controller of the PD-P / PD-D split (eq. 8); see the module docstring."""
+
+    KINDS = ("to_decode", "to_prefill", "acked", "stale_ack", "expired", "vetoed")
+
+    def __init__(self, config: LongConfig):
+        self.cfg = config
+        self.epoch = 0
+        self.pending: RoleChange | None = None
+        self.decisions: dict[str, int] = {k: 0 for k in self.KINDS}
+        self._last_eval = -math.inf
+        self._cool_until = -math.inf
+        self._smooth: dict[str, float] | None = None
+        self._split: tuple[int, int] | None = None
+        self._track: str | None = None  # "to_decode" | "to_prefill" while an imbalance persists
+        self._since = 0.0
+        self._ratio = 1.0
+        self._last_reason = ""
+
+    def ack(self, epoch: int, now: float | None = None) -> bool:
+        """The caller applied command ``epoch``. Only the pending epoch is accepted; an older
+        (stale, expired) or unknown one is refused. With ``now``, the cool-down restarts there."""
+        if self.pending is None or epoch != self.pending.epoch:
+            self.decisions["stale_ack"] += 1
+            return False
+        self.pending = None
+        self.decisions["acked"] += 1
+        if now is not None:
+            self._cool_until = max(self._cool_until, now + self.cfg.cooldown_s)
+        self._smooth, self._track = None, None  # the split changed: start afresh
+        return True
+
+    def tick(self, now: float, s: LongSignals) -> RoleChange | None:
+        """Evaluate at most once per ``period_s``; returns a command or None."""
+        # Invariant: at most one command is outstanding, epochs strictly increase, and no command
+        # is issued within cooldown_s of the previous one (or of its ack).
+        c = self.cfg
+        if self.pending is not None and now - self.pending.at > c.ack_timeout_s:
+            self.decisions["expired"] += 1
+            self._last_reason = f"epoch {self.pending.epoch} not acked in {c.ack_timeout_s:.0f} s"
+            self.pending = None
+            self._cool_until = max(self._cool_until, now + c.cooldown_s)
+        if now - self._last_eval < c.period_s:
+            return None
+        self._last_eval = now
+        sm = self._smoothe(s)
+        prefill = sm["theta_prfaas"] + sm["theta_pdp"]
+        pdd = sm["theta_pdd"]
+        self._ratio = prefill / pdd if pdd > 0 else math.inf
+        if self.pending is not None:
+            return None
+        want = self._tracked(now)
+        if want is None:
+            return None
+        veto = self._veto(want, sm["q_pdp"], sm["q_decode"])
+        if veto:
+            self.decisions["vetoed"] += 1
+            self._track, self._last_reason = None, veto
+            return None
+        if now - self._since < c.hold_s or now < self._cool_until:
+            return None
+        gain, n_p, n_d = self._predict(want, s.n_p, s.n_d, sm)
+        if gain < c.min_gain:
+            return None
+        self.epoch += 1
+        from_role, to_role = ("prefill", "decode") if want == "to_decode" else ("decode", "prefill")
+        reason = (f"eq. 8 imbalance: prefill {prefill:.2f} req/s vs decode {pdd:.2f} req/s "
+                  f"(ratio {self._ratio:.2f}) for {now - self._since:.0f} s; queues PD-P "
+                  f"{sm['q_pdp']:.1f} decode {sm['q_decode']:.1f}; predicted gain {gain:.1%}")
+        rc = RoleChange(self.epoch, from_role, to_role, n_p, n_d, now, reason)
+        self.pending, self._track = rc, None
+        self._cool_until = now + c.cooldown_s
+        self.decisions[want] += 1
+        self._last_reason = reason
+        return rc
+
+    def _smoothe(self, s: LongSignals) -> dict[str, float]:
+        """EWMA of the sample; restarts when the split changes. Returns the smoothed values."""
+        x = {"theta_prfaas": s.theta_prfaas, "theta_pdp": s.theta_pdp, "theta_pdd": s.theta_pdd,
+             "q_pdp": s.q_pdp, "q_decode": s.q_decode}
+        if self._smooth is None or self._split != (s.n_p, s.n_d):
+            self._smooth, self._split = x, (s.n_p, s.n_d)
+            return x
+        a, old = self.cfg.ewma_alpha, self._smooth
+        self._smooth = {k: a * v + (1 - a) * old[k] for k, v in x.items()}
+        return self._smooth
+
+    def _tracked(self, now: float) -> str | None:
+        """Hysteresis on the capacity ratio: enter beyond enter_margin, stay beyond exit_margin."""
+        c, r = self.cfg, self._ratio
+        if self._track == "to_decode" and r > 1 + c.exit_margin:
+            return self._track
+        if self._track == "to_prefill" and r < 1 / (1 + c.exit_margin):
+            return self._track
+        self._track = None
+        if r > 1 + c.enter_margin:
+            self._track = "to_decode"
+        elif r < 1 / (1 + c.enter_margin):
+            self._track = "to_prefill"
+        if self._track is not None:
+            self._since = now
+        return self._track
+
+    def _veto(self, want: str, q_pdp: float, q_decode: float) -> str:
+        """A measured queue that contradicts the model's direction vetoes (returns the reason)."""
+        c = self.cfg
+        if want == "to_decode" and q_pdp > c.q_min and q_pdp > c.q_ratio * q_decode:
+            return f"model says decode-bound but PD-P queue {q_pdp:.1f} >> decode {q_decode:.1f}"
+        if want == "to_prefill" and q_decode > c.q_min and q_decode > c.q_ratio * q_pdp:
+            return f"model says prefill-bound but decode queue {q_decode:.1f} >> PD-P {q_pdp:.1f}"
+        return ""
+
+    def _predict(self, want: str, n_p: int, n_d: int, sm: dict[str, float]
+                 ) -> tuple[float, int, int]:
+        """Relative gain of min(prefill, decode) capacity after moving one worker (per-instance
+        rates assumed constant), and the split after it; gain -inf if the split would be illegal."""
+        c = self.cfg
+        n_p2, n_d2 = (n_p - 1, n_d + 1) if want == "to_decode" else (n_p + 1, n_d - 1)
+        if n_p2 < c.min_prefill or n_d2 < c.min_decode or n_p <= 0 or n_d <= 0:
+            return -math.inf, n_p2, n_d2
+        per_p, per_d = sm["theta_pdp"] / n_p, sm["theta_pdd"] / n_d
+        before = min(sm["theta_prfaas"] + sm["theta_pdp"], sm["theta_pdd"])
+        after = min(sm["theta_prfaas"] + per_p * n_p2, per_d * n_d2)
+        return (after / before - 1 if before > 0 else math.inf), n_p2, n_d2
+
+    def state(self) -> dict[str, Any]:
+        """Metrics snapshot: plain str/int/float/bool/dict, msgpack- and JSON-safe."""
+        return {
+            "epoch": self.epoch, "pending_epoch": None if self.pending is None else self.pending.epoch,
+            "decisions": dict(self.decisions), "ratio": self._ratio if math.isfinite(self._ratio)
+            else None, "tracking": self._track,
+            "cool_until": None if math.isinf(self._cool_until) else self._cool_until,
+            "last_reason": self._last_reason,
+        }
