@@ -163,9 +163,9 @@ async def test_prompt_larger_than_the_pool_is_a_clear_400(small):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """decode-0: a 40-block pool (room for one 460-token request) and no waiting places; decode-1: a roomy pool."""
+    """decode-0: a 60-block pool and no waiting places; decode-1: a roomy pool."""
     c = start(tmp_path_factory, "two-decoders",
-              decode_args=("--kv-budget-bytes", str(40 * PAGE), "--max-waiting", "0"),
+              decode_args=("--kv-budget-bytes", str(60 * PAGE), "--max-waiting", "0"),
               second_decode_args=("--kv-budget-bytes", str(400 * PAGE)))
     yield c
     c.stop()
@@ -199,10 +199,11 @@ async def planner_sees_running(cluster: Cluster, timeout: float = 10.0) -> None:
 
 
 async def test_refused_request_is_placed_on_another_decode_worker(pair):
-    """A fills decode-0, B goes to decode-1 (less loaded); C ties, is sent to decode-0 first, is
-    refused there (pool full, no waiting place) and must be re-placed on decode-1."""
+    """A runs on decode-0, B goes to decode-1 (less loaded); C (44 blocks) ties, is sent to decode-0
+    first, is refused there (A's prompt alone leaves 41 of 60 blocks; no waiting place) and must be
+    re-placed on decode-1."""
     reroutes = await metric(pair, "prfaas_decode_reroutes_total")
-    a_prompt, b_prompt, c_prompt = (prompt_of(300, seed=s) for s in (1, 2, 3))
+    a_prompt, b_prompt, c_prompt = prompt_of(300, seed=1), prompt_of(300, seed=2), prompt_of(700, seed=3)
     a = asyncio.create_task(run(pair, body_of(a_prompt, 300)))
     await wait_running(pair, "decode", 1)
     b = asyncio.create_task(run(pair, body_of(b_prompt, 300)))

@@ -481,7 +481,8 @@ class DecodeWorker:
                 if self.prefix_cache is not None and self.prefix_cache.ensure_free(self.store.pool.free_pages + 1):
                     continue  # cached blocks made room: no preemption needed
             victim = order[-1]
-            if victim is r and len(order) == 1:
+            if victim is r and len(order) == 1 and not (self.joining or self.receiver.reservations):
+                # nothing else holds blocks that will come free: this row can never grow here
                 self.running.pop(r.req_id)
                 self.store.release(r.seq)
                 r.out.put_nowait({"error": f"the KV pool cannot hold {r.seq.length + 1} tokens of {r.req_id}",
