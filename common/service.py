@@ -65,3 +65,13 @@ def live_call_tasks(method: str) -> int:
 
     tag = f":{method}:"
     return sum(1 for t in asyncio.all_tasks() if tag in t.get_name() and not t.done())
+
+
+async def stop_task(task: "asyncio.Task | None") -> None:
+    """Cancel a background task and wait until it has finished (None: nothing to do)."""
+    import contextlib
+
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

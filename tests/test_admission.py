@@ -163,9 +163,9 @@ async def test_prompt_larger_than_the_pool_is_a_clear_400(small):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """decode-0: a 60-block pool and no waiting places; decode-1: a roomy pool."""
+    """decode-0: a 45-block pool and no waiting places; decode-1: a roomy pool."""
     c = start(tmp_path_factory, "two-decoders",
-              decode_args=("--kv-budget-bytes", str(60 * PAGE), "--max-waiting", "0"),
+              decode_args=("--kv-budget-bytes", str(45 * PAGE), "--max-waiting", "0"),
               second_decode_args=("--kv-budget-bytes", str(400 * PAGE)))
     yield c
     c.stop()
@@ -184,38 +184,31 @@ async def wait_running(cluster: Cluster, service: str, n: int, timeout: float = 
         await asyncio.sleep(0.02)
 
 
-async def planner_sees_running(cluster: Cluster, timeout: float = 10.0) -> None:
-    """Wait until the planner's view (which the router places from) shows one running request on
-    each decode worker, then one router refresh period, so both decode workers load the same."""
+async def index_holds(cluster: Cluster, node: str, blocks: int, timeout: float = 10.0) -> None:
+    """Wait until the router's KVCache index holds at least ``blocks`` blocks cached on ``node``."""
     deadline = time.monotonic() + timeout
-    while True:
-        view = (await cluster.call("planner", "view"))["workers"]
-        running = {w["name"]: (w.get("stats") or {}).get("running", 0) for w in view if w["role"] == "decode"}
-        if running == {"decode-0": 1, "decode-1": 1}:
-            break
-        assert time.monotonic() < deadline, running
+    while (await cluster.call("router", "stats"))["kv_index"]["blocks"].get(node, 0) < blocks:
+        assert time.monotonic() < deadline, f"the router never learned {node}'s cached blocks"
         await asyncio.sleep(0.05)
-    await asyncio.sleep(0.7)
 
 
 async def test_refused_request_is_placed_on_another_decode_worker(pair):
-    """A runs on decode-0, B goes to decode-1 (less loaded); C (44 blocks) ties, is sent to decode-0
-    first, is refused there (A's prompt alone leaves 41 of 60 blocks; no waiting place) and must be
-    re-placed on decode-1."""
+    """A runs on decode-0 (45 blocks; A's prompt takes 19). C shares A's first 18 blocks, so the router
+    sends it to decode-0 first (cache affinity); C needs 26 more blocks plus one of headroom, decode-0
+    has at most 26 free while A runs, and no waiting place: it refuses, and the gateway must place C
+    on decode-1."""
     reroutes = await metric(pair, "prfaas_decode_reroutes_total")
-    a_prompt, b_prompt, c_prompt = prompt_of(300, seed=1), prompt_of(300, seed=2), prompt_of(700, seed=3)
-    a = asyncio.create_task(run(pair, body_of(a_prompt, 300)))
+    a_prompt = prompt_of(300, seed=1)
+    c_prompt = a_prompt[:288] + prompt_of(412, seed=3)  # 700 tokens = 44 blocks <= 45: it could fit an empty pool
+    a = asyncio.create_task(run(pair, body_of(a_prompt, 140)))  # at most 440 tokens = 28 blocks
     await wait_running(pair, "decode", 1)
-    b = asyncio.create_task(run(pair, body_of(b_prompt, 300)))
-    await wait_running(pair, "decode2", 1)
-    await planner_sees_running(pair)
+    await index_holds(pair, "decode-0", 18)
     status, ids, _ = await run(pair, body_of(c_prompt, 12))
     assert status == 200, ids
     assert ids == reference(tuple(c_prompt), 12)
     assert await metric(pair, "prfaas_decode_reroutes_total") == reroutes + 1
     assert (await stats(pair, "decode"))["refused"] >= 1
-    for task, p in ((a, a_prompt), (b, b_prompt)):
-        status, ids, _ = await task
-        assert status == 200 and ids == reference(tuple(p), 300)
+    status, ids, _ = await a
+    assert status == 200 and ids == reference(tuple(a_prompt), 140)
     await wait_drained(pair, "decode")
     await wait_drained(pair, "decode2")

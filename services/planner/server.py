@@ -3,7 +3,10 @@
 Lifecycle of a worker as the planner sees it: ``register`` -> ``report`` every interval -> (missed
 reports) not alive -> ``report`` again -> alive. A report for an unknown worker (e.g. after a
 planner restart) is answered with BAD_REQUEST, and the worker re-registers.
-The scheduling loops (threshold and P/D split) come later; this is the registration and stats path.
+With ``--profile`` (a hardware profile, see ``services/planner/throughput.py``) and ``--router``, the
+planner also runs the short-timescale loop (``services/planner/control.py``): every
+``--loop-interval`` seconds it reads the PrfaaS egress, congestion and queues from the reports and
+sets the router's threshold and bandwidth flag. The long-timescale loop (role changes) is not wired yet.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
 from common import service
-from common.rpc import RpcError, RpcServer, parse_addr
+from common.rpc import RpcClient, RpcError, RpcServer, parse_addr
 from proto.frames import ErrorCode
 from services.planner.registry import RegistrationError, WorkerRegistry
 
@@ -25,12 +29,45 @@ log = logging.getLogger("prfaas.planner")
 class Planner:
     """The planner's RPC surface over a :class:`WorkerRegistry`."""
 
-    def __init__(self, name: str = "planner", dead_after: float = 3.0):
+    def __init__(self, name: str = "planner", dead_after: float = 3.0, controller: Any = None, loop_interval: float = 1.0):
         self.registry = WorkerRegistry(dead_after=dead_after)
+        self.controller = controller  # a services.planner.control.Controller, or None (no scheduling loop)
+        self.loop_interval = loop_interval
+        self.loop_errors = 0
+        self._task: asyncio.Task | None = None
         self.server = RpcServer(
             "planner", name,
-            handlers={"register": self.register, "report": self.report, "view": self.view, "health": self.health},
+            handlers={"register": self.register, "report": self.report, "view": self.view, "health": self.health,
+                      "status": self.status},
         )
+
+    def start(self) -> None:
+        """Start the short-timescale loop if a controller was given."""
+        if self.controller is not None:
+            self._task = asyncio.create_task(self._loop(), name="planner-short-loop")
+
+    async def close(self) -> None:
+        await service.stop_task(self._task)
+        await self.server.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.loop_interval)
+            try:
+                await self.controller.tick(time.monotonic(), self.registry.view(time.monotonic()))
+            except Exception:  # the router may be down or restarting: log, count, go on
+                self.loop_errors += 1
+                log.exception("short-timescale loop tick failed")
+
+    async def status(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Workers by role and cluster, and the scheduling loop's state (None when it is off)."""
+        workers = self.registry.view(time.monotonic())
+        by = {}
+        for w in workers:
+            key = f"{w['role']}/{w['cluster']}"
+            by[key] = by.get(key, 0) + int(w["alive"])
+        return {"alive": by, "loop": self.controller.state() if self.controller is not None else None,
+                "loop_errors": self.loop_errors}
 
     async def register(self, args: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -55,12 +92,26 @@ class Planner:
 
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    planner = Planner(args.name, args.dead_after)
+    controller, router = None, None
+    if args.profile:
+        from services.planner import throughput as tm
+        from services.planner.control import Controller, load_profile
+
+        profile = load_profile(args.profile)
+        router = RpcClient(service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service="planner", name=args.name)
+        lengths = profile["lengths"]
+        dist = tm.TruncatedLogNormal(mu=args.length_mu if args.length_mu is not None else math.log(max(lengths) / 4),
+                                     sigma=args.length_sigma, lo=min(lengths), hi=max(lengths))
+        controller = Controller(profile, dist, args.link_gbps, args.l_out, router)
+    planner = Planner(args.name, args.dead_after, controller=controller, loop_interval=args.loop_interval)
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_PLANNER_ADDR"))
     await planner.server.start(host, port)
-    print(f"READY planner listening on {host}:{port}", flush=True)
+    planner.start()
+    print(f"READY planner listening on {host}:{port} loop={'on' if controller else 'off'}", flush=True)
     await stop.wait()
-    await planner.server.close()
+    await planner.close()
+    if router is not None:
+        await router.close()
 
 
 def main() -> None:
@@ -68,6 +119,14 @@ def main() -> None:
     p.add_argument("--listen", default=service.env_default("PRFAAS_PLANNER_ADDR"))
     p.add_argument("--name", default="planner")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds without a report before a worker leaves the view")
+    p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"), help="router address (for the loop)")
+    p.add_argument("--profile", default=service.env_default("PRFAAS_PLANNER_PROFILE"),
+                   help="hardware profile JSON (e.g. from scripts/measure_profile.py); enables the short-timescale loop")
+    p.add_argument("--link-gbps", type=float, default=100.0, help="cross-cluster link capacity, Gbit/s")
+    p.add_argument("--l-out", type=float, default=256.0, help="mean output length, tokens (paper: L_out)")
+    p.add_argument("--length-mu", type=float, default=None, help="prompt lengths ~ log-normal: mu (default ln(max/4))")
+    p.add_argument("--length-sigma", type=float, default=1.0, help="prompt lengths ~ log-normal: sigma")
+    p.add_argument("--loop-interval", type=float, default=1.0, help="seconds between short-loop ticks")
     args = p.parse_args()
     service.setup_logging("planner")
     service.run(lambda stop: amain(args, stop))

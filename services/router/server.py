@@ -185,7 +185,7 @@ class Router:
         self.server = RpcServer(
             "router", name,
             handlers={"place": self.place, "release": self.release, "stats": self.stats, "health": self.health,
-                      "set_threshold": self.set_threshold, "kv_events": self.kv_events, "kv_resync": self.kv_resync},
+                      "set_threshold": self.set_threshold, "set_bandwidth": self.set_bandwidth, "kv_events": self.kv_events, "kv_resync": self.kv_resync},
         )
         self._task: asyncio.Task | None = None
 
@@ -193,10 +193,7 @@ class Router:
         self._task = asyncio.create_task(self._refresh_loop(), name="router-refresh")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await service.stop_task(self._task)
         await self.server.close()
         await self.planner.close()
 
@@ -366,6 +363,17 @@ class Router:
         c["moves"] += p.prefix_move is not None
         c["guard_skips"] += bool(p.guard_skips)
         self.hit_tokens[p.prefill["cluster"]] += p.prefill_prefix_tokens
+
+    async def set_bandwidth(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Set the short-timescale prefix rule's regime (paper 3.4.3): ``{plentiful: bool}``. One
+        assignment on the event loop, like :meth:`set_threshold`."""
+        v = args.get("plentiful")
+        if not isinstance(v, bool):
+            raise RpcError(ErrorCode.BAD_REQUEST, "plentiful must be a bool")
+        old, self.bandwidth_plentiful = self.bandwidth_plentiful, v
+        if old != v:
+            log.info("bandwidth now counts as %s", "plentiful" if v else "scarce")
+        return {"plentiful": v, "previous": old}
 
     async def set_threshold(self, args: dict[str, Any]) -> dict[str, Any]:
         """Replace ``t`` (tokens). One assignment on the event loop: a placement sees the old or the new
