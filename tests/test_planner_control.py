@@ -108,3 +108,25 @@ async def test_router_refuses_a_malformed_bandwidth_flag(env):
         await env.client.call("set_bandwidth", {"plentiful": "yes"}, timeout=5)
     assert (await env.client.call("set_bandwidth", {"plentiful": True}, timeout=5))["plentiful"] is True
     assert env.router.bandwidth_plentiful is True
+
+
+async def test_planner_state_renders_as_metrics_and_status_text(env):
+    from services.gateway.server import planner_lines
+    from services.planner.status import render
+
+    ctl = Controller(PROFILE, DIST, 100.0, 1024, env.client)
+    planner = Planner(dead_after=60.0, controller=ctl)
+    await ctl.tick(0.0, workers(goodput_bps=5e9))
+    for k in range(1, 6):
+        await ctl.tick(float(k), workers(goodput_bps=95e9, q_prfaas=40))
+    status = await planner.status({})
+    text = "\n".join(planner_lines(status))
+    assert "prfaas_planner_loop_running 1" in text
+    assert f"prfaas_planner_threshold_tokens {env.router.threshold}" in text
+    assert 'prfaas_planner_decisions_total{kind="raise_t"} 1' in text
+    assert "prfaas_planner_bandwidth_plentiful 0" in text
+    shown = render(status)
+    assert f"threshold t={env.router.threshold}" in shown and "scarce" in shown and "last: offload pressure" in shown
+    off = await Planner().status({})
+    assert "prfaas_planner_loop_running 0" in "\n".join(planner_lines(off))
+    assert "loop: off" in render(off)

@@ -327,8 +327,16 @@ class Gateway:
         except (RpcError, asyncio.TimeoutError, OSError):
             lines.append("# router unreachable: route counters omitted")
         lines += await self._worker_metrics()
+        lines += await self._planner_metrics()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
+
+    async def _planner_metrics(self) -> list[str]:
+        """The planner's state (see :func:`planner_lines`)."""
+        try:
+            return planner_lines(await self.planner.call("status", timeout=2.0))
+        except (RpcError, asyncio.TimeoutError, OSError):
+            return ["# planner unreachable: planner metrics omitted"]
 
     async def _worker_metrics(self) -> list[str]:
         """KV link congestion signals and worker load, from the planner's view of every worker."""
@@ -412,6 +420,31 @@ def _worker_prefix_metrics(workers: list[dict[str, Any]]) -> list[str]:
                 if isinstance(c.get(key), (int, float)) and not isinstance(c.get(key), bool)]
         if rows:
             lines += [f"# HELP prfaas_worker_prefix_{suffix} {help_text}", f"# TYPE prfaas_worker_prefix_{suffix} {kind}", *rows]
+    return lines
+
+
+def planner_lines(status: dict[str, Any]) -> list[str]:
+    """Prometheus lines for the planner's ``status``: alive workers by role/cluster and, when the
+    short-timescale loop runs, its threshold, anchor, regime and decision counters."""
+    lines = ["# HELP prfaas_planner_workers_alive Alive workers by role and cluster.", "# TYPE prfaas_planner_workers_alive gauge"]
+    for key, n in sorted((status.get("alive") or {}).items()):
+        role, _, cluster = key.partition("/")
+        lines.append(f'prfaas_planner_workers_alive{{role="{role}",cluster="{cluster}"}} {n}')
+    loop = (status.get("loop") or {}).get("loop")
+    lines += ["# HELP prfaas_planner_loop_running 1 if the planner's short-timescale loop runs.",
+              "# TYPE prfaas_planner_loop_running gauge", f"prfaas_planner_loop_running {int(loop is not None)}"]
+    if loop is not None:
+        lines += ["# TYPE prfaas_planner_threshold_tokens gauge", f"prfaas_planner_threshold_tokens {loop['t']:.0f}",
+                  "# TYPE prfaas_planner_anchor_tokens gauge", f"prfaas_planner_anchor_tokens {loop['anchor_t']:.0f}",
+                  "# TYPE prfaas_planner_bandwidth_plentiful gauge",
+                  f"prfaas_planner_bandwidth_plentiful {int(bool(loop['plentiful']))}",
+                  "# HELP prfaas_planner_decisions_total Short-loop decisions by kind.",
+                  "# TYPE prfaas_planner_decisions_total counter"]
+        lines += [f'prfaas_planner_decisions_total{{kind="{k}"}} {v}' for k, v in sorted(loop["decisions"].items())]
+        lines += ["# HELP prfaas_planner_suppressed_total Changes held back by the rate limits.",
+                  "# TYPE prfaas_planner_suppressed_total counter"]
+        lines += [f'prfaas_planner_suppressed_total{{why="{k}"}} {v}' for k, v in sorted(loop["suppressed"].items())]
+    lines += ["# TYPE prfaas_planner_loop_errors_total counter", f"prfaas_planner_loop_errors_total {status.get('loop_errors', 0)}"]
     return lines
 
 
