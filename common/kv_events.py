@@ -32,13 +32,13 @@ next to the RPC); the worker must mutate it on the same loop, never from a compu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
 import time
 from typing import Any
 
+from common import service
 from common.prefix_cache import PrefixCache
 from common.rpc import RpcClient, RpcError
 
@@ -97,11 +97,8 @@ class KvEventPublisher:
         self._task = asyncio.create_task(self._loop(), name=f"kv-events:{self.node}")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await service.stop_task(self._task)
+        self._task = None
         await self.client.close()
 
     def stats(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import ssl as ssl_mod
 import time
 from typing import Any
 
+from common import service
 from common.kv_sender import SOCKET_BUFFER_BYTES
 from common.kv_stream import BufferPool, KvAssembly, KvError
 from common.peer_auth import AuthError, AuthVerifier, reply_mac
@@ -138,10 +139,7 @@ class KvReceiver:
 
     async def close(self) -> None:
         """Stop listening, close every connection, abort every pending transfer."""
-        if self._lease_task is not None:
-            self._lease_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._lease_task
+        await service.stop_task(self._lease_task)
         if self._server is not None:
             self._server.close()
         for c in list(self.connections):

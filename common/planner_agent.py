@@ -8,11 +8,11 @@ the worker: the agent keeps retrying, and re-registers when the planner no longe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from common import service
 from common.rpc import RpcClient, RpcError
 
 log = logging.getLogger("prfaas.agent")
@@ -53,8 +53,5 @@ class PlannerAgent:
             await asyncio.sleep(self.interval)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await service.stop_task(self._task)
         await self.client.close()

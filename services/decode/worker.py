@@ -144,10 +144,7 @@ class DecodeWorker:
         self._loop_task = asyncio.create_task(self._batch_loop(), name=f"{self.name}:batch-loop")
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+        await service.stop_task(self._loop_task)
         for c in self._prefill_clients.values():
             await c.close()
 
@@ -458,7 +455,7 @@ class DecodeWorker:
         self.early_starts += 1
         self.running[req.req_id] = req  # a failed step is retired from here like any other row
         try:
-            await self._step([req], wait_layer=lambda i: req.asm.wait_layer(i, self.EARLY_WAIT_S), early=True)
+            await self._step([req], wait_layer=lambda i: req.asm.wait_layer(i, self.EARLY_WAIT_S))
         except LayerNotReady:
             self.running.pop(req.req_id, None)
             self.joining.appendleft(req)  # nothing was committed; the step reruns once the KVCache is in
@@ -527,9 +524,10 @@ class DecodeWorker:
             self.running[r.req_id] = r
         self._pump()
 
-    async def _step(self, reqs: list[DecodeRequest], wait_layer=None, early: bool = False) -> None:
+    async def _step(self, reqs: list[DecodeRequest], wait_layer=None) -> None:
         """One forward for ``reqs``; samples and streams a token per row. A failure fails its rows,
-        except :class:`LayerNotReady` in an ``early`` step, which is re-raised (nothing committed)."""
+        except :class:`LayerNotReady` (only ``wait_layer`` of an early step raises it), which is
+        re-raised: nothing was committed and the step can run again."""
         self.batch_size = len(reqs)
         self.max_batch_size = max(self.max_batch_size, len(reqs))
         t = time.monotonic()
@@ -538,9 +536,7 @@ class DecodeWorker:
                                              [r.generated[-1] for r in reqs], wait_layer)
             tokens = sample_batch(logits, [r.sampling for r in reqs], [len(r.generated) for r in reqs])
         except LayerNotReady:
-            if early:
-                raise
-            raise AssertionError("LayerNotReady outside an early step") from None
+            raise
         except Exception as e:  # a failed step fails its rows, never the worker
             log.exception("decode step failed")
             for r in reqs:
