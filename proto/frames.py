@@ -73,6 +73,8 @@ class ErrorCode(str, enum.Enum):
     CANCELLED = "cancelled"
     TIMEOUT = "timeout"
     INTERNAL = "internal"
+    PREFILL_FAILED = "prefill_failed"  # decode: the prefill leg failed before the first token; retry on another prefill worker
+    DRAINING = "draining"  # the worker is draining for a role change (or has changed role): place the request elsewhere
 
 
 class ProtocolError(Exception):

@@ -41,6 +41,8 @@ HTTP_STATUS = {
     ErrorCode.OVERLOADED: 429,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.TIMEOUT: 504,
+    ErrorCode.PREFILL_FAILED: 503,
+    ErrorCode.DRAINING: 503,
 }
 
 
