@@ -562,3 +562,28 @@ class RpcClient:
             self._reader_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._reader_task
+
+
+class ClientPool:
+    """One lazily created :class:`RpcClient` per peer address, all closed together.
+
+    ``kwargs`` are passed to every client (``service``, ``name``, ``connect_timeout``...). A client
+    whose peer died stays in the pool: it re-dials on its next call.
+    """
+
+    def __init__(self, **kwargs: Any):
+        self.kwargs = kwargs
+        self.clients: dict[str, RpcClient] = {}
+
+    def get(self, addr: str) -> RpcClient:
+        """The client for ``addr`` (host:port), created on first use. Raises ``ValueError`` for a bad address."""
+        c = self.clients.get(addr)
+        if c is None:
+            c = self.clients[addr] = RpcClient(addr, **self.kwargs)
+        return c
+
+    async def close(self) -> None:
+        """Close every client (their connections and reader tasks)."""
+        clients, self.clients = list(self.clients.values()), {}
+        for c in clients:
+            await c.close()

@@ -13,6 +13,7 @@ from services.router.policy import (
     least_loaded,
     pick_affine,
     place,
+    placeable,
     worker_load,
 )
 from services.router.server import place_with_prefix
@@ -117,6 +118,27 @@ def cluster_workers(**overrides) -> list[dict]:
             if x["name"] == name.replace("_", "-"):
                 x.update(changes)
     return ws
+
+
+def test_placeable_drops_draining_and_excluded_workers():
+    ws = cluster_workers(dec_a={"stats": {"draining": True}})
+    names = [x["name"] for x in placeable(ws, exclude_decode={"dec-b"}, exclude_prefill={"remote-p"})]
+    assert names == ["local-p"]
+    # a decode name in exclude_prefill (or the reverse) excludes nothing
+    assert [x["name"] for x in placeable(cluster_workers(), exclude_decode={"remote-p"}, exclude_prefill={"dec-a"})] == \
+        ["remote-p", "local-p", "dec-a", "dec-b"]
+
+
+def test_place_after_excluding_the_failed_prfaas_worker_falls_back_to_pd_p():
+    p = place(5000, 100, placeable(cluster_workers(), exclude_prefill={"remote-p"}), {})
+    assert p.route == LOCAL and p.prefill["name"] == "local-p" and "fell back" in p.reason
+
+
+def test_place_never_picks_a_draining_decode_worker():
+    ws = placeable(cluster_workers(dec_a={"stats": {"draining": True}}))
+    assert {place(10, 100, ws, {"dec-b": k}).decode["name"] for k in range(5)} == {"dec-b"}
+    with pytest.raises(NoWorker):
+        place(10, 100, placeable(cluster_workers(dec_a={"stats": {"draining": True}}, dec_b={"stats": {"draining": True}})), {})
 
 
 def test_place_remote_when_over_threshold():

@@ -7,7 +7,10 @@ Request lifecycle (who frees what):
    worker, each preferring the one that caches the longest prefix of the prompt.
 3. ``generate`` stream at the decode worker, which drives the prefill and streams tokens back.
 4. Tokens go to the client as one JSON body or as SSE chunks ending in ``data: [DONE]``.
-5. ``release`` at the router, always, in ``finally``. A client that disconnects cancels the handler
+5. Retryable failures (a refused or dead decode worker, a failed prefill leg, a stream cut by a dying
+   decode worker, an unreachable router) are placed again; see :meth:`Gateway._generate`.
+   At most ``--max-inflight`` requests are admitted at once; more get 429 with ``Retry-After``.
+6. ``release`` at the router, always, in ``finally``. A client that disconnects cancels the handler
    (``handler_cancellation``), which closes the decode stream; that sends ``CANCEL`` to the decode
    worker, which cancels the prefill call, so the request stops everywhere.
 """
@@ -78,7 +81,8 @@ class Gateway:
     """The HTTP app and its clients: one to the router, one per decode worker address."""
 
     def __init__(self, ctx: oa.ModelContext, router_addr: str, planner_addr: str, name: str = "gateway",
-                 request_timeout: float = 600.0, block_size: int | None = None):
+                 request_timeout: float = 600.0, block_size: int | None = None, max_inflight: int = 256,
+                 place_retry_s: float = 15.0):
         self.ctx = ctx
         self.block_size = block_size if block_size is not None else block_size_from_env()
         self.name = name
@@ -90,6 +94,13 @@ class Gateway:
         self.active = 0
         self.max_reroutes = 2  # decode workers tried after the first one refused (overloaded)
         self.reroutes = 0
+        self.max_retries = 4  # placements after the first one, for any retryable failure (see _generate)
+        self.retries: Counter[str] = Counter()  # retried attempts by reason
+        self.place_retry_s = place_retry_s
+        self.place_retries = 0  # router calls repeated because the router was unreachable or had no worker
+        self.max_inflight = max_inflight
+        self.inflight = 0  # requests admitted at the gateway and not yet answered
+        self.rejected = 0  # requests answered 429 because max_inflight were already in flight
         self.app = web.Application(client_max_size=ctx.max_prompt_bytes + (64 << 10), middlewares=[_json_http_errors])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
@@ -123,7 +134,15 @@ class Gateway:
 
     async def _handle(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
         status = 200
+        admitted = False
         try:
+            if self.inflight >= self.max_inflight:
+                self.rejected += 1
+                raise oa.OpenAIError(status=429, message=f"{self.inflight} requests are in flight (the gateway's limit); "
+                                     "retry after the Retry-After header's seconds", type="rate_limit_error", param=None,
+                                     code="overloaded")
+            self.inflight += 1
+            admitted = True
             body = await request.read()
             req = parse(body, self.ctx)
             resp = await (self._stream(request, req) if req.stream else self._unary(req))
@@ -141,52 +160,101 @@ class Gateway:
             status = 499  # client closed the connection
             raise
         finally:
+            if admitted:
+                self.inflight -= 1
             self.requests[(endpoint, status)] += 1
 
     async def _generate(self, req: oa.GenerateRequest):
         """Yield decode stream items for ``req``; places it first and releases it at the end.
 
-        A decode worker that refuses the request as ``overloaded`` before its first token (its KV
-        pool and admission queue are full) is excluded and the request is placed again, up to
-        ``max_reroutes`` times; when no other decode worker is left, the refusal goes to the client
-        (429 with ``Retry-After``). Raises :class:`oa.OpenAIError` for service errors raised before
-        the first item."""
-        excluded: list[str] = []
+        Failures the client should see only as a delay are retried, at most ``max_retries`` times
+        in all, while the request's deadline (``request_timeout`` s) allows:
+
+        - ``overloaded`` or ``draining`` from a decode worker before its first token (its KV pool
+          and admission queue are full, or it drains for a role change), or a decode worker that
+          cannot be reached: that worker is excluded and the request placed again. The overload
+          refusal has its own budget, ``max_reroutes``; when no other decode worker is left the
+          refusal goes to the client (429 with ``Retry-After``).
+        - ``prefill_failed`` (the prefill worker died, was unreachable, or its KV transfer stalled
+          or was aborted; nothing was streamed): that prefill worker is excluded and the request
+          placed again, on another PrfaaS worker or, if none is left, on the local PD-P.
+        - The decode worker's stream breaks after tokens were streamed (``unavailable``: it died or
+          its connection dropped; ``draining``: it handed the request off): the request resumes on
+          another decode worker with ``input_ids = prompt + tokens streamed so far`` and
+          ``resume`` (:meth:`DecodeWorker.generate`), so the client's stream just continues. Greedy
+          decoding continues exactly; a seeded sampler continues with a fresh draw.
+
+        Anything else, or a retry past the budget or the deadline, raises
+        :class:`oa.OpenAIError` (a stream already started turns it into an SSE error event)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout
+        excluded_decode: list[str] = []
+        excluded_prefill: list[str] = []
         refusal: RpcError | None = None
-        hashes = await self._block_hashes(req.prompt_ids)
+        generated: list[int] = []  # tokens already yielded to the client
+        retries = 0
         while True:
-            placement = await self._place(req, excluded, refusal, hashes)
+            input_ids = req.prompt_ids + generated
+            hashes = await self._block_hashes(input_ids)
+            placement = await self._place(req, excluded_decode, refusal, hashes, excluded_prefill, input_ids, deadline)
             started = False
             self.active += 1
             try:
                 decoder = self._decoder(placement["decode"]["addr"])
                 args = {
                     "req_id": req.request_id,
-                    "input_ids": req.prompt_ids,
+                    "input_ids": input_ids,
                     "sampling": req.sampling.to_wire(),
                     "prefill_addr": placement["prefill"]["addr"],
                     "route": placement["route"],
                     "prefix_source": (placement.get("prefix_source") or {}).get("addr"),
                 }
-                async with asyncio.timeout(self.request_timeout):
+                if generated:
+                    args["resume"] = {"prompt_len": len(req.prompt_ids), "generated_ids": list(generated)}
+                async with asyncio.timeout_at(deadline):
                     async with contextlib.aclosing(decoder.stream("generate", args)) as items:  # CANCEL at once on close
                         async for item in items:
                             started = True
+                            generated += item["token_ids"]
                             yield item
                 return
             except RpcError as e:
-                if e.code == ErrorCode.OVERLOADED and not started and len(excluded) < self.max_reroutes:
-                    excluded.append(placement["decode"]["name"])
+                why = self._retry_reason(e, started, retries, len(excluded_decode))
+                if why is None:
+                    raise _service_error(e) from None
+                retries += 1
+                self.retries[why] += 1
+                if why == "prefill_failed":
+                    excluded_prefill.append(placement["prefill"]["name"])
+                else:
+                    excluded_decode.append(placement["decode"]["name"])
+                if why == "decode_overloaded":
                     self.reroutes += 1
                     refusal = e
-                    continue
-                raise _service_error(e) from None
+                log.warning("request %s: %s on %s; placing it again (%s, %d tokens streamed so far)", req.request_id,
+                            e, placement["prefill" if why == "prefill_failed" else "decode"]["name"], why, len(generated))
+                continue
             except asyncio.TimeoutError:
                 raise oa.OpenAIError(status=504, message=f"request exceeded {self.request_timeout}s", type="server_error", param=None, code="timeout") from None
             finally:
                 self.active -= 1
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.router.call("release", {"req_id": req.request_id}, timeout=2.0))
+
+    def _retry_reason(self, e: RpcError, started: bool, retries: int, decode_excluded: int) -> str | None:
+        """Why the failed attempt ``e`` is worth another placement, or None to give up (see
+        :meth:`_generate`). ``started``: this attempt streamed a token."""
+        if retries >= self.max_retries:
+            return None
+        if started:
+            return "decode_resumed" if e.code in (ErrorCode.UNAVAILABLE, ErrorCode.DRAINING) else None
+        if e.code == ErrorCode.PREFILL_FAILED:
+            return "prefill_failed"
+        if e.code == ErrorCode.OVERLOADED:
+            return "decode_overloaded" if decode_excluded < self.max_reroutes else None
+        if e.code in (ErrorCode.DRAINING, ErrorCode.UNAVAILABLE):
+            return "decode_unavailable"
+        return None
 
     async def _block_hashes(self, prompt_ids: list[int]) -> list[int] | None:
         """The prompt's chained full-block hashes for the router's prefix lookup (off the event loop
@@ -200,26 +268,51 @@ class Gateway:
             return None
 
     async def _place(self, req: oa.GenerateRequest, excluded: list[str], refusal: RpcError | None,
-                     hashes: list[int] | None = None) -> dict[str, Any]:
-        """Ask the router for a placement avoiding the decode workers in ``excluded`` (which refused
-        with ``refusal``), cache-aware when ``hashes`` are given. Raises :class:`oa.OpenAIError`."""
-        args: dict[str, Any] = {"req_id": req.request_id, "prompt_len": len(req.prompt_ids), "exclude_decode": excluded}
+                     hashes: list[int] | None = None, excluded_prefill: list[str] | None = None,
+                     input_ids: list[int] | None = None, deadline: float | None = None) -> dict[str, Any]:
+        """Ask the router for a placement of ``input_ids`` (default: the prompt) avoiding the decode
+        workers in ``excluded`` (the last of which refused with ``refusal``) and the prefill workers in
+        ``excluded_prefill``, cache-aware when ``hashes`` are given.
+
+        A router that cannot be reached, does not answer, or has no alive worker yet (it restarted,
+        or workers are re-registering) is asked again with backoff (0.1 s doubling to 1 s) for up to
+        ``place_retry_s`` seconds (and never past ``deadline``, event-loop time): the client sees a
+        delay. Raises :class:`oa.OpenAIError` after that, or at once when the router rejects the
+        request, or when no worker is left outside the exclusions."""
+        ids = req.prompt_ids if input_ids is None else input_ids
+        args: dict[str, Any] = {"req_id": req.request_id, "prompt_len": len(ids), "exclude_decode": excluded,
+                                "exclude_prefill": excluded_prefill or []}
         if hashes is not None:
             args.update(block_hashes=hashes, block_size=self.block_size)
-        try:
-            return await self.router.call("place", args, timeout=10.0)
-        except RpcError as e:
-            if refusal is not None and e.code == ErrorCode.UNAVAILABLE:
-                raise _service_error(refusal) from None  # every decode worker refused: say so
-            raise _service_error(e) from None
-        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
-            # The router may have placed the request before its answer was lost (client gone, or
-            # timeout): release it, or its in-flight counts stay until the lease expires.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.router.call("release", {"req_id": req.request_id}, timeout=2.0))
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            raise oa.OpenAIError(status=503, message="router did not answer in time", type="server_error", param=None, code="unavailable") from None
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.place_retry_s
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        backoff = 0.1
+        while True:
+            try:
+                return await self.router.call("place", args, timeout=10.0)
+            except RpcError as e:
+                if e.code != ErrorCode.UNAVAILABLE:
+                    raise _service_error(e) from None
+                if refusal is not None:
+                    raise _service_error(refusal) from None  # every decode worker refused: say so
+                if excluded or excluded_prefill or loop.time() + backoff > give_up:
+                    raise _service_error(e) from None
+                self.place_retries += 1
+            except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+                # The router may have placed the request before its answer was lost (client gone, or
+                # timeout): release it, or its in-flight counts stay until the lease expires.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.router.call("release", {"req_id": req.request_id}, timeout=2.0))
+                if isinstance(e, asyncio.CancelledError) or loop.time() + backoff > give_up:
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    raise oa.OpenAIError(status=503, message="router did not answer in time", type="server_error", param=None,
+                                         code="unavailable") from None
+                self.place_retries += 1
+            await asyncio.sleep(backoff)
+            backoff = min(1.0, backoff * 2)
 
     async def _unary(self, req: oa.GenerateRequest) -> web.Response:
         text, ids, reason, usage = [], [], None, None
@@ -315,7 +408,17 @@ class Gateway:
         lines += ["# HELP prfaas_requests_active Requests in flight at the gateway.", "# TYPE prfaas_requests_active gauge",
                   f"prfaas_requests_active {self.active}",
                   "# HELP prfaas_decode_reroutes_total Requests placed again after a decode worker refused them (KV pool full).",
-                  "# TYPE prfaas_decode_reroutes_total counter", f"prfaas_decode_reroutes_total {self.reroutes}"]
+                  "# TYPE prfaas_decode_reroutes_total counter", f"prfaas_decode_reroutes_total {self.reroutes}",
+                  "# HELP prfaas_gateway_retries_total Attempts placed again after a retryable failure, by reason.",
+                  "# TYPE prfaas_gateway_retries_total counter"]
+        lines += [f'prfaas_gateway_retries_total{{reason="{r}"}} {self.retries.get(r, 0)}'
+                  for r in ("decode_overloaded", "decode_unavailable", "decode_resumed", "prefill_failed")]
+        lines += ["# HELP prfaas_gateway_place_retries_total Placement calls repeated because the router was unreachable or had no worker.",
+                  "# TYPE prfaas_gateway_place_retries_total counter", f"prfaas_gateway_place_retries_total {self.place_retries}",
+                  "# HELP prfaas_gateway_inflight Requests admitted at the gateway and not yet answered.",
+                  "# TYPE prfaas_gateway_inflight gauge", f"prfaas_gateway_inflight {self.inflight}",
+                  "# HELP prfaas_gateway_rejected_total Requests answered 429 because --max-inflight were in flight.",
+                  "# TYPE prfaas_gateway_rejected_total counter", f"prfaas_gateway_rejected_total {self.rejected}"]
         try:
             stats = await self.router.call("stats", timeout=2.0)
             lines += ["# HELP prfaas_route_decisions_total Router placements by route (remote = PrfaaS cluster, local = PD-P).",
@@ -470,7 +573,8 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     info = await asyncio.to_thread(load_model_info, args.model, served_name=args.served_model_name)
     ctx = oa.ModelContext(model_id=info.model_id, tokenizer=info.tokenizer, max_model_len=info.max_model_len,
                           eos_token_ids=info.eos_token_ids)
-    gw = Gateway(ctx, service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service.require(args, "planner", "PRFAAS_PLANNER_ADDR"))
+    gw = Gateway(ctx, service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service.require(args, "planner", "PRFAAS_PLANNER_ADDR"),
+                 request_timeout=args.request_timeout, max_inflight=args.max_inflight, place_retry_s=args.place_retry_s)
     runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
@@ -488,6 +592,12 @@ def main() -> None:
     p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
     p.add_argument("--model", default=service.env_default("PRFAAS_MODEL"))
     p.add_argument("--served-model-name", default=service.env_default("PRFAAS_SERVED_MODEL_NAME"))
+    p.add_argument("--max-inflight", type=int, default=int(service.env_default("PRFAAS_MAX_INFLIGHT", "256")),
+                   help="requests in flight at once; more are answered 429 with Retry-After at once")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take in all, retries included (504 past it)")
+    p.add_argument("--place-retry-s", type=float, default=15.0,
+                   help="seconds to keep asking an unreachable router (or one with no alive worker) for a placement")
     args = p.parse_args()
     service.setup_logging("gateway")
     service.run(lambda stop: amain(args, stop))

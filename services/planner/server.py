@@ -6,7 +6,10 @@ planner restart) is answered with BAD_REQUEST, and the worker re-registers.
 With ``--profile`` (a hardware profile, see ``services/planner/throughput.py``) and ``--router``, the
 planner also runs the short-timescale loop (``services/planner/control.py``): every
 ``--loop-interval`` seconds it reads the PrfaaS egress, congestion and queues from the reports and
-sets the router's threshold and bandwidth flag. The long-timescale loop (role changes) is not wired yet.
+sets the router's threshold and bandwidth flag. On the same ticks the long-timescale loop
+(``services/planner/roles.py``) checks the P/D balance (eq. 8) and moves switchable PD-cluster
+workers (``python -m services.pd``) between the prefill and decode roles; ``move_worker`` does the
+same on an operator's command, with or without a profile.
 """
 
 from __future__ import annotations
@@ -19,36 +22,50 @@ import time
 from typing import Any
 
 from common import service
-from common.rpc import RpcClient, RpcError, RpcServer, parse_addr
+from common.rpc import ClientPool, RpcClient, RpcError, RpcServer, parse_addr
 from proto.frames import ErrorCode
+from services.planner.loops import LongConfig, LongLoop
 from services.planner.registry import RegistrationError, WorkerRegistry
+from services.planner.roles import RoleMover
 
 log = logging.getLogger("prfaas.planner")
 
 
 class Planner:
-    """The planner's RPC surface over a :class:`WorkerRegistry`."""
+    """The planner's RPC surface over a :class:`WorkerRegistry`, and its two loops.
 
-    def __init__(self, name: str = "planner", dead_after: float = 3.0, controller: Any = None, loop_interval: float = 1.0):
+    ``controller``: the short-timescale loop (a ``services.planner.control.Controller``) or None;
+    ``mover``: the long-timescale loop's :class:`RoleMover` (a model-less one, for ``move_worker``
+    only, when None); ``router``: a client to the router, for the threshold in force and the recent
+    prompt lengths the long loop models. ``loop_interval`` in seconds.
+    """
+
+    def __init__(self, name: str = "planner", dead_after: float = 3.0, controller: Any = None, loop_interval: float = 1.0,
+                 mover: RoleMover | None = None, router: RpcClient | None = None):
         self.registry = WorkerRegistry(dead_after=dead_after)
         self.controller = controller  # a services.planner.control.Controller, or None (no scheduling loop)
+        self.workers = ClientPool(service="planner", name=name, connect_timeout=2.0)
+        self.mover = mover or RoleMover(LongLoop(LongConfig()), None, None, self.workers.get)
+        self.router = router
         self.loop_interval = loop_interval
         self.loop_errors = 0
         self._task: asyncio.Task | None = None
         self.server = RpcServer(
             "planner", name,
             handlers={"register": self.register, "report": self.report, "view": self.view, "health": self.health,
-                      "status": self.status},
+                      "status": self.status, "move_worker": self.move_worker},
         )
 
     def start(self) -> None:
-        """Start the short-timescale loop if a controller was given."""
+        """Start the scheduling loops if a controller was given."""
         if self.controller is not None:
-            self._task = asyncio.create_task(self._loop(), name="planner-short-loop")
+            self._task = asyncio.create_task(self._loop(), name="planner-loops")
 
     async def close(self) -> None:
         await service.stop_task(self._task)
+        await self.mover.close()
         await self.server.close()
+        await self.workers.close()
 
     async def _loop(self) -> None:
         while True:
@@ -58,16 +75,38 @@ class Planner:
             except Exception:  # the router may be down or restarting: log, count, go on
                 self.loop_errors += 1
                 log.exception("short-timescale loop tick failed")
+            try:
+                await self._long_tick()
+            except Exception:
+                self.loop_errors += 1
+                log.exception("long-timescale loop tick failed")
+
+    async def _long_tick(self) -> None:
+        if self.mover.base is None or self.router is None:
+            return
+        stats = await self.router.call("stats", {"lengths": True}, timeout=5.0)
+        self.mover.threshold = float(stats["threshold_tokens"])
+        self.mover.recent_lengths = [int(x) for x in stats.get("recent_lengths") or []]
+        self.mover.tick(time.monotonic(), self.registry.view(time.monotonic()))
+
+    async def move_worker(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Operator command ``{name, to_role}``: switch that worker's role (drained first) under a new
+        epoch; answers at once, the switch shows in ``status``. ``bad_request`` when it cannot."""
+        try:
+            epoch = self.mover.move(self.registry.view(time.monotonic()), str(args.get("name")), str(args.get("to_role")))
+        except ValueError as e:
+            raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
+        return {"epoch": epoch}
 
     async def status(self, args: dict[str, Any]) -> dict[str, Any]:
-        """Workers by role and cluster, and the scheduling loop's state (None when it is off)."""
+        """Workers by role and cluster, and the scheduling loops' state (``loop`` None when it is off)."""
         workers = self.registry.view(time.monotonic())
         by = {}
         for w in workers:
             key = f"{w['role']}/{w['cluster']}"
             by[key] = by.get(key, 0) + int(w["alive"])
         return {"alive": by, "loop": self.controller.state() if self.controller is not None else None,
-                "loop_errors": self.loop_errors}
+                "roles": self.mover.state(), "loop_errors": self.loop_errors}
 
     async def register(self, args: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -92,7 +131,7 @@ class Planner:
 
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    controller, router = None, None
+    controller, router, mover = None, None, None
     if args.profile:
         from services.planner import throughput as tm
         from services.planner.control import Controller, load_profile
@@ -103,11 +142,17 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         dist = tm.TruncatedLogNormal(mu=args.length_mu if args.length_mu is not None else math.log(max(lengths) / 4),
                                      sigma=args.length_sigma, lo=min(lengths), hi=max(lengths))
         controller = Controller(profile, dist, args.link_gbps, args.l_out, router)
-    planner = Planner(args.name, args.dead_after, controller=controller, loop_interval=args.loop_interval)
+        if args.long_loop == "on":
+            long_cfg = LongConfig(period_s=args.long_period, hold_s=args.long_hold, cooldown_s=args.long_cooldown)
+            mover = RoleMover(LongLoop(long_cfg), controller.base, dist, lambda addr: planner.workers.get(addr),
+                              drain_timeout_s=args.drain_timeout)
+    planner = Planner(args.name, args.dead_after, controller=controller, loop_interval=args.loop_interval, mover=mover,
+                      router=router)
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_PLANNER_ADDR"))
     await planner.server.start(host, port)
     planner.start()
-    print(f"READY planner listening on {host}:{port} loop={'on' if controller else 'off'}", flush=True)
+    print(f"READY planner listening on {host}:{port} loop={'on' if controller else 'off'} "
+          f"long_loop={'on' if mover else 'off'}", flush=True)
     await stop.wait()
     await planner.close()
     if router is not None:
@@ -127,6 +172,13 @@ def main() -> None:
     p.add_argument("--length-mu", type=float, default=None, help="prompt lengths ~ log-normal: mu (default ln(max/4))")
     p.add_argument("--length-sigma", type=float, default=1.0, help="prompt lengths ~ log-normal: sigma")
     p.add_argument("--loop-interval", type=float, default=1.0, help="seconds between short-loop ticks")
+    p.add_argument("--long-loop", choices=["on", "off"], default="on",
+                   help="with --profile: move switchable PD workers between prefill and decode when eq. 8 is out of balance")
+    p.add_argument("--long-period", type=float, default=60.0, help="seconds between long-loop evaluations")
+    p.add_argument("--long-hold", type=float, default=180.0, help="seconds an imbalance must persist before a worker moves")
+    p.add_argument("--long-cooldown", type=float, default=600.0, help="seconds after a move before the next one")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds a moving worker may drain before its remaining requests are handed off")
     args = p.parse_args()
     service.setup_logging("planner")
     service.run(lambda stop: amain(args, stop))

@@ -123,6 +123,21 @@ def pick_affine(workers: list[dict[str, Any]], prefix_blocks_by_node: dict[str, 
     return AffinePick(best, blocks(best), skipped)
 
 
+def placeable(workers: list[dict[str, Any]], exclude_decode: set[str] | frozenset[str] = frozenset(),
+              exclude_prefill: set[str] | frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """The workers a placement may choose: not draining for a role change (their reported stats say
+    ``draining``), and not named in ``exclude_decode`` / ``exclude_prefill`` (workers that just refused
+    or failed this request). Dead workers stay in the list; the pickers skip them."""
+    out = []
+    for w in workers:
+        if (w.get("stats") or {}).get("draining"):
+            continue
+        if w["name"] in (exclude_decode if w["role"] == "decode" else exclude_prefill):
+            continue
+        out.append(w)
+    return out
+
+
 def place(incremental_len: int, threshold: int, workers: list[dict[str, Any]], inflight: dict[str, int],
           exclude_decode: set[str] | frozenset[str] = frozenset()) -> Placement:
     """Pick the route by the threshold rule, then the least-loaded prefill worker of that cluster and

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from services.router.kv_index import HASH_LIMIT, KvIndex, choose_cluster, increm
 
 log = logging.getLogger("prfaas.router")
 
+RECENT_LENGTHS = 2000  # placements whose incremental length ``stats`` can report
 MAX_SNAPSHOT_ENTRIES = 1 << 22  # entries (blocks) one node's snapshot may hold; bounds a pending snapshot's memory
 
 
@@ -182,6 +183,7 @@ class Router:
         self.prefix_counts: Counter[str] = Counter()  # requests, prompt_tokens, decode_hit_tokens, moves, guard_skips
         self.hit_tokens: Counter[str] = Counter()  # cluster -> cached prompt tokens on the chosen prefill worker
         self.forgotten = 0
+        self.recent_lengths: deque[int] = deque(maxlen=RECENT_LENGTHS)  # incremental lengths l of the latest placements
         self.server = RpcServer(
             "router", name,
             handlers={"place": self.place, "release": self.release, "stats": self.stats, "health": self.health,
@@ -319,18 +321,20 @@ class Router:
                 await self.refresh_view()
         try:
             exclude = {str(n) for n in (args.get("exclude_decode") or [])}
+            workers = policy.placeable(self.workers, exclude, {str(n) for n in (args.get("exclude_prefill") or [])})
             if prefix is None or prompt_len < 1:  # no hashes: the whole prompt is incremental
-                p = policy.place(prompt_len, self.threshold, self.workers, self.inflight, exclude_decode=exclude)
+                p = policy.place(prompt_len, self.threshold, workers, self.inflight)
             else:
                 hashes, block_size = prefix
                 self._check_block_size(block_size)
-                p = place_with_prefix(prompt_len, block_size, self.index.lookup(hashes), self.threshold, self.workers,
-                                      self.inflight, self.bandwidth_plentiful, exclude)
+                p = place_with_prefix(prompt_len, block_size, self.index.lookup(hashes), self.threshold, workers,
+                                      self.inflight, self.bandwidth_plentiful)
         except policy.NoWorker as e:
             raise RpcError(ErrorCode.UNAVAILABLE, str(e), retry_after=1) from None
         except ValueError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
         self.decisions[p.route] += 1
+        self.recent_lengths.append(p.incremental_len)
         if "fell back" in p.reason:
             self.fallbacks += 1
         self._count_prefix(prompt_len, p)
@@ -399,8 +403,12 @@ class Router:
         return {"released": self._release(str(args.get("req_id", "")))}
 
     async def stats(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Counters, the threshold in force and the KV index's state; with ``{lengths: true}`` also
+        ``recent_lengths``: the incremental prefill lengths (tokens) of the latest placements, oldest
+        first, at most ``RECENT_LENGTHS`` (the planner's long loop models the workload with them)."""
         c = self.prefix_counts
-        return {
+        extra = {"recent_lengths": list(self.recent_lengths)} if args.get("lengths") is True else {}
+        return {**extra,
             "route_decisions": dict(self.decisions),
             "route_fallbacks": self.fallbacks,
             "threshold_tokens": self.threshold,
