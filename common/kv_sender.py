@@ -13,8 +13,11 @@ Transfer lifecycle on the sender (who frees what):
    connection that died or stalled are re-sent on the others; the receiver ignores duplicates.
 4. :meth:`KvLink.abort` sends ``KV_ABORT``; either way the transfer's chunk views are dropped.
 
-Link health: every connection is pinged each ``ping_interval`` seconds (RTT samples); one whose pong
-is overdue, or whose writes do not drain within ``stall_timeout`` seconds, is closed and re-dialled,
+Link health: every connection is pinged each ``ping_interval`` seconds (RTT samples). One is closed and
+re-dialled when its pong is overdue (``ping_timeout``) while it is stuck (bytes wait in our buffers and
+the kernel saw none acknowledged for ``ping_timeout``), or when the pong is later than
+``max(ping_timeout, stall_timeout)`` in any case (a pong queued behind megabytes of KV in a slow
+link's buffers is late, not lost), or when its writes do not drain within ``stall_timeout`` seconds;
 and its unacknowledged chunks move to the remaining connections. Before a transfer starts, a
 connection idle for more than ``idle_check_s`` is probed with a ping first, so a connection that
 went stale while idle never carries the first bytes of a transfer.
@@ -32,7 +35,7 @@ import time
 from typing import Any
 
 from common.kv_stream import DEFAULT_CHUNK_BYTES, Layout, Range, split_ranges
-from common.link_stats import LinkStats
+from common.link_stats import LinkStats, read_tcp_info
 from common.rpc import RpcError, Unavailable, client_handshake, parse_addr
 from proto.frames import ErrorCode, Frame, Kind, ProtocolError, encode_frame, encode_frame_parts, read_frame
 
@@ -80,6 +83,8 @@ class _Conn:
         self.last_io = time.monotonic()
         self.last_pong = time.monotonic()
         self.ping_sent: float | None = None
+        self.acked = -1  # the kernel's bytes_acked at the last ping-loop tick (-1: not read yet)
+        self.last_progress = time.monotonic()  # when bytes_acked last grew
         self.tasks: list[asyncio.Task] = []
         self.current: tuple[Transfer, tuple[int, int], int] | None = None  # the item the writer is draining
 
@@ -198,14 +203,37 @@ class KvLink:
             with contextlib.suppress(Exception):
                 c.writer.write(encode_frame(Kind.PING, {"t": c.ping_sent}))
 
+    @staticmethod
+    def _pending(c: _Conn) -> bool:
+        """Bytes wait on ``c`` in our own buffers (transport or chunk queue)."""
+        try:
+            return c.writer.transport.get_write_buffer_size() > 0 or c.queue.qsize() > 0
+        except Exception:  # a transport closed under us
+            return False
+
+    @staticmethod
+    def _note_progress(c: _Conn, now: float) -> None:
+        """Record when the kernel last saw the peer acknowledge bytes on ``c`` (``TCP_INFO``)."""
+        info = read_tcp_info(c.sock)
+        acked = info.bytes_acked if info is not None and info.bytes_acked is not None else None
+        if acked is not None and acked > c.acked:
+            if c.acked >= 0:
+                c.last_progress = now
+            c.acked = acked
+
     async def _ping_loop(self) -> None:
         # checks _closed as well as being cancelled: on 3.11, wait_for() in a dial can swallow close()'s cancel
         while not self._closed:
             await asyncio.sleep(self.ping_interval)
             now = time.monotonic()
             for c in self._live():
-                if c.ping_sent is not None and now - c.ping_sent > self.ping_timeout:
-                    self._fail(c, f"no pong for {now - c.ping_sent:.1f}s")
+                self._note_progress(c, now)
+                # A pong queued behind megabytes of KV on a slow link is late, not lost: while the
+                # kernel sees the peer acknowledge bytes, the connection is alive.
+                late = now - c.ping_sent if c.ping_sent is not None else 0.0
+                stuck = now - c.last_progress > self.ping_timeout and self._pending(c)
+                if (late > self.ping_timeout and stuck) or late > max(self.ping_timeout, self.stall_timeout):
+                    self._fail(c, f"no pong for {late:.1f}s and no bytes acknowledged for {now - c.last_progress:.1f}s")
                 else:
                     self._ping(c)
             self.stats.sample_tcp([c.sock for c in self._live()])

@@ -4,7 +4,9 @@ A *link* is the set of N parallel TCP connections from this process to one peer 
 prefill cluster streaming KVCache to one PD-D decode worker). :class:`LinkStats` folds together what
 the engine observes itself (bytes written, application ping/pong RTT, stalls, reconnects, queue depth)
 and what the kernel knows per connection (``TCP_INFO``: smoothed RTT, retransmits, lost segments,
-congestion window, bytes acked). :meth:`LinkStats.snapshot` is a msgpack/JSON-safe ``dict`` for the
+congestion window, bytes acked), and estimates the link's capacity passively from the rate at which
+the kernel acknowledges bytes while the engine is backlogged (:meth:`LinkStats.capacity_bytes_per_s`,
+over a :class:`WindowedMax`). :meth:`LinkStats.snapshot` is a msgpack/JSON-safe ``dict`` for the
 planner/router; :meth:`LinkStats.prometheus_lines` / :func:`render_prometheus` render it for a
 Prometheus ``/metrics`` endpoint (text exposition format 0.0.4).
 
@@ -18,6 +20,7 @@ Nothing here does I/O besides ``getsockopt``; no method blocks or awaits.
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
 import socket
@@ -34,6 +37,7 @@ __all__ = [
     "TcpInfo",
     "read_tcp_info",
     "Ewma",
+    "WindowedMax",
     "LinkStats",
     "render_prometheus",
 ]
@@ -382,6 +386,57 @@ class Ewma:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Windowed max
+# ---------------------------------------------------------------------------------------------------
+
+
+class WindowedMax:
+    """Largest sample seen in the last ``window_s`` seconds (a max filter, as BBR keeps its bandwidth).
+
+    A sample stamped ``t`` counts while ``now - t < window_s``. Kept as a deque of (stamp, value) with
+    strictly decreasing values, so :meth:`update` and :meth:`value` are amortised O(1) and memory is
+    bounded by the number of samples in one window. A sample stamped earlier than the previous one is
+    stamped with the previous one's time instead (it then lives at most that much longer).
+
+    Raises ValueError for a ``window_s`` that is not a positive finite number of seconds, a
+    non-finite sample or ``now``.
+    """
+
+    __slots__ = ("window_s", "_items", "_last")
+
+    def __init__(self, window_s: float) -> None:
+        w = float(window_s)
+        if not (math.isfinite(w) and w > 0.0):
+            raise ValueError(f"window_s must be a positive finite number of seconds, got {window_s!r}")
+        self.window_s = w
+        self._items: collections.deque[tuple[float, float]] = collections.deque()
+        self._last = -math.inf
+
+    def update(self, value: float, now: float) -> None:
+        """Add ``value`` observed at ``now`` (seconds)."""
+        v = _check_finite("value", value)
+        t = max(_check_finite("now", now), self._last)
+        self._last = t
+        items = self._items
+        while items and items[-1][1] <= v:
+            items.pop()  # older and not larger: can never be the maximum again
+        items.append((t, v))
+
+    def value(self, now: float) -> float | None:
+        """The largest sample stamped within ``window_s`` before ``now`` (None if there is none)."""
+        t = _check_finite("now", now)
+        items = self._items
+        while items and t - items[0][0] >= self.window_s:
+            items.popleft()
+        return items[0][1] if items else None
+
+    def reset(self) -> None:
+        """Forget every sample."""
+        self._items.clear()
+        self._last = -math.inf
+
+
+# ---------------------------------------------------------------------------------------------------
 # LinkStats
 # ---------------------------------------------------------------------------------------------------
 
@@ -444,20 +499,62 @@ class LinkStats:
     current sockets to every :meth:`sample_tcp` call: a connection left out is forgotten, and counted
     again from zero if it comes back.
 
+    **Capacity** (``capacity_bps``): a passive estimate of what the link can carry, for utilisation =
+    goodput / capacity. A *capacity interval* is a run of consecutive :meth:`sample_tcp` intervals
+    spanning at least ``window_s``; its rate is the bytes the kernel reports acknowledged
+    (``TCP_INFO`` ``bytes_acked``, summed over the link's connections) over its length. It is a
+    sample only if (1) the sender was backlogged all through it, i.e. the engine's queue
+    (:attr:`bytes_queued`) never ran empty, (2) so was the interval before it (the first interval of a
+    backlog run also fills the buffers past the sender's kernel, e.g. a TCP-terminating proxy's, and
+    overstates the rate), and (3) the same connections, all with ``bytes_acked``, were read at every
+    sample in it (a connection that opens or closes voids it). ``capacity_bps`` is the largest
+    sample stamped in the last ``capacity_window_s`` seconds (default 30 s, about 30 one-second
+    intervals), None when there is none. While the engine's queue is non-empty its writers keep the
+    transport and kernel send buffers full, so TCP is limited by the path (congestion or receive
+    window), not by the application: the acked rate is then what the path delivers to this link.
+    Bytes *acked* are used rather than bytes drained (``goodput_bps``) because drains come in bursts
+    (asyncio resumes a writer at its low-water mark, megabytes per connection at once): at a 50 Mbit/s
+    cap one-second drain windows alternated between 0 and several times the cap. ``TCP_INFO``
+    ``delivery_rate`` (when not ``delivery_rate_app_limited``) is not used either: it is one ACK's
+    rate sample, and behind a TCP-terminating hop (the userspace link proxy, WAN optimisers) it showed
+    bursts at loopback speed, tens of Gbit/s against a 50 Mbit/s cap, which a max filter keeps.
+    Caveats: an idle or application-limited link gives no sample (neither does one that is not
+    sampled, or has no ``TCP_INFO``, i.e. not Linux), and neither does a transfer that fits in the
+    transport and kernel buffers below the engine; within the window the estimate only rises, so
+    after the path's capacity drops the old value stays for up to ``capacity_window_s`` (the
+    congestion signals show the drop meanwhile), and with no new sample it ages out to None after
+    that long. It is what this link's connections can get: a send buffer smaller than the
+    bandwidth-delay product, a slow receiver or competing traffic keeps it below the wire's rate,
+    and several links backlogged at once through one bottleneck each measure their share.
+
     Times (``now``) are seconds from ``clock`` (``time.monotonic`` by default); every method that
     takes ``now`` reads the clock when it is None. Not thread-safe: use it from one event loop.
     """
 
     def __init__(self, peer: str = "", *, window_s: float = 1.0, half_life_s: float = 5.0,
-                 rtt_alpha: float = 0.125, clock: Clock = time.monotonic) -> None:
+                 rtt_alpha: float = 0.125, capacity_window_s: float = 30.0,
+                 clock: Clock = time.monotonic) -> None:
         """Raises ValueError if ``window_s`` or ``half_life_s`` is not a positive finite number of
-        seconds or ``rtt_alpha`` is not in (0, 1]."""
+        seconds, ``capacity_window_s`` is not a finite number of seconds >= ``window_s``, or
+        ``rtt_alpha`` is not in (0, 1]."""
         w = float(window_s)
         if not (math.isfinite(w) and w > 0.0):
             raise ValueError(f"window_s must be a positive finite number of seconds, got {window_s!r}")
+        cw = float(capacity_window_s)
+        if not (math.isfinite(cw) and cw >= w):
+            raise ValueError(f"capacity_window_s must be a finite number of seconds >= window_s ({w}), "
+                             f"got {capacity_window_s!r}")
         self.peer = str(peer)
         self.window_s = w
+        self.capacity_window_s = cw
         self._clock = clock
+        # Link capacity (bytes/s), see the class docstring.
+        self._capacity = WindowedMax(cw)
+        self._tcp_backlogged = False  # the engine's queue was non-empty since the previous sample_tcp
+        self._acc_start: float | None = None  # start (s) of the open bytes_acked interval
+        self._acc_bytes = 0  # bytes acked in it, over the link's connections
+        self._acc_valid = False  # backlogged all through it, and every connection's bytes known
+        self._prev_acc_valid = False  # the same for the interval before it
         self._goodput = Ewma(half_life_s=half_life_s, clock=clock)  # bytes/s
         self._tcp_goodput = Ewma(half_life_s=half_life_s, clock=clock)  # bytes/s
         self._rtt = Ewma(rtt_alpha, clock=clock)  # seconds
@@ -552,11 +649,18 @@ class LinkStats:
 
     @bytes_queued.setter
     def bytes_queued(self, n: int) -> None:
-        """Raises ValueError if ``n`` is negative."""
+        """Raises ValueError if ``n`` is negative.
+
+        The engine must report every change, in particular each time the queue runs empty: a
+        capacity interval in which the queue was ever empty is application-limited and gives no
+        capacity sample (see the class docstring).
+        """
         n = int(n)
         if n < 0:
             raise ValueError(f"bytes_queued must be >= 0, got {n}")
         self._bytes_queued = n
+        if n == 0:
+            self._tcp_backlogged = False
 
     # -- kernel view ------------------------------------------------------------------------------
 
@@ -581,6 +685,8 @@ class LinkStats:
         delta_retrans = 0
         acked = 0
         acked_known = False
+        # Every connection read now was read at the previous sample too, with bytes_acked both times.
+        all_known = bool(infos) and {k for k, _ in infos} == set(self._conn_base)
         new_base: dict[tuple, _ConnBase] = {}
         for key, info in infos:
             old = self._conn_base.get(key)
@@ -592,8 +698,12 @@ class LinkStats:
                 if old is not None and old.bytes_acked is not None and info.bytes_acked >= old.bytes_acked:
                     acked += info.bytes_acked - old.bytes_acked
                     acked_known = True
-                # A connection seen for the first time only sets its baseline (its history may span
-                # far more than the interval).
+                else:
+                    # A connection seen for the first time only sets its baseline (its history may
+                    # span far more than the interval).
+                    all_known = False
+            else:
+                all_known = False
             new_base[key] = _ConnBase(info.total_retrans, info.bytes_acked)
         self._conn_base = new_base
 
@@ -616,8 +726,27 @@ class LinkStats:
         if prev is not None and t > prev and (acked_known or not infos):
             self._tcp_goodput.update(acked / (t - prev), t)
         if prev is None or t > prev:
+            self._capacity_interval(t, acked, self._tcp_backlogged and all_known)
             self._tcp_last_sample = t
+            self._tcp_backlogged = self._bytes_queued > 0
         return len(infos)
+
+    def _capacity_interval(self, now: float, acked: int, valid: bool) -> None:
+        """Fold the sample_tcp interval ending at ``now`` (``acked`` bytes; ``valid``: backlogged all
+        through it, every connection's bytes known) into the open capacity interval; close that once
+        it spans ``window_s``, taking a sample if it and the interval before it were both valid."""
+        if self._acc_start is None:  # the first sample only opens an interval
+            self._acc_start, self._acc_bytes, self._acc_valid = now, 0, True
+            return
+        self._acc_bytes += acked
+        self._acc_valid = self._acc_valid and valid
+        span = now - self._acc_start
+        if span < self.window_s:
+            return
+        if self._acc_valid and self._prev_acc_valid:
+            self._capacity.update(self._acc_bytes / span, now)
+        self._prev_acc_valid = self._acc_valid
+        self._acc_start, self._acc_bytes, self._acc_valid = now, 0, True
 
     # -- outputs ----------------------------------------------------------------------------------
 
@@ -626,6 +755,12 @@ class LinkStats:
         """Goodput EWMA in bits per second (0.0 before the first complete window)."""
         v = self._goodput.value
         return 0.0 if v is None else v * 8.0
+
+    def capacity_bytes_per_s(self, now: float | None = None) -> float | None:
+        """The link capacity estimate at ``now`` (s), bytes/s: the largest backlogged-interval rate
+        of the last ``capacity_window_s`` seconds, or None if there is none (see the class
+        docstring). Raises ValueError if ``now`` is not finite."""
+        return self._capacity.value(self._now(now))
 
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         """The link's signals as a flat dict of str/int/float/None (msgpack- and JSON-safe, finite).
@@ -638,11 +773,15 @@ class LinkStats:
         ``tcp_srtt_ms`` / ``tcp_srtt_max_ms`` (ms, None when no socket was read),
         ``tcp_lost`` / ``tcp_unacked`` / ``tcp_snd_cwnd`` (segments, summed over connections),
         ``tcp_notsent_bytes`` (bytes or None), ``retransmits`` (segments, cumulative),
-        ``retransmits_window`` (segments, since the previous sample), ``stalls``, ``reconnects``.
+        ``retransmits_window`` (segments, since the previous sample), ``stalls``, ``reconnects``,
+        ``capacity_bps`` (bits/s, the link capacity estimate; None before a backlogged sample and
+        once every sample is older than ``capacity_window_s``, see the class docstring).
         """
-        self._advance(self._now(now))
+        t = self._now(now)
+        self._advance(t)
         tcp_gp = self._tcp_goodput.value
         rtt = self._rtt.value
+        cap = self.capacity_bytes_per_s(t)
         return {
             "peer": self.peer,
             "connections": int(self.connections),
@@ -664,6 +803,7 @@ class LinkStats:
             "retransmits_window": int(self.retransmits_window),
             "stalls": int(self.stalls),
             "reconnects": int(self.reconnects),
+            "capacity_bps": None if cap is None else cap * 8.0,
         }
 
     def prometheus_lines(self, prefix: str = "prfaas_link", labels: Mapping[str, Any] | None = None,
@@ -699,6 +839,8 @@ _PROM_METRICS: tuple[tuple[str, str, str, float, str], ...] = (
     ("retransmits_window", "retransmits_window", "gauge", 1, "Retransmitted TCP segments since the previous sample."),
     ("stalls", "stalls_total", "counter", 1, "Connection stalls seen by the engine."),
     ("reconnects", "reconnects_total", "counter", 1, "Connection reconnects."),
+    ("capacity_bps", "capacity_bits_per_second", "gauge", 1,
+     "Link capacity estimate: largest backlogged bytes-acked rate in the capacity window, bits/s."),
 )
 
 _METRIC_FIRST = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")

@@ -23,6 +23,7 @@ from common.link_stats import (
     LinkStats,
     TcpInfo,
     TcpState,
+    WindowedMax,
     read_tcp_info,
     render_prometheus,
 )
@@ -462,7 +463,9 @@ def test_on_bytes_sent_rejects_negative():
 
 
 @pytest.mark.parametrize("kw", [{"window_s": 0}, {"window_s": -1}, {"window_s": math.inf},
-                                {"half_life_s": 0}, {"rtt_alpha": 0}, {"rtt_alpha": 2}])
+                                {"half_life_s": 0}, {"rtt_alpha": 0}, {"rtt_alpha": 2},
+                                {"capacity_window_s": 0.5}, {"capacity_window_s": math.inf},
+                                {"capacity_window_s": math.nan}])
 def test_linkstats_bad_args(kw):
     with pytest.raises(ValueError):
         LinkStats(**kw)
@@ -585,6 +588,242 @@ def test_sample_tcp_real_loopback_connections():
 
 
 # ---------------------------------------------------------------------------------------------------
+# LinkStats: capacity estimate
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_windowed_max_keeps_the_largest_recent_sample():
+    m = WindowedMax(10.0)
+    assert m.value(0.0) is None
+    m.update(5.0, 0.0)
+    m.update(3.0, 1.0)
+    m.update(4.0, 2.0)
+    assert m.value(2.0) == 5.0
+    assert m.value(9.99) == 5.0
+    assert m.value(10.0) == 4.0  # 5.0 aged out; 3.0 was dominated by the later, larger 4.0
+    m.update(9.0, 11.0)
+    assert m.value(11.0) == 9.0
+    assert m.value(20.99) == 9.0 and m.value(21.0) is None
+    m.update(1.0, 5.0)  # stamped before the previous sample: taken as stamped at 11.0
+    assert m.value(21.0) is None  # (21 - 11 >= 10)
+    m.update(2.0, 30.0)
+    m.reset()
+    assert m.value(30.0) is None
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            WindowedMax(bad)
+    with pytest.raises(ValueError):
+        WindowedMax(1.0).update(math.nan, 0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 5.0), st.floats(-1e6, 1e6)), min_size=1, max_size=40),
+       st.floats(0.1, 20.0))
+def test_windowed_max_matches_brute_force(steps, window):
+    m, t, seen = WindowedMax(window), 0.0, []
+    for dt, v in steps:
+        t += dt
+        m.update(v, t)
+        seen.append((t, v))
+        live = [x for ts, x in seen if t - ts < window]
+        assert m.value(t) == max(live)
+
+
+class AckedLink:
+    """A link of ``n`` fake connections whose kernels acknowledge bytes at a rate the test sets; the
+    engine samples TCP_INFO every ``step`` seconds, as KvLink's ping loop does."""
+
+    def __init__(self, ls: LinkStats, clk: FakeClock, n: int = 4, step: float = 0.25) -> None:
+        self.ls, self.clk, self.step = ls, clk, step
+        self.socks = [FakeSock(port=41000 + i, fd=20 + i, total_retrans=0, bytes_acked=0) for i in range(n)]
+        self.acked = [0.0] * n
+        ls.sample_tcp(self.socks)  # the baseline
+
+    def run(self, rate: float, seconds: float, between=None) -> None:
+        """Acknowledge ``rate`` bytes/s (split over the connections) for ``seconds``, sampling each
+        step; ``between()`` runs before each sample (e.g. to empty the engine's queue)."""
+        for _ in range(round(seconds / self.step)):
+            self.clk.t += self.step
+            for i, s in enumerate(self.socks):
+                self.acked[i] += rate * self.step / len(self.socks)
+                s.set(bytes_acked=int(self.acked[i]))
+            if between is not None:
+                between()
+            self.ls.sample_tcp(self.socks)
+
+
+def test_capacity_from_backlogged_intervals():
+    clk = FakeClock(0.0)
+    ls = LinkStats(window_s=1.0, capacity_window_s=30.0, clock=clk)
+    ls.bytes_queued = 8 << 20  # a backlog from the first TCP sample on
+    link = AckedLink(ls, clk)
+    assert ls.snapshot()["capacity_bps"] is None
+    # The first backlogged second also fills the buffers past the sender (10x the rate): skipped.
+    link.run(12.5e6, 1.0)
+    assert ls.snapshot()["capacity_bps"] is None
+    link.run(1.25e6, 1.0)
+    assert ls.snapshot()["capacity_bps"] == pytest.approx(10e6)  # bits/s: 1.25 MB/s
+    link.run(1.25e6, 3.0)
+    assert ls.capacity_bytes_per_s() == pytest.approx(1.25e6)
+    # More capacity shows at once (a max filter); goodput is independent of it.
+    link.run(2.5e6, 2.0)
+    snap = ls.snapshot()
+    assert snap["capacity_bps"] == pytest.approx(20e6)
+    assert snap["goodput_bps"] == 0.0  # nothing reported through on_bytes_sent
+    assert type(snap["capacity_bps"]) is float and msgpack.unpackb(msgpack.packb(snap), raw=False) == snap
+    types, samples = parse_exposition(ls.prometheus_lines("x", {"peer": "p"}))
+    assert types["x_capacity_bits_per_second"] == "gauge"
+    assert samples[("x_capacity_bits_per_second", frozenset({("peer", "p")}))] == pytest.approx(20e6)
+
+
+def test_capacity_ignores_app_limited_intervals():
+    clk = FakeClock(0.0)
+    ls = LinkStats(window_s=1.0, clock=clk)
+    link = AckedLink(ls, clk)
+    # Never backlogged: the kernel acks whatever the engine writes, the engine is the limit.
+    link.run(1e6, 5.0)
+    assert ls.snapshot()["capacity_bps"] is None
+
+    # Backlogged, except that the queue runs empty once a second: every interval is app-limited.
+    def empty_once_a_second():
+        if clk.t % 1.0 == 0.5:
+            ls.bytes_queued = 0
+            ls.bytes_queued = 1 << 20
+    ls.bytes_queued = 1 << 20
+    link.run(1e6, 6.0, between=empty_once_a_second)
+    assert ls.snapshot()["capacity_bps"] is None
+    # Backlogged throughout: the second full interval gives the first sample.
+    link.run(1e6, 1.0)
+    assert ls.snapshot()["capacity_bps"] is None
+    link.run(1e6, 1.0)
+    assert ls.snapshot()["capacity_bps"] == pytest.approx(8e6)
+
+
+def test_capacity_voided_by_a_new_or_closed_connection():
+    clk = FakeClock(0.0)
+    ls = LinkStats(window_s=1.0, clock=clk)
+    link = AckedLink(ls, clk, n=2)
+    ls.bytes_queued = 1 << 20
+    link.run(1e6, 1.0)
+    # A reconnect: the new connection's earlier bytes are unknown, so this interval is void, and
+    # the one after it is its successor's "first" interval.
+    link.socks.append(FakeSock(port=42000, fd=30, total_retrans=0, bytes_acked=5 << 30))
+    link.acked.append(float(5 << 30))
+    link.run(1e6, 2.0)
+    assert ls.snapshot()["capacity_bps"] is None
+    link.run(1e6, 1.0)
+    assert ls.snapshot()["capacity_bps"] == pytest.approx(8e6)
+    # A connection that closes voids its interval too (its last bytes are lost).
+    fresh = LinkStats(window_s=1.0, clock=clk)
+    link2 = AckedLink(fresh, clk, n=3)
+    fresh.bytes_queued = 1 << 20
+    link2.run(1e6, 1.5)
+    link2.socks[0].closed = True
+    link2.run(4e6, 1.5)
+    assert fresh.snapshot()["capacity_bps"] is None
+
+
+def test_capacity_only_rises_within_the_window_then_ages_out():
+    clk = FakeClock(0.0)
+    ls = LinkStats(window_s=1.0, capacity_window_s=10.0, clock=clk)
+    link = AckedLink(ls, clk)
+    ls.bytes_queued = 1 << 20
+    link.run(5e6, 3.0)
+    t_high = clk.t  # the last 5 MB/s sample is stamped here
+    assert ls.capacity_bytes_per_s() == pytest.approx(5e6)
+    link.run(1e6, 5.0)  # the path slows: the estimate holds the old maximum within the window
+    assert ls.capacity_bytes_per_s() == pytest.approx(5e6)
+    clk.t = t_high + 10.0 - 1e-6
+    assert ls.capacity_bytes_per_s() == pytest.approx(5e6)
+    clk.t = t_high + 10.0  # the high sample ages out; the slower ones are still in the window
+    assert ls.capacity_bytes_per_s() == pytest.approx(1e6)
+    ls.bytes_queued = 0  # idle from here on: no new samples
+    link.run(0.0, 12.0)
+    snap = ls.snapshot()
+    assert snap["capacity_bps"] is None
+    assert "x_capacity_bits_per_second" not in parse_exposition(ls.prometheus_lines("x"))[0]
+
+
+@linux_only
+@pytest.mark.timeout(30)
+async def test_capacity_of_a_rate_capped_loopback_link(monkeypatch):
+    """A real KvLink (4 connections) to a real KvReceiver through a LinkProxy capped at 50 Mbit/s:
+    an app-limited trickle gives no estimate; a backlogged bulk transfer gives one within 25% of the
+    cap (not the loopback speed, hundreds of times more)."""
+    import torch
+
+    import common.kv_sender as kv_sender
+    from common.kv_receiver import KvReceiver
+    from common.kv_sender import KvLink
+    from common.kv_stream import dtype_name, make_layout, tensor_ranges
+    from common.link_proxy import LinkProxy
+
+    cap_bps = 50e6
+    # Buffers sized for this slow link (the engine's defaults hold ~48 MiB, 8 s at this rate; pings
+    # queued behind them would time out): every hop holds a few hundred KiB per connection.
+    monkeypatch.setattr(kv_sender, "SOCKET_BUFFER_BYTES", 256 << 10)
+    monkeypatch.setattr(kv_sender, "WRITE_HIGH_WATER_BYTES", 256 << 10)
+    fp = {"model": "capacity-test"}
+    n_layers = 48
+    rx = KvReceiver("rx", fp, n_layers)
+    port = await rx.start("127.0.0.1", 0)
+    proxy = LinkProxy("127.0.0.1", 0, "127.0.0.1", port, rate_bps=cap_bps, max_buffer_bytes=256 << 10)
+    pport = await proxy.start()
+    # Connections the proxy accepts inherit this receive buffer (else the kernel grows it to tens of
+    # MiB, acknowledging bytes long before they pass the cap).
+    proxy._server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 << 10)
+    link = KvLink(f"127.0.0.1:{pport}", name="tx", fingerprint=fp, connections=4, chunk_bytes=64 << 10,
+                  ping_interval=0.25, ping_timeout=5.0, stall_timeout=5.0)
+    sender: asyncio.Task | None = None
+    try:
+        def layer(nbytes: int):
+            t = torch.zeros(nbytes // 4, dtype=torch.float32)
+            return t, make_layout([("k", dtype_name(t.dtype), list(t.shape))])
+
+        # 1. App-limited, for ~3 s: a 128 KiB layer every 0.06 s, about 17 Mbit/s; the engine's
+        # queue keeps running empty.
+        small, lay_s = layer(128 << 10)
+        rx.expect("trickle", lay_s["total"] * n_layers)
+        tr = await link.begin("trickle", [lay_s] * n_layers, prompt_len=1)
+        for i in range(n_layers):
+            await link.send(tr, i, list(tensor_ranges(lay_s, "k", small)))
+            await asyncio.sleep(0.06)
+        await link.finish(tr, {"first_token": 1, "prompt_len": 1}, timeout=10)
+        assert rx.release("trickle")
+        snap = link.stats.snapshot()
+        assert snap["goodput_bps"] > 1e6 and snap["connections"] == 4
+        assert snap["capacity_bps"] is None, snap
+
+        # 2. Backlogged: 72 MiB offered at once (12 s at the cap); measured, then aborted.
+        big, lay_b = layer(3 << 19)
+        rx.expect("bulk", lay_b["total"] * n_layers)
+        tr = await link.begin("bulk", [lay_b] * n_layers, prompt_len=1)
+
+        async def send_all():
+            for i in range(n_layers):
+                await link.send(tr, i, list(tensor_ranges(lay_b, "k", big)))
+
+        sender = asyncio.create_task(send_all())
+        deadline = time.monotonic() + 8.0
+        while link.stats.snapshot()["capacity_bps"] is None:
+            assert time.monotonic() < deadline, "no capacity estimate from a backlogged link"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        cap = link.stats.snapshot()["capacity_bps"]
+        assert link.stats.bytes_queued > 0  # still backlogged
+        assert cap == pytest.approx(cap_bps, rel=0.25), f"estimate {cap / 1e6:.1f} Mbit/s vs cap 50"
+        link.abort(tr, "capacity measured")
+        rx.release("bulk")
+    finally:
+        if sender is not None:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+        await link.close()
+        await proxy.close()
+        await rx.close()
+
+
+# ---------------------------------------------------------------------------------------------------
 # snapshot and Prometheus
 # ---------------------------------------------------------------------------------------------------
 
@@ -592,7 +831,7 @@ EXPECTED_KEYS = {
     "peer", "connections", "goodput_bps", "goodput_window_bps", "tcp_goodput_bps", "bytes_sent",
     "bytes_queued", "rtt_ms", "rtt_last_ms", "rtt_min_ms", "tcp_srtt_ms", "tcp_srtt_max_ms", "tcp_lost",
     "tcp_unacked", "tcp_snd_cwnd", "tcp_notsent_bytes", "retransmits", "retransmits_window", "stalls",
-    "reconnects",
+    "reconnects", "capacity_bps",
 }
 
 

@@ -12,7 +12,14 @@ import pytest
 
 from common.rpc import RpcClient
 from services.planner import throughput as tm
-from services.planner.control import Controller, counts, signals
+from services.planner.control import (
+    NOMINAL_LINK_GBPS,
+    Controller,
+    counts,
+    link_capacity_gbps,
+    measured_link_gbps,
+    signals,
+)
 from services.planner.server import Planner
 from tests.cluster import free_port
 from tests.test_kv_events import Env as RouterEnv
@@ -22,11 +29,14 @@ PROFILE = {**json.loads((Path(__file__).resolve().parent.parent / "services/plan
 DIST = tm.TruncatedLogNormal(mu=9.90, sigma=1.00, lo=128, hi=131072)  # the paper's workload
 
 
-def workers(goodput_bps: float = 0.0, stalls: int = 0, q_prfaas: int = 0, q_pdp: int = 0) -> list[dict]:
-    """A view like the planner's: 4 PrfaaS prefill, 3 PD-P, 5 decode; the PrfaaS links' goodput split evenly."""
+def workers(goodput_bps: float = 0.0, stalls: int = 0, q_prfaas: int = 0, q_pdp: int = 0,
+            capacity_bps: float | None = None) -> list[dict]:
+    """A view like the planner's: 4 PrfaaS prefill, 3 PD-P, 5 decode; the PrfaaS links' goodput split
+    evenly, and each link's measured capacity ``capacity_bps`` (bits/s, None: not measured)."""
     out = []
     for i in range(4):
-        link = {"goodput_bps": goodput_bps / 4, "stalls": stalls, "retransmits": 0, "rtt_ms": 1.0, "rtt_min_ms": 1.0}
+        link = {"goodput_bps": goodput_bps / 4, "stalls": stalls, "retransmits": 0, "rtt_ms": 1.0, "rtt_min_ms": 1.0,
+                "capacity_bps": capacity_bps}
         out.append({"name": f"pf-{i}", "role": "prefill", "cluster": "prfaas", "alive": True,
                     "stats": {"waiting": q_prfaas // 4, "links": {"decode:1": link}}})
     out += [{"name": f"pp-{i}", "role": "prefill", "cluster": "pd", "alive": True, "stats": {"waiting": q_pdp // 3}}
@@ -47,6 +57,57 @@ def test_signals_from_the_view():
     assert counts(workers()) == (4, 3, 5)
 
 
+def test_signals_use_the_measured_capacity():
+    # 4 workers, each link measured at 10 Gbit/s: 40 Gbit/s, below the configured 100.
+    sig, _ = signals(workers(goodput_bps=20e9, capacity_bps=10e9), 100.0, {})
+    assert sig.link_gbps == pytest.approx(40.0)
+    assert sig.egress_util == pytest.approx(0.5)
+    # Nothing configured: the measurement alone.
+    sig, _ = signals(workers(goodput_bps=20e9, capacity_bps=10e9), None, {})
+    assert (sig.link_gbps, sig.egress_util) == (pytest.approx(40.0), pytest.approx(0.5))
+
+
+def test_signals_fall_back_to_the_configured_capacity_and_cap_the_measured_one():
+    sig, _ = signals(workers(goodput_bps=20e9), 80.0, {})  # nothing measured: configured
+    assert (sig.link_gbps, sig.egress_util) == (80.0, pytest.approx(0.25))
+    sig, _ = signals(workers(goodput_bps=20e9), None, {})  # neither: nominal
+    assert sig.link_gbps == NOMINAL_LINK_GBPS
+    sig, _ = signals(workers(goodput_bps=20e9), None, {}, nominal_gbps=25.0)
+    assert sig.link_gbps == 25.0
+    # Measured 4 x 50 = 200 Gbit/s (e.g. workers backlogged at different times each saw the whole
+    # link), configured 100: the operator's figure caps it.
+    sig, _ = signals(workers(goodput_bps=20e9, capacity_bps=50e9), 100.0, {})
+    assert (sig.link_gbps, sig.egress_util) == (100.0, pytest.approx(0.2))
+    assert link_capacity_gbps(None, None) == NOMINAL_LINK_GBPS
+    assert link_capacity_gbps(30.0, None) == 30.0
+    assert link_capacity_gbps(30.0, 10.0) == 10.0 and link_capacity_gbps(30.0, 50.0) == 30.0
+    assert link_capacity_gbps(None, 50.0, nominal=7.0) == 50.0
+
+
+def test_measured_capacity_is_max_per_worker_summed_over_workers():
+    def pf(name, caps, alive=True):
+        links = {f"decode-{k}:7000": {"goodput_bps": 0.0, "capacity_bps": c} for k, c in enumerate(caps)}
+        return {"name": name, "role": "prefill", "cluster": "prfaas", "alive": alive, "stats": {"links": links}}
+
+    view = [
+        pf("a", [10e9, 8e9, None]),  # three decode peers behind the same link: 10, not 18
+        pf("b", [5e9, float("nan"), -1.0, "junk", True]),  # only the sane value counts
+        pf("c", [None]),  # nothing measured: adds nothing
+        pf("dead", [50e9], alive=False),
+        {"name": "pp", "role": "prefill", "cluster": "pd", "alive": True,
+         "stats": {"links": {"d:1": {"capacity_bps": 99e9}}}},  # PD-P links do not cross the PrfaaS link
+    ]
+    assert measured_link_gbps(view) == pytest.approx(15.0)
+    assert measured_link_gbps([pf("c", [None]), pf("dead", [50e9], alive=False)]) is None
+    assert measured_link_gbps(workers()) is None
+
+
+def test_controller_rejects_a_bad_configured_capacity():
+    for bad in (0.0, -5.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            Controller(PROFILE, DIST, bad, 1024, None)
+
+
 @pytest.fixture
 async def env():
     """A planner (no workers) and a router, real RPC servers (see tests/test_kv_events.py), and a
@@ -57,6 +118,16 @@ async def env():
     await e.close()
 
 
+async def tick_until_t_rises(ctl: Controller, t0: float, view: list[dict], ticks: int = 14) -> int | None:
+    """Tick ``ctl`` once a second (from t=1 s) on ``view``; the tick at which it raised t above
+    ``t0``, or None if it did not within ``ticks`` ticks."""
+    for k in range(1, ticks + 1):
+        applied = await ctl.tick(float(k), view)
+        if applied and applied["t"] > t0:
+            return k
+    return None
+
+
 async def test_controller_sets_the_model_optimum_then_raises_t_when_the_link_fills(env):
     ctl = Controller(PROFILE, DIST, 100.0, 1024, env.client)
     view = workers(goodput_bps=5e9)  # 5% of the link: healthy
@@ -65,18 +136,39 @@ async def test_controller_sets_the_model_optimum_then_raises_t_when_the_link_fil
     assert applied is not None and applied["t"] == t0
     assert 15_000 < t0 < 45_000, t0  # the model's optimum for 4/3/5 with this one profile everywhere
     # the link fills up (a bandwidth drop): within a few ticks t rises at the router, and bandwidth is scarce
-    raised = None
-    for k in range(1, 15):
-        applied = await ctl.tick(float(k), workers(goodput_bps=95e9, q_prfaas=40))
-        if applied and applied["t"] > t0:
-            raised = k
-            break
+    raised = await tick_until_t_rises(ctl, t0, workers(goodput_bps=95e9, q_prfaas=40))
     assert raised is not None and raised <= 5, "t did not rise under egress pressure"
     assert env.router.threshold > t0 and env.router.bandwidth_plentiful is False
     assert "raise" in ctl.last_reason or "util" in ctl.last_reason, ctl.last_reason
     st = ctl.state()
     json.dumps(st)  # JSON-safe
     assert st["applied"]["decisions"] >= 2 and st["shape"] == [4, 3, 5]
+
+
+async def test_controller_uses_the_measured_capacity_and_shows_it(env):
+    """38 Gbit/s of egress is light on the configured 100 Gbit/s link, but the workers measured only
+    40: the loop sees 95% utilisation and raises t; its state shows which capacity it used."""
+    ctl = Controller(PROFILE, DIST, 100.0, 1024, env.client)
+    st = ctl.state()
+    assert (st["link_gbps"], st["link_gbps_measured"], st["link_gbps_used"]) == (100.0, None, 100.0)
+    await ctl.tick(0.0, workers(goodput_bps=5e9))
+    t0 = env.router.threshold
+    raised = await tick_until_t_rises(ctl, t0, workers(goodput_bps=38e9, capacity_bps=10e9))
+    assert raised is not None and raised <= 5, "t did not rise at 95% of the measured capacity"
+    assert "util 0.95" in ctl.last_reason, ctl.last_reason
+    st = ctl.state()
+    json.dumps(st)
+    assert st["link_gbps_measured"] == pytest.approx(40.0) and st["link_gbps_used"] == pytest.approx(40.0)
+    assert st["loop"]["t"] > t0
+    # The measurement gone (aged out): back to the configured capacity.
+    await ctl.tick(20.0, workers(goodput_bps=38e9))
+    st = ctl.state()
+    assert st["link_gbps_measured"] is None and st["link_gbps_used"] == 100.0
+    # Same egress with only the configured capacity: no pressure.
+    ctl2 = Controller(PROFILE, DIST, 100.0, 1024, env.client)
+    for k in range(8):
+        await ctl2.tick(float(k), workers(goodput_bps=38e9))
+    assert ctl2.loop.decisions["raise_t"] == 0 and ctl2.state()["link_gbps_used"] == 100.0
 
 
 async def test_planner_runs_the_loop_and_reports_it(env):

@@ -529,8 +529,9 @@ def _worker_prefix_metrics(workers: list[dict[str, Any]]) -> list[str]:
 
 
 def planner_lines(status: dict[str, Any]) -> list[str]:
-    """Prometheus lines for the planner's ``status``: alive workers by role/cluster and, when the
-    short-timescale loop runs, its threshold, anchor, regime and decision counters."""
+    """Prometheus lines for the planner's ``status``: alive workers by role/cluster; when the
+    short-timescale loop runs, its threshold, anchor, regime, link capacity and decision counters;
+    the long-timescale loop's epoch, role changes and decisions."""
     lines = ["# HELP prfaas_planner_workers_alive Alive workers by role and cluster.", "# TYPE prfaas_planner_workers_alive gauge"]
     for key, n in sorted((status.get("alive") or {}).items()):
         role, _, cluster = key.partition("/")
@@ -549,6 +550,24 @@ def planner_lines(status: dict[str, Any]) -> list[str]:
         lines += ["# HELP prfaas_planner_suppressed_total Changes held back by the rate limits.",
                   "# TYPE prfaas_planner_suppressed_total counter"]
         lines += [f'prfaas_planner_suppressed_total{{why="{k}"}} {v}' for k, v in sorted(loop["suppressed"].items())]
+    ctl = status.get("loop") or {}
+    link = [(src, ctl.get(f"link_gbps_{src}")) for src in ("measured", "used")]
+    if any(v is not None for _, v in link):
+        lines += ["# HELP prfaas_planner_link_gbps Cross-cluster link capacity, Gbit/s: measured (KV senders' estimate) and used by the loop.",
+                  "# TYPE prfaas_planner_link_gbps gauge"]
+        lines += [f'prfaas_planner_link_gbps{{source="{src}"}} {v:.3f}' for src, v in link if v is not None]
+    roles = status.get("roles") or {}
+    long = roles.get("long") or {}
+    lines += ["# HELP prfaas_planner_role_epoch The long-timescale loop's latest role-change epoch.",
+              "# TYPE prfaas_planner_role_epoch gauge", f"prfaas_planner_role_epoch {long.get('epoch', 0)}",
+              "# HELP prfaas_planner_role_changes_total Role changes by outcome (to_prefill/to_decode started; done; failed; no_switchable).",
+              "# TYPE prfaas_planner_role_changes_total counter"]
+    moves = roles.get("moves") or {}
+    lines += [f'prfaas_planner_role_changes_total{{kind="{k}"}} {moves.get(k, 0)}'
+              for k in ("to_prefill", "to_decode", "done", "failed", "no_switchable")]
+    lines += ["# HELP prfaas_planner_long_decisions_total Long-loop decisions by kind.",
+              "# TYPE prfaas_planner_long_decisions_total counter"]
+    lines += [f'prfaas_planner_long_decisions_total{{kind="{k}"}} {v}' for k, v in sorted((long.get("decisions") or {}).items())]
     lines += ["# TYPE prfaas_planner_loop_errors_total counter", f"prfaas_planner_loop_errors_total {status.get('loop_errors', 0)}"]
     return lines
 

@@ -4,7 +4,9 @@ Every ``interval`` seconds the planner turns its view of the workers into
 :class:`~services.planner.loops.ShortSignals`:
 
 - ``egress_util``: the PrfaaS prefill workers' KV goodput (sum over their links' ``goodput_bps``
-  EWMA, bits/s) over the link capacity (``link_gbps``, from config until a capacity probe exists);
+  EWMA, bits/s) over the link capacity ``link_gbps`` (see :func:`link_capacity_gbps`): the capacity
+  the workers' KV senders measure passively (``capacity_bps``, ``common/link_stats.py``), at most the
+  configured ``--link-gbps`` (an operator cap), or the configured figure when nothing is measured;
 - ``stalls`` and ``retransmits``: increases of those links' counters since the previous tick;
 - ``rtt_inflation``: the worst link's smoothed RTT over its minimum RTT;
 - queue depths: requests waiting at PrfaaS prefill, PD-P prefill and decode admission.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 from dataclasses import replace
 from typing import Any
@@ -40,12 +43,62 @@ def counts(workers: list[dict[str, Any]]) -> tuple[int, int, int]:
     return n_prfaas, n_p, n_d
 
 
-def signals(workers: list[dict[str, Any]], link_gbps: float, prev: dict[str, float]) -> tuple[ShortSignals, dict[str, float]]:
-    """One sample from the planner's worker view; ``prev`` holds the cumulative counters of the
-    previous call (pass ``{}`` first). Returns the sample and the counters to pass next time."""
+NOMINAL_LINK_GBPS = 100.0  # Gbit/s assumed with neither a measurement nor a configured capacity
+
+
+def _prfaas_links(alive: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Per alive PrfaaS prefill worker, the snapshots of its KV links (one per decode peer)."""
+    return [list(((w.get("stats") or {}).get("links") or {}).values())
+            for w in alive if w["role"] == "prefill" and w["cluster"] == "prfaas"]
+
+
+def measured_link_gbps(workers: list[dict[str, Any]]) -> float | None:
+    """The cross-cluster link capacity the alive PrfaaS prefill workers' KV senders measured, Gbit/s:
+    per worker the largest ``capacity_bps`` over its links, summed over workers. None when no link
+    reports a measurement (finite and positive; anything else is ignored).
+
+    Why max per worker, sum over workers: every link crosses the one shared PrfaaS -> PD link, and a
+    link's estimate is what it got while backlogged. One worker streams a request's KVCache to one
+    decode peer at a time, so its links are rarely backlogged together and each saw up to the
+    worker's whole share: their max is the worker's egress capacity (a sum would count that share
+    once per peer). Different workers stream at the same time, and when they are backlogged together
+    through the shared link each measures its share, so the shares add up to the link. The sum
+    overstates the link when workers were backlogged at different times within the estimate's window
+    (each saw the whole link), by up to the number of workers, which is why the configured capacity
+    caps it (:func:`link_capacity_gbps`); it understates it when one worker's links were backlogged
+    together, or when no worker has pushed hard enough to fill the link.
+    """
     alive = [w for w in workers if w.get("alive")]
-    links = [snap for w in alive if w["role"] == "prefill" and w["cluster"] == "prfaas"
-             for snap in ((w.get("stats") or {}).get("links") or {}).values()]
+    total, seen = 0.0, False
+    for links in _prfaas_links(alive):
+        caps = [float(v) for v in (s.get("capacity_bps") for s in links)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0]
+        if caps:
+            total += max(caps)
+            seen = True
+    return total / 1e9 if seen else None
+
+
+def link_capacity_gbps(measured: float | None, configured: float | None,
+                       nominal: float = NOMINAL_LINK_GBPS) -> float:
+    """The link capacity (Gbit/s) the short loop divides the egress by: the measured one, but never
+    above ``configured`` when that is given (the operator's figure is a cap: a measurement can
+    overstate the link, see :func:`measured_link_gbps`); ``configured`` when nothing is measured;
+    ``nominal`` when neither is known."""
+    if measured is not None:
+        return measured if configured is None else min(measured, configured)
+    return configured if configured is not None else nominal
+
+
+def signals(workers: list[dict[str, Any]], link_gbps: float | None, prev: dict[str, float], *,
+            nominal_gbps: float = NOMINAL_LINK_GBPS) -> tuple[ShortSignals, dict[str, float]]:
+    """One sample from the planner's worker view; ``link_gbps`` is the configured link capacity in
+    Gbit/s (None: not configured), ``prev`` the cumulative counters of the previous call (pass
+    ``{}`` first). The sample's ``link_gbps`` is the capacity used for ``egress_util``
+    (:func:`link_capacity_gbps`). Returns the sample and the counters to pass next time."""
+    alive = [w for w in workers if w.get("alive")]
+    links = [snap for per_worker in _prfaas_links(alive) for snap in per_worker]
+    cap_gbps = link_capacity_gbps(measured_link_gbps(alive), link_gbps, nominal_gbps)
     goodput = sum(float(s.get("goodput_bps") or 0.0) for s in links)
     now = {"stalls": float(sum(s.get("stalls") or 0 for s in links)),
            "retransmits": float(sum(s.get("retransmits") or 0 for s in links))}
@@ -55,8 +108,8 @@ def signals(workers: list[dict[str, Any]], link_gbps: float, prev: dict[str, flo
         return int(sum((w.get("stats") or {}).get("waiting", 0) for w in alive if pred(w)))
 
     sig = ShortSignals(
-        egress_util=goodput / (link_gbps * 1e9),
-        link_gbps=link_gbps,
+        egress_util=goodput / (cap_gbps * 1e9),
+        link_gbps=cap_gbps,
         stalls=int(max(0.0, now["stalls"] - prev.get("stalls", now["stalls"]))),
         retransmits=int(max(0.0, now["retransmits"] - prev.get("retransmits", now["retransmits"]))),
         rtt_inflation=max(rtt, default=1.0),
@@ -70,17 +123,26 @@ def signals(workers: list[dict[str, Any]], link_gbps: float, prev: dict[str, flo
 class Controller:
     """The short loop over a profile. ``profile``: a hardware profile dict (``throughput`` format)
     used for every stage; ``dist``: the prompt-length distribution (tokens); ``l_out`` in tokens;
-    ``link_gbps`` the cross-cluster link capacity. ``router``: an :class:`RpcClient` to the router."""
+    ``link_gbps`` the configured cross-cluster link capacity in Gbit/s, used until the KV senders
+    measure one and then a cap on the measurement; None: not configured (the measurement alone, and
+    ``config.link_gbps``, by default :data:`NOMINAL_LINK_GBPS`, before one). ``router``: an
+    :class:`RpcClient` to the router. Raises ValueError for a ``link_gbps`` that is not a positive
+    finite number."""
 
-    def __init__(self, profile: dict[str, Any], dist: tm.LengthDistribution, link_gbps: float, l_out: float,
+    def __init__(self, profile: dict[str, Any], dist: tm.LengthDistribution, link_gbps: float | None, l_out: float,
                  router: RpcClient, config: ShortConfig | None = None):
+        if link_gbps is not None and not (math.isfinite(link_gbps) and link_gbps > 0):
+            raise ValueError(f"link_gbps must be a positive number of Gbit/s or None, got {link_gbps!r}")
+        nominal = NOMINAL_LINK_GBPS if link_gbps is None else link_gbps
         hw = tm.HardwareProfile.from_dict(profile)
         self.base = tm.Deployment(n_prfaas=1, n_p=1, n_d=1, prfaas_hw=hw, pdp_hw=hw, pdd_hw=hw,
-                                  link_gbps=link_gbps, l_out=l_out)
+                                  link_gbps=nominal, l_out=l_out)
         self.dist = dist
         self.link_gbps = link_gbps
         self.router = router
-        self.config = config or ShortConfig(link_gbps=link_gbps, t_min=max(1.0, dist.lo), t_max=dist.hi)
+        self.config = config or ShortConfig(link_gbps=nominal, t_min=max(1.0, dist.lo), t_max=dist.hi)
+        self.link_gbps_measured: float | None = None  # Gbit/s, at the latest tick
+        self.link_gbps_used = link_capacity_gbps(None, link_gbps, self.config.link_gbps)
         self.shape: tuple[int, int, int] | None = None
         self.loop: ShortLoop | None = None
         self.prev: dict[str, float] = {}
@@ -104,7 +166,9 @@ class Controller:
         elif shape != self.shape:
             self.shape = shape
             self.loop.request_resolve(self._solver(shape))
-        sig, self.prev = signals(workers, self.link_gbps, self.prev)
+        self.link_gbps_measured = measured_link_gbps(workers)
+        sig, self.prev = signals(workers, self.link_gbps, self.prev, nominal_gbps=self.config.link_gbps)
+        self.link_gbps_used = float(sig.link_gbps)
         decision = self.loop.tick(now, sig)
         if decision is None:
             return first
@@ -119,9 +183,12 @@ class Controller:
         return {"t": int(round(t)), "plentiful": bool(plentiful), "reason": reason}
 
     def state(self) -> dict[str, Any]:
-        """JSON/msgpack-safe: the loop's state and what was applied."""
+        """JSON/msgpack-safe: the loop's state and what was applied. Link capacities in Gbit/s:
+        ``link_gbps`` configured (None: not configured), ``link_gbps_measured`` by the KV senders at
+        the latest tick (None: nothing measured), ``link_gbps_used`` the one ``egress_util`` used."""
         return {"loop": self.loop.state() if self.loop is not None else None, "shape": list(self.shape or ()),
-                "applied": dict(self.applied), "last_reason": self.last_reason, "link_gbps": self.link_gbps}
+                "applied": dict(self.applied), "last_reason": self.last_reason, "link_gbps": self.link_gbps,
+                "link_gbps_measured": self.link_gbps_measured, "link_gbps_used": self.link_gbps_used}
 
 
 def load_profile(path: str) -> dict[str, Any]:

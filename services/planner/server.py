@@ -167,7 +167,9 @@ def main() -> None:
     p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"), help="router address (for the loop)")
     p.add_argument("--profile", default=service.env_default("PRFAAS_PLANNER_PROFILE"),
                    help="hardware profile JSON (e.g. from scripts/measure_profile.py); enables the short-timescale loop")
-    p.add_argument("--link-gbps", type=float, default=100.0, help="cross-cluster link capacity, Gbit/s")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="cross-cluster link capacity, Gbit/s: a cap on the capacity the KV senders measure, and the "
+                        "capacity used until they measure one (default: measured only, 100 before a measurement)")
     p.add_argument("--l-out", type=float, default=256.0, help="mean output length, tokens (paper: L_out)")
     p.add_argument("--length-mu", type=float, default=None, help="prompt lengths ~ log-normal: mu (default ln(max/4))")
     p.add_argument("--length-sigma", type=float, default=1.0, help="prompt lengths ~ log-normal: sigma")

@@ -1,5 +1,6 @@
 """``python -m services.planner.status``: a compact view of the planner: alive workers and the
-short-timescale loop (threshold, anchor, bandwidth regime, decisions, last reason)."""
+short-timescale loop (threshold, anchor, bandwidth regime, link capacity, decisions, last reason) and
+the long-timescale loop's role changes."""
 
 from __future__ import annotations
 
@@ -15,10 +16,19 @@ def render(status: dict) -> str:
     """The planner's ``status`` as a few lines of text."""
     alive = ", ".join(f"{k}={v}" for k, v in sorted((status.get("alive") or {}).items())) or "none"
     out = [f"workers alive: {alive}"]
+    roles = status.get("roles") or {}
+    long, last = roles.get("long") or {}, roles.get("last_move")
+    out.append(f"role changes: epoch {long.get('epoch', 0)}, moves {json.dumps(roles.get('moves') or {})}"
+               + (f"; last: {last['worker']} {last['from']}->{last['to']} (epoch {last['epoch']}) {last['outcome']}: {last['reason']}"
+                  if last else ""))
     ctl = status.get("loop")
     if ctl is None:
         out.append("short-timescale loop: off (start the planner with --profile)")
         return "\n".join(out)
+    if ctl.get("link_gbps_used") is not None:
+        measured = ctl.get("link_gbps_measured")
+        out.append(f"link: {ctl['link_gbps_used']:.2f} Gbit/s used ("
+                   + (f"measured {measured:.2f}" if measured is not None else "nothing measured yet") + ")")
     loop = ctl["loop"] or {}
     out.append(f"threshold t={loop.get('t', 0):.0f} tokens (model anchor {loop.get('anchor_t', 0):.0f}), bandwidth "
                f"{'plentiful' if loop.get('plentiful') else 'scarce'}, instances prfaas/pd-p/pd-d={ctl.get('shape')}")
