@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -444,6 +445,10 @@ class PagedAssembly(KvAssembly):
     :meth:`PagedKvStore.byte_pieces`. ``layer_flags[i]`` (a ``threading.Event``) mirrors
     ``layer_ready[i]`` for the compute thread, and is also set on abort so a waiter never hangs;
     ``on_change`` (if set) is called on the event loop when the transfer completes or fails.
+
+    ``progress_at`` (``time.monotonic()`` seconds) is when the transfer last moved: created (the
+    reservation), ``KV_BEGIN`` accepted, new bytes committed (a duplicate resend does not count),
+    ``KV_DONE``. The decode worker's stall deadline watches it (:meth:`idle_s`).
     """
 
     def __init__(self, req_id: str, store: PagedKvStore, seq: PagedSeq, expected: list[Layout], token_base: int = 0):
@@ -454,10 +459,23 @@ class PagedAssembly(KvAssembly):
         self.layer_flags = [threading.Event() for _ in expected]
         self.first = asyncio.Event()  # KV_DONE (the first token) arrived, or the transfer failed
         self.on_change: Callable[[], None] | None = None
+        self.progress_at = time.monotonic()
+
+    def idle_s(self, now: float | None = None) -> float:
+        """Seconds since the transfer last made progress (see the class docstring)."""
+        return (time.monotonic() if now is None else now) - self.progress_at
 
     def _place(self, layouts: list[Layout]) -> None:
         if layouts != self.expected:
             raise KvError("the announced layouts are not those of this prompt on this model")
+        self.progress_at = time.monotonic()
+
+    def commit(self, layer: int, offset: int, n: int, now: float = 0.0) -> bool:
+        before = self.bytes_received
+        completed = super().commit(layer, offset, n, now)
+        if self.bytes_received != before:
+            self.progress_at = now or time.monotonic()
+        return completed
 
     def dest(self, layer: int, offset: int, n: int) -> list[memoryview]:
         self._check_range(layer, offset, n)
@@ -479,6 +497,7 @@ class PagedAssembly(KvAssembly):
 
     def finish(self, header: dict[str, Any]) -> None:
         super().finish(header)
+        self.progress_at = time.monotonic()
         self.first.set()
 
     def _maybe_done(self) -> None:

@@ -2,7 +2,9 @@
 
 Reproducibility: the token at output position ``step`` is drawn with a generator seeded from
 ``(seed, step)`` alone, so a seeded request gives the same tokens whichever worker samples which
-token (the prefill worker samples step 0, the decode worker the rest).
+token (the prefill worker samples step 0, the decode worker the rest). A resumed request's first new
+token is sampled by a prefill worker at position 0 with :func:`shifted_seed`, which draws what the
+original seed draws at that position.
 """
 
 from __future__ import annotations
@@ -87,6 +89,28 @@ def step_seed(seed: int, step: int) -> int:
     device or batch state enters it, so any worker sampling position ``step`` draws the same token.
     """
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) & ((1 << 63) - 1)
+
+
+def _unmix64(x: int) -> int:
+    """The inverse of :func:`_splitmix64`: ``_unmix64(_splitmix64(x)) == x`` for every 64-bit ``x``."""
+    x &= _MASK64
+    x ^= (x >> 31) ^ (x >> 62)
+    x = (x * pow(0x94D049BB133111EB, -1, 1 << 64)) & _MASK64
+    x ^= (x >> 27) ^ (x >> 54)
+    x = (x * pow(0xBF58476D1CE4E5B9, -1, 1 << 64)) & _MASK64
+    x ^= (x >> 30) ^ (x >> 60)
+    return (x - 0x9E3779B97F4A7C15) & _MASK64
+
+
+def shifted_seed(seed: int, step: int) -> int:
+    """A seed whose output position 0 draws exactly what ``seed`` draws at position ``step``:
+    ``step_seed(shifted_seed(seed, step), 0) == step_seed(seed, step)`` (an unsigned 64-bit int).
+
+    A resumed request (``generate`` with ``resume``) has its first new token, at output position
+    ``step``, sampled by a prefill worker, which always samples position 0; giving it this seed keeps
+    the seeded stream exactly where the interrupted request would have drawn it.
+    """
+    return _unmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
 
 
 def _warpers(params: SamplingParams) -> LogitsProcessorList:

@@ -1,4 +1,5 @@
-"""Start-up shared by the prefill and decode worker processes: flags, model, backend, planner and router links."""
+"""Start-up shared by the worker processes (prefill, decode, and the PD worker that hosts either role):
+flags, model, backend, the role objects built from the flags, planner and router links."""
 
 from __future__ import annotations
 
@@ -27,6 +28,88 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
                    help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--report-interval", type=float, default=0.5, help="seconds between load reports to the planner")
     add_tls_flags(p)
+
+
+def add_block_size_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """``--block-size`` (tokens per KV / prefix-cache block; ``PRFAAS_BLOCK_SIZE``, default 16)."""
+    p.add_argument("--block-size", type=int, default=int(service.env_default("PRFAAS_BLOCK_SIZE", "16")), help=help)
+
+
+def add_prefill_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-timeout") -> None:
+    """Flags of the prefill role (PrfaaS cluster or PD-P): RPC advertise address, KV sending, chunked
+    prefill, prefix cache. ``stall_flag`` names the send-side stall deadline (the PD worker, which also
+    takes the decode role's receive-side one, renames it); its value is ``args.kv_send_stall_timeout``."""
+    p.add_argument("--advertise", default=service.env_default("PRFAAS_PREFILL_ADVERTISE"), help="host:port decode workers should dial for prefill RPCs (e.g. a proxy or NAT address); default --listen")
+    p.add_argument("--kv-connections", type=int, default=int(service.env_default("PRFAAS_KV_CONNECTIONS", "4")),
+                   help="TCP connections per decode peer; chunks are striped across them")
+    p.add_argument("--kv-chunk-bytes", type=int, default=4 << 20, help="most KV bytes per frame")
+    p.add_argument("--kv-max-inflight-bytes", type=int, default=64 << 20, help="KV bytes written but not drained, per peer")
+    p.add_argument(stall_flag, dest="kv_send_stall_timeout", type=float, default=5.0,
+                   help="seconds a write may take to drain before its connection is replaced")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=int(service.env_default("PRFAAS_PREFILL_CHUNK_TOKENS", "0")),
+                   help="chunked prefill: stream each chunk's K/V while the next computes (0 = one pass)")
+    p.add_argument("--kv-stream", choices=["layer", "after"], default="layer",
+                   help="layer: send each layer (or chunk) as soon as it is computed; after: send once prefill ends (baseline)")
+    p.add_argument("--prefix-cache-bytes", type=int, default=int(service.env_default("PRFAAS_PREFIX_CACHE_BYTES", str(1 << 30))),
+                   help="budget of this worker's prefix cache (KV blocks and linear-state checkpoints); 0 turns it off "
+                        "(so does PRFAAS_PREFIX_CACHE=0)")
+    p.add_argument("--checkpoint-every", type=int, default=32,
+                   help="hybrid models: checkpoint linear states every N blocks (and at each prompt's last full block)")
+
+
+def add_decode_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-timeout") -> None:
+    """Flags of the decode role (PD-D): KV listener, KV block pool, admission queue, prefix cache.
+    ``stall_flag`` names the receive-side stall deadline (renamed by the PD worker, see
+    :func:`add_prefill_flags`); its value is ``args.kv_receive_stall_timeout``."""
+    p.add_argument("--kv-listen", help="host:port where prefill workers stream KVCache")
+    p.add_argument("--kv-advertise", default=service.env_default("PRFAAS_DECODE_KV_ADVERTISE"),
+                   help="host:port prefill workers should dial for KV (e.g. a proxy or NAT address); default --kv-listen")
+    p.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds from the prefill call to the last KV byte")
+    p.add_argument(stall_flag, dest="kv_receive_stall_timeout", type=float, default=10.0,
+                   help="seconds a KV transfer may make no progress before its prefill worker is probed (health) and, "
+                        "if it does not answer, the request fails as prefill_failed; 0 disables")
+    p.add_argument("--kv-budget-bytes", type=int, default=int(service.env_default("PRFAAS_KV_BUDGET_BYTES", str(4 << 30))),
+                   help="the KV block pool's budget in bytes (KV blocks and linear-state slots together)")
+    p.add_argument("--max-waiting", type=int, default=64, help="requests that may wait for KV blocks at once")
+    p.add_argument("--admission-timeout", type=float, default=30.0,
+                   help="seconds a request may wait for KV blocks before it is refused (overloaded)")
+    p.add_argument("--kv-lease-s", type=float, default=600.0, help="seconds before an unreleased KV reservation is freed")
+    p.add_argument("--prefix-cache", choices=["on", "off"],
+                   default="off" if service.env_default("PRFAAS_PREFIX_CACHE", "1") == "0" else "on",
+                   help="keep prompt blocks cached after their request, so a shared prefix is not transferred again")
+
+
+def prefill_worker_from_args(args: argparse.Namespace, backend):
+    """A :class:`~services.prefill.worker.PrefillWorker` configured by :func:`add_prefill_flags`'s flags
+    (``PRFAAS_PREFIX_CACHE=0`` turns its prefix cache off)."""
+    from common import peer_auth
+    from services.prefill.worker import PrefillWorker
+
+    return PrefillWorker(
+        backend, args.name, prefill_chunk_tokens=args.prefill_chunk_tokens, kv_stream=args.kv_stream, block_size=args.block_size,
+        prefix_cache_bytes=args.prefix_cache_bytes if service.env_default("PRFAAS_PREFIX_CACHE", "1") != "0" else 0,
+        checkpoint_every=args.checkpoint_every,
+        connections=args.kv_connections,
+        chunk_bytes=args.kv_chunk_bytes, max_inflight_bytes=args.kv_max_inflight_bytes, stall_timeout=args.kv_send_stall_timeout,
+        secret=peer_auth.load_secret(), ssl=tls_client_context(args),
+    )
+
+
+def decode_worker_from_args(args: argparse.Namespace, backend, kv_listen: str):
+    """``(receiver, worker)``: a :class:`~common.kv_receiver.KvReceiver` (not started) and the
+    :class:`~services.decode.worker.DecodeWorker` over it (not started), configured by
+    :func:`add_decode_flags`'s flags; the worker advertises ``--kv-advertise`` or ``kv_listen``."""
+    from common import peer_auth
+    from common.kv_receiver import KvReceiver
+    from services.decode.worker import DecodeWorker
+
+    receiver = KvReceiver(args.name, backend.loaded.fingerprint, backend.num_layers, budget_bytes=args.kv_budget_bytes,
+                          lease_s=args.kv_lease_s, secret=peer_auth.load_secret(), ssl=tls_server_context(args))
+    worker = DecodeWorker(backend, args.name, args.kv_advertise or kv_listen, receiver, prefill_timeout=args.prefill_timeout,
+                          kv_pool_bytes=args.kv_budget_bytes, block_size=args.block_size, max_waiting=args.max_waiting,
+                          admission_timeout=args.admission_timeout, prefix_cache=args.prefix_cache == "on",
+                          kv_stall_timeout=args.kv_receive_stall_timeout)
+    return receiver, worker
 
 
 def add_tls_flags(p: argparse.ArgumentParser) -> None:

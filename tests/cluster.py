@@ -55,24 +55,27 @@ class Cluster:
     router_args: tuple[str, ...] = ()  # extra flags for the router (e.g. --bandwidth-plentiful)
     second_decode_args: tuple[str, ...] | None = None  # start a second decode worker ("decode2") with these flags
     extra_decoders: int = 0  # more decode workers "decode3", "decode4", ... (names decode-2, decode-3, ...), default flags
+    preset_addrs: dict[str, str] = field(default_factory=dict)  # host:port per address name instead of a free loopback port
+    extra_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # flags appended to a service's command (last wins)
+    wrap: dict[str, tuple[str, ...]] = field(default_factory=dict)  # argv prefix per service (e.g. ip netns exec NS)
+    cmds: dict[str, list[str]] = field(default_factory=dict)  # the commands start() ran; restart() runs them again
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     addrs: dict[str, str] = field(default_factory=dict)
     url: str = ""
 
     def commands(self) -> dict[str, list[str]]:
-        a = {n: f"127.0.0.1:{free_port()}" for n in ("router", "planner", "prefill_remote", "prefill_local", "decode", "decode_kv",
-                                                    "decode2", "decode2_kv")}
-        for k in range(self.extra_decoders):
-            a[f"decode{k + 3}"], a[f"decode{k + 3}_kv"] = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-        gw_port = free_port()
-        self.addrs = dict(a, gateway=f"127.0.0.1:{gw_port}")
-        self.url = f"http://127.0.0.1:{gw_port}"
+        names = ["router", "planner", "prefill_remote", "prefill_local", "decode", "decode_kv", "decode2", "decode2_kv"]
+        names += [f"decode{k + 3}{kv}" for k in range(self.extra_decoders) for kv in ("", "_kv")]
+        a = {n: self.preset_addrs.get(n) or f"127.0.0.1:{free_port()}" for n in names}
+        gw_host, _, gw_port = (self.preset_addrs.get("gateway") or f"127.0.0.1:{free_port()}").rpartition(":")
+        self.addrs = dict(a, gateway=f"{gw_host}:{gw_port}")
+        self.url = f"http://{gw_host}:{gw_port}"
         py = [sys.executable, "-m"]
         model = ["--model", self.model]
         cmds = {
             "planner": py + ["services.planner", "--listen", a["planner"]],
             "router": py + ["services.router", "--listen", a["router"], "--planner", a["planner"], "--threshold", str(self.threshold)] + list(self.router_args),
-            "gateway": py + ["services.gateway", "--host", "127.0.0.1", "--port", str(gw_port), "--router", a["router"],
+            "gateway": py + ["services.gateway", "--host", gw_host, "--port", str(gw_port), "--router", a["router"],
                              "--planner", a["planner"]] + model,
             "prefill_remote": py + ["services.prefill", "--name", "prefill-remote-0", "--cluster", "prfaas", "--listen",
                                     a["prefill_remote"], "--planner", a["planner"], "--router", a["router"]] + model,
@@ -88,7 +91,7 @@ class Cluster:
         if self.second_decode_args is not None:
             cmds["decode2"] = py + ["services.decode", "--name", "decode-1", "--listen", a["decode2"], "--kv-listen",
                                     a["decode2_kv"], "--planner", a["planner"], "--router", a["router"]] + model + list(self.second_decode_args)
-        return cmds
+        return {n: list(self.wrap.get(n, ())) + c + list(self.extra_args.get(n, ())) for n, c in cmds.items()}
 
     def start(self, timeout: float = 180.0) -> "Cluster":
         """Start every service (all at once: order must not matter) and wait for ``GET /health`` = 200
@@ -100,15 +103,15 @@ class Cluster:
         """
         env = dict(os.environ, PYTHONUNBUFFERED="1", PRFAAS_THREADS="1", **self.env)
         env.pop("PRFAAS_MODEL", None)
-        commands = self.commands()
+        commands = self.cmds = self.commands()
+        self._env = env
         order = [n for n in commands if n not in self.late] + [n for n in self.late]
         for name in order:
             if name == (self.late or (None,))[0]:
                 self._wait_ready([n for n in commands if n not in self.late], timeout)
                 self.health_before_late = self.health()[0]
                 time.sleep(self.late_delay)
-            out = open(self.log_dir / f"{name}.log", "wb") if self.log_dir else subprocess.DEVNULL
-            self.procs[name] = subprocess.Popen(commands[name], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+            self._spawn(name, "wb")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
@@ -121,6 +124,58 @@ class Cluster:
             time.sleep(0.5)
         self.stop()
         raise TimeoutError(f"cluster not healthy within {timeout}s; logs in {self.log_dir}")
+
+    def _spawn(self, name: str, mode: str) -> None:
+        """Start service ``name`` with its command from :meth:`start`; its log is opened with ``mode``."""
+        out = open(self.log_dir / f"{name}.log", mode) if self.log_dir else subprocess.DEVNULL
+        try:
+            self.procs[name] = subprocess.Popen(self.cmds[name], cwd=ROOT, env=self._env, stdout=out, stderr=subprocess.STDOUT)
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()  # the child has its own copy of the descriptor
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to service ``name`` and, for SIGKILL, reap it (a crash, as an orchestrator sees it)."""
+        p = self.procs[name]
+        if p.poll() is None:
+            p.send_signal(sig)
+            if sig == signal.SIGKILL:
+                p.wait()
+
+    def restart(self, name: str, timeout: float = 120.0) -> float:
+        """Start service ``name`` again with the same command, addresses and flags (stopping it first
+        if it still runs), log appended; waits for its new READY line (needs ``log_dir``) and returns
+        the seconds that took. Raises ``RuntimeError`` if it exits first, ``TimeoutError`` after ``timeout``."""
+        old = self.procs.get(name)
+        if old is not None and old.poll() is None:
+            old.terminate()
+            try:
+                old.wait(10)
+            except subprocess.TimeoutExpired:
+                old.kill()
+                old.wait()
+        ready_before = self.log(name).count("READY")
+        t0 = time.monotonic()
+        self._spawn(name, "ab")
+        while self.log_dir is not None and self.log(name).count("READY") <= ready_before:
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited during restart (rc={self.procs[name].returncode}); log {self.log_dir / name}.log")
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"{name} not ready within {timeout}s of its restart")
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+    def wait_healthy(self, timeout: float = 60.0) -> float:
+        """Wait until ``GET /health`` is 200 with every worker this cluster started alive; returns the
+        seconds waited. Raises ``TimeoutError`` naming the last health report."""
+        t0 = time.monotonic()
+        while True:
+            status, body = self.health()
+            if status == 200 and self._workers_alive(body):
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"cluster not healthy within {timeout}s: {status} {body[:500]!r}")
+            time.sleep(0.1)
 
     def _wait_ready(self, names: list[str], timeout: float) -> None:
         """Wait until each named service has printed its READY line (needs ``log_dir``)."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from common.planner_agent import PlannerAgent
 from services.planner.server import Planner
 from tests.cluster import free_port
@@ -55,6 +57,88 @@ async def test_agent_registers_with_a_planner_that_starts_late():
         await planner.server.start("127.0.0.1", port)
         await wait_for(lambda: [w["name"] for w in planner.registry.view(time.monotonic())] == ["w0"])
         assert agent.registered
+    finally:
+        await agent.close()
+        await planner.server.close()
+
+
+def view(planner: Planner) -> list[dict]:
+    return planner.registry.view(time.monotonic())
+
+
+async def test_update_reregisters_the_new_role_at_once():
+    """A worker that changes role (a PD worker) re-registers before update() returns, long before the
+    next report (the interval here is 30 s); the planner replaces the record of the same name."""
+    port = free_port()
+    planner = Planner(dead_after=60.0)
+    await planner.server.start("127.0.0.1", port)
+    state = {"role": "decode"}
+    agent = PlannerAgent(f"127.0.0.1:{port}", INFO, lambda: {"role": state["role"]}, interval=30.0)
+    agent.start()
+    try:
+        await wait_for(lambda: agent.registered)
+        assert [(w["role"], w["kv_addr"]) for w in view(planner)] == [("decode", "127.0.0.1:2")]
+        state["role"] = "prefill"
+        info = {k: v for k, v in INFO.items() if k != "kv_addr"} | {"role": "prefill"}
+        assert await agent.update(info) is True
+        (w,) = view(planner)
+        assert (w["name"], w["role"], w["kv_addr"], w["stats"]) == ("w0", "prefill", None, {"role": "prefill"})
+        with pytest.raises(ValueError):
+            await agent.update({**info, "name": "other"})
+    finally:
+        await agent.close()
+        await planner.server.close()
+
+
+async def test_report_now_does_not_wait_for_the_interval():
+    port = free_port()
+    planner = Planner(dead_after=60.0)
+    await planner.server.start("127.0.0.1", port)
+    state = {"draining": False}
+    agent = PlannerAgent(f"127.0.0.1:{port}", INFO, lambda: dict(state), interval=30.0)
+    agent.start()
+    try:
+        await wait_for(lambda: agent.registered)
+        state["draining"] = True
+        assert await agent.report_now() is True
+        assert view(planner)[0]["stats"] == {"draining": True}
+    finally:
+        await agent.close()
+        await planner.server.close()
+
+
+async def test_report_now_with_the_planner_down_fails_softly():
+    agent = PlannerAgent(f"127.0.0.1:{free_port()}", INFO, lambda: {}, interval=30.0)
+    t0 = time.monotonic()
+    try:
+        assert await agent.report_now() is False
+        assert time.monotonic() - t0 < 5.0 and not agent.registered
+    finally:
+        await agent.close()
+
+
+async def test_update_lands_after_a_registration_already_in_flight():
+    """The loop's first registration (old info) is slow at the planner; an update() issued meanwhile
+    must not be overtaken by it: the planner ends with the new role."""
+    port = free_port()
+    planner = Planner(dead_after=60.0)
+    register = planner.server.handlers["register"]
+    calls = {"n": 0}
+
+    async def slow_first_register(args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            await asyncio.sleep(0.5)
+        return await register(args)
+    planner.server.handlers["register"] = slow_first_register
+    await planner.server.start("127.0.0.1", port)
+    agent = PlannerAgent(f"127.0.0.1:{port}", INFO, lambda: {}, interval=30.0)
+    agent.start()
+    try:
+        await wait_for(lambda: calls["n"] == 1)
+        assert await agent.update({**INFO, "role": "prefill", "kv_addr": None}) is True
+        await asyncio.sleep(0.7)  # past the slow registration, had it been overtaken
+        assert [w["role"] for w in view(planner)] == ["prefill"] and calls["n"] == 2
     finally:
         await agent.close()
         await planner.server.close()

@@ -7,11 +7,9 @@ import asyncio
 
 from common import service
 from common.planner_agent import PlannerAgent
-from common import peer_auth
-from common.kv_receiver import KvReceiver
 from common.rpc import RpcServer, parse_addr
-from common.worker_main import add_worker_flags, load_backend, report_with_publisher, start_kv_publisher, stats_handler, tls_server_context
-from services.decode.worker import DecodeWorker
+from common.worker_main import (add_block_size_flag, add_decode_flags, add_worker_flags, decode_worker_from_args, load_backend,
+                                report_with_publisher, start_kv_publisher, stats_handler)
 
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -19,12 +17,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     kv_listen = service.require(args, "kv_listen", "PRFAAS_DECODE_KV_ADDR")
     planner = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
     backend = await asyncio.to_thread(load_backend, args)
-    receiver = KvReceiver(args.name, backend.loaded.fingerprint, backend.num_layers, budget_bytes=args.kv_budget_bytes,
-                          lease_s=args.kv_lease_s, secret=peer_auth.load_secret(), ssl=tls_server_context(args))
-    advertise = args.kv_advertise or kv_listen
-    worker = DecodeWorker(backend, args.name, advertise, receiver, prefill_timeout=args.prefill_timeout,
-                          kv_pool_bytes=args.kv_budget_bytes, block_size=args.block_size, max_waiting=args.max_waiting,
-                          admission_timeout=args.admission_timeout, prefix_cache=args.prefix_cache == "on")
+    receiver, worker = decode_worker_from_args(args, backend, kv_listen)
     publisher = start_kv_publisher(args, worker, "decode", "pd")
     report = report_with_publisher(worker.stats, publisher)
     rpc = RpcServer("decode", args.name, stream_handlers={"generate": worker.generate}, handlers={"stats": stats_handler(report)})
@@ -34,7 +27,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     await receiver.start(khost, kport)
     worker.start()
     agent = PlannerAgent(planner, {
-        "name": args.name, "role": "decode", "cluster": "pd", "addr": listen, "kv_addr": advertise,
+        "name": args.name, "role": "decode", "cluster": "pd", "addr": listen, "kv_addr": worker.kv_addr,
         "fingerprint": backend.loaded.fingerprint,
     }, report, args.report_interval)
     agent.start()
@@ -53,21 +46,8 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description="PrfaaS decode worker (PD-D)")
     add_worker_flags(p, "decode")
-    p.add_argument("--kv-listen", help="host:port where prefill workers stream KVCache")
-    p.add_argument("--kv-advertise", default=service.env_default("PRFAAS_DECODE_KV_ADVERTISE"),
-                   help="host:port prefill workers should dial for KV (e.g. a proxy or NAT address); default --kv-listen")
-    p.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds from the prefill call to the last KV byte")
-    p.add_argument("--kv-budget-bytes", type=int, default=int(service.env_default("PRFAAS_KV_BUDGET_BYTES", str(4 << 30))),
-                   help="the KV block pool's budget in bytes (KV blocks and linear-state slots together)")
-    p.add_argument("--block-size", type=int, default=int(service.env_default("PRFAAS_BLOCK_SIZE", "16")),
-                   help="tokens per KV block")
-    p.add_argument("--max-waiting", type=int, default=64, help="requests that may wait for KV blocks at once")
-    p.add_argument("--admission-timeout", type=float, default=30.0,
-                   help="seconds a request may wait for KV blocks before it is refused (overloaded)")
-    p.add_argument("--kv-lease-s", type=float, default=600.0, help="seconds before an unreleased KV reservation is freed")
-    p.add_argument("--prefix-cache", choices=["on", "off"],
-                   default="off" if service.env_default("PRFAAS_PREFIX_CACHE", "1") == "0" else "on",
-                   help="keep prompt blocks cached after their request, so a shared prefix is not transferred again")
+    add_block_size_flag(p, "tokens per KV block")
+    add_decode_flags(p)
     args = p.parse_args()
     service.setup_logging("decode")
     service.run(lambda stop: amain(args, stop))

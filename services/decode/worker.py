@@ -13,7 +13,16 @@ Request lifecycle: pre-allocate, then transfer, then wait, then run, then finish
    the request's blocks (:class:`~common.paged_kv.PagedAssembly`), over any connection, in any order.
    The reservation has a lease on the receiver: a transfer that never finishes gives its blocks back.
 3. **Wait.** ``KV_DONE`` brings the first token (sampled by the prefill worker). It is streamed at
-   once; if it already ends the request, no decode step runs.
+   once; if it already ends the request, no decode step runs. Whatever ends the prefill leg first
+   fails the transfer (``PagedAssembly.abort``), which wakes every waiter on it: the ``prefill``
+   call failing (its connection drops or is refused, within ``PREFILL_CONNECT_S``; any error
+   answer; its ``prefill_timeout``), the sender's ``KV_ABORT``, the lease, or the *stall deadline*
+   (no KV progress for ``kv_stall_timeout`` seconds and no answer to a ``health`` probe: a stopped
+   process or a blackholed host; a request merely queued behind another prefill is not failed).
+   Before the first token that is ``prefill_failed`` (naming the prefill worker; its own
+   ``bad_request`` stays one), so the gateway can place the request on another prefill worker;
+   after it (an early start's tail) it is ``unavailable``. Either way the ``finally`` of step 5
+   gives back the reservation and every block, partly written ones included.
 4. **Run.** The request joins the running batch between two steps. Its first step may start before
    the last layers are in: with nothing else running it runs at once, each layer waiting for its
    own KVCache (early start). Each step grows every row by one token; if the pool runs short, the
@@ -24,12 +33,21 @@ Request lifecycle: pre-allocate, then transfer, then wait, then run, then finish
    the next step boundary and its blocks return to the pool there, never while a step may still
    write them. A request cancelled before it ran frees its blocks in ``generate``'s ``finally``, which
    also cancels the prefill call, so its compute stops and its transfer is dropped.
+
+**Resume.** A stream whose decode worker died is continued elsewhere: ``generate`` with
+``resume = {prompt_len, generated_ids}`` and ``input_ids = prompt + generated_ids`` prefills the
+whole (the KVCache of the streamed tokens is recomputed), replays ``generated_ids`` into the request
+(``max_tokens``, usage, the detokenizer's held-back text and stop-string state) and streams only new
+tokens. Seeded sampling continues the same per-position draws (:func:`common.sampling.shifted_seed`
+for the first new token, which the prefill worker samples), so a resumed request gives exactly the
+tokens the uninterrupted one would have, as greedy does, wherever the logits are equal.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -42,8 +60,8 @@ from common.kv_receiver import KvReceiver, Overloaded
 from common.kv_stream import KvError
 from common.paged_kv import LayerNotReady, PagedAssembly, PagedSeq, PoolExhausted
 from common.prefix_cache import PrefixCache, block_hashes
-from common.rpc import RpcClient, RpcError
-from common.sampling import SamplingParams, sample_batch
+from common.rpc import RpcClient, RpcError, Unavailable, parse_addr
+from common.sampling import SamplingParams, sample_batch, shifted_seed
 from proto.frames import ErrorCode
 from services.prefill.worker import validate_prompt
 
@@ -51,7 +69,12 @@ log = logging.getLogger("prfaas.decode")
 
 
 class DecodeRequest:
-    """One request's decode-side state. ``out`` carries stream items to the ``generate`` generator."""
+    """One request's decode-side state. ``out`` carries stream items to the ``generate`` generator.
+
+    ``prompt_len`` is the client's prompt (usage's ``prompt_tokens``). A resumed request first
+    replays (:meth:`replay`) the tokens an earlier attempt already streamed; ``generated`` then starts with
+    them (``replayed`` of them), so ``max_tokens``, usage and the sampling positions count them.
+    """
 
     def __init__(self, req_id: str, sampling: SamplingParams, prompt_len: int, tokenizer: Any):
         self.req_id = req_id
@@ -60,6 +83,7 @@ class DecodeRequest:
         self.detok = IncrementalDetokenizer(tokenizer, stop=sampling.stop)
         self.out: asyncio.Queue = asyncio.Queue()
         self.generated: list[int] = []
+        self.replayed = 0  # leading tokens of ``generated`` streamed by an earlier attempt (resume)
         self.finish_reason: str | None = None
         self.cancelled = False
         self.seq: PagedSeq | None = None
@@ -74,23 +98,52 @@ class DecodeRequest:
     def done(self) -> bool:
         return self.finish_reason is not None or self.cancelled
 
-    def push(self, token: int) -> None:
-        """Record one sampled token and queue its stream item (text delta, finish reason, usage)."""
+    def usage(self) -> dict[str, int]:
+        """``{prompt_tokens, completion_tokens}``; completion counts replayed tokens too."""
+        return {"prompt_tokens": self.prompt_len, "completion_tokens": len(self.generated)}
+
+    def _advance(self, token: int) -> tuple[str, str | None]:
+        """Record one token: the text it releases and the finish reason it causes (None: go on)."""
         self.generated.append(token)
         s = self.sampling
         if token in s.stop_token_ids and not s.ignore_eos:
-            text, reason = self.detok.flush(), "stop"
-        else:
-            text, hit = self.detok.push(token)
-            reason = "stop" if hit else None
-            if reason is None and len(self.generated) >= s.max_tokens:
-                text += self.detok.flush()
-                reason = "length"
+            return self.detok.flush(), "stop"
+        text, hit = self.detok.push(token)
+        if hit:
+            return text, "stop"
+        if len(self.generated) >= s.max_tokens:
+            return text + self.detok.flush(), "length"
+        return text, None
+
+    def push(self, token: int) -> None:
+        """Record one sampled token and queue its stream item (text delta, finish reason, usage)."""
+        text, reason = self._advance(token)
         item: dict[str, Any] = {"token_ids": [token], "text": text, "finish_reason": reason}
         if reason is not None:
             self.finish_reason = reason
-            item["usage"] = {"prompt_tokens": self.prompt_len, "completion_tokens": len(self.generated)}
+            item["usage"] = self.usage()
         self.out.put_nowait(item)
+
+    def replay(self, token_ids: list[int]) -> dict[str, Any] | None:
+        """Prime with ``token_ids``, already streamed to the client by an earlier attempt: they count
+        toward ``max_tokens`` and usage, and the detokenizer ends up exactly where the client's text
+        stopped (a held-back partial UTF-8 character or stop-string prefix included), so the next
+        :meth:`push` continues the text seamlessly. Nothing is queued for them.
+
+        Returns the final stream item (no token, the held-back text, ``finish_reason``, usage) when
+        the last of them already ends the request (``max_tokens`` reached, a stop token or string).
+        Raises ``ValueError`` when the request would have ended before the last of them.
+        """
+        for i, token in enumerate(token_ids):
+            text, reason = self._advance(token)
+            if reason is not None:
+                if i + 1 < len(token_ids):
+                    raise ValueError(f"the request ends ({reason}) at generated token {i + 1} of the {len(token_ids)} "
+                                     f"given (max_tokens {self.sampling.max_tokens})")
+                self.finish_reason = reason
+                return {"token_ids": [], "text": text, "finish_reason": reason, "usage": self.usage()}
+        self.replayed = len(token_ids)
+        return None
 
 
 class DecodeWorker:
@@ -98,19 +151,25 @@ class DecodeWorker:
 
     ``kv_pool_bytes``: the pool's budget (KV blocks and state slots); ``block_size`` in tokens;
     ``prefill_timeout`` (seconds) bounds the wait from the prefill call to the last KV byte;
-    ``max_waiting`` and ``admission_timeout`` (seconds) bound the admission queue.
+    ``kv_stall_timeout`` (seconds; 0 disables) is the stall deadline: a transfer that makes no
+    progress that long while its prefill worker does not answer a ``health`` probe either fails
+    (``prefill_failed`` before the first token); ``max_waiting`` and ``admission_timeout`` (seconds)
+    bound the admission queue.
     """
 
     EARLY_WAIT_S = 0.5  # an early first step waits this long per layer, then yields to the batch
+    PREFILL_CONNECT_S = 5.0  # a prefill worker that cannot be reached fails the request after this long
+    STALL_PROBE_S = 5.0  # at most this long for a stalled transfer's prefill worker to answer ``health``
 
     def __init__(self, backend: Backend, name: str, kv_addr: str, receiver: KvReceiver, prefill_timeout: float = 300.0,
                  kv_pool_bytes: int = 1 << 30, block_size: int = 16, max_waiting: int = 64, admission_timeout: float = 30.0,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, kv_stall_timeout: float = 10.0):
         self.backend = backend
         self.name = name
         self.kv_addr = kv_addr
         self.receiver = receiver
         self.prefill_timeout = prefill_timeout
+        self.kv_stall_timeout = kv_stall_timeout
         self.max_waiting = max_waiting
         self.admission_timeout = admission_timeout
         self.store = backend.paged_store(kv_pool_bytes, block_size)
@@ -137,6 +196,10 @@ class DecodeWorker:
         self.preemptions = 0
         self.refused = 0
         self.early_starts = 0
+        self.prefill_failures = 0  # requests failed as prefill_failed
+        self.kv_stalls = 0  # transfers failed by the stall deadline
+        self.stall_probes = 0  # health probes sent to the prefill worker of a transfer without progress
+        self.resumed = 0  # generate calls with ``resume``
         self.first_step_after_kv_s: float | None = None  # last KV byte -> second token, latest request
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -177,6 +240,10 @@ class DecodeWorker:
             "preemptions": self.preemptions,
             "refused": self.refused,
             "early_starts": self.early_starts,
+            "prefill_failures": self.prefill_failures,
+            "kv_stalls": self.kv_stalls,
+            "kv_stall_probes": self.stall_probes,
+            "resumed": self.resumed,
             "first_step_after_kv_s": self.first_step_after_kv_s,
             "completed": self.completed,
             "request_tasks": service.live_call_tasks("generate"),
@@ -188,7 +255,7 @@ class DecodeWorker:
     def _prefill_client(self, addr: str) -> RpcClient:
         c = self._prefill_clients.get(addr)
         if c is None:
-            c = RpcClient(addr, service="decode", name=self.name, connect_timeout=5.0)
+            c = RpcClient(addr, service="decode", name=self.name, connect_timeout=self.PREFILL_CONNECT_S)
             self._prefill_clients[addr] = c
         return c
 
@@ -237,10 +304,11 @@ class DecodeWorker:
         self.admission.append(entry)
         ok = False
         try:
-            seq = await asyncio.wait_for(asyncio.shield(fut), self.admission_timeout)
+            async with asyncio.timeout(self.admission_timeout):  # not wait_for: see generate
+                seq = await asyncio.shield(fut)
             ok = True
             return seq
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.refused += 1
             raise RpcError(ErrorCode.OVERLOADED, f"no KV blocks came free within {self.admission_timeout}s",
                            retry_after=max(0.05, self.step_time_ewma * 8)) from None
@@ -277,10 +345,23 @@ class DecodeWorker:
             fut.set_result(seq)
     # -- generate ---------------------------------------------------------------------------
     async def generate(self, args: dict[str, Any]):
-        """Stream RPC: ``{req_id, input_ids, sampling, prefill_addr}`` -> items
-        ``{token_ids, text, finish_reason, usage?, timings?}``. Raises :class:`RpcError`."""
+        """Stream RPC: ``{req_id, input_ids, sampling, prefill_addr, resume?}`` -> items
+        ``{token_ids, text, finish_reason, usage?, timings?}``.
+
+        ``resume`` (``{prompt_len, generated_ids}``) continues a request whose earlier decode worker
+        died: ``input_ids`` is the prompt plus the tokens already streamed (``generated_ids``); see
+        :meth:`DecodeRequest.replay`. Only new tokens are streamed; if ``generated_ids`` already end
+        the request, one final item without a token is.
+
+        Raises :class:`RpcError`: ``bad_request``, ``overloaded`` (no KV blocks), ``prefill_failed``
+        (the prefill leg failed before the first token: the prefill worker could not be reached,
+        answered an error other than ``bad_request``, aborted or stalled its transfer, or the
+        KVCache did not arrive within ``prefill_timeout``; ``prefill`` names its address),
+        ``unavailable`` (the transfer's tail failed after the first token), ``internal``.
+        """
         try:
             req_id, prefill_addr = str(args["req_id"]), str(args["prefill_addr"])
+            parse_addr(prefill_addr)
             sampling = SamplingParams.from_wire(args["sampling"])
         except (KeyError, TypeError, ValueError) as e:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed generate request: {e}") from None
@@ -289,9 +370,24 @@ class DecodeWorker:
         if req_id in self.receiver.reservations or req_id in self.running or req_id in self.transferring:
             raise RpcError(ErrorCode.BAD_REQUEST, f"request {req_id} is already running")
         input_ids = validate_prompt(args.get("input_ids"), self.vocab_size, self.backend.loaded.max_model_len)
-        req = DecodeRequest(req_id, sampling, len(input_ids), self.tokenizer)
+        prompt_len, generated = _resume_of(args.get("resume"), input_ids)
+        req = DecodeRequest(req_id, sampling, prompt_len, self.tokenizer)
+        try:
+            ended = req.replay(generated)
+        except ValueError as e:
+            raise RpcError(ErrorCode.BAD_REQUEST, f"resume: {e}") from None
+        if generated:
+            self.resumed += 1
+        if ended is not None:  # the earlier attempt had already produced everything: nothing to compute
+            self.completed += 1
+            yield ended
+            return
+        prefill_sampling = sampling
+        if generated:  # the prefill worker samples at position 0; the resumed token sits at len(generated)
+            prefill_sampling = dataclasses.replace(sampling, seed=shifted_seed(sampling.seed, len(generated)))
         self.transferring.add(req_id)
         call: asyncio.Task | None = None
+        watch: asyncio.Task | None = None
         asm: PagedAssembly | None = None
         try:
             req.seq = await self._admit(req_id, input_ids)  # 1. pre-allocate
@@ -310,24 +406,21 @@ class DecodeWorker:
             except KvError as e:
                 raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
             t0 = time.monotonic()
-            call = asyncio.create_task(self._prefill_client(prefill_addr).call(  # 2. transfer
-                "prefill",
-                {"req_id": req_id, "input_ids": input_ids, "sampling": sampling.to_wire(), "kv_addr": self.kv_addr,
-                 "kv_from": kv_from, "prefix_source": args.get("prefix_source")},
-                timeout=self.prefill_timeout,
-            ))
-            first_wait = asyncio.create_task(asyncio.wait_for(asm.first.wait(), self.prefill_timeout))
+            call = asyncio.create_task(self._call_prefill(prefill_addr, {  # 2. transfer
+                "req_id": req_id, "input_ids": input_ids, "sampling": prefill_sampling.to_wire(), "kv_addr": self.kv_addr,
+                "kv_from": kv_from, "prefix_source": args.get("prefix_source")}), name=f"{self.name}:prefill-call:{req_id}")
+            # Whatever ends the prefill leg early fails the transfer, which wakes every waiter on it.
+            call.add_done_callback(lambda c: _fail_transfer_if_call_failed(c, asm, prefill_addr))
+            watch = asyncio.create_task(self._watch_transfer(asm, prefill_addr), name=f"{self.name}:kv-watch:{req_id}")
             try:  # 3. wait for the first token (KV_DONE); the last layers may still be landing
-                await asyncio.wait({call, first_wait}, return_when=asyncio.FIRST_COMPLETED)
-                if call.done() and call.exception() is not None:
-                    raise call.exception()
-                await first_wait
-            except asyncio.TimeoutError:
-                raise RpcError(ErrorCode.TIMEOUT, f"KVCache for {req_id} did not arrive within {self.prefill_timeout}s") from None
-            finally:
-                first_wait.cancel()
+                # (asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
+                # races the event, and a cancelled request would then run on)
+                async with asyncio.timeout(self.prefill_timeout):
+                    await asm.first.wait()
+            except TimeoutError:
+                asm.abort(f"its KVCache did not arrive within {self.prefill_timeout:g}s")
             if asm.error is not None:
-                raise RpcError(ErrorCode.UNAVAILABLE, f"prefill of {req_id} aborted: {asm.error}")
+                raise self._prefill_failure(req_id, prefill_addr, call, asm.error)
             final = asm.final or {}
             req.seq.length = len(input_ids)
             self.transferring.discard(req_id)
@@ -354,6 +447,7 @@ class DecodeWorker:
                     return
         finally:  # 5. finish or cancel
             req.cancelled = True
+            await service.stop_task(watch)
             self.transferring.discard(req_id)
             self.receiver.release(req_id)
             if not req.in_loop and req.seq is not None:
@@ -374,6 +468,56 @@ class DecodeWorker:
                     await call
             if req.finish_reason is not None:
                 self.completed += 1
+
+    async def _call_prefill(self, addr: str, args: dict[str, Any]) -> dict[str, Any]:
+        """The ``prefill`` RPC. The connection is made first, within :attr:`PREFILL_CONNECT_S`, so a
+        dead or unreachable prefill worker fails the request in seconds, not after ``prefill_timeout``
+        (the client object stays cached and re-dials on the next call). Raises :class:`RpcError`,
+        ``asyncio.TimeoutError``."""
+        client = self._prefill_client(addr)
+        await client.connect(self.PREFILL_CONNECT_S)
+        return await client.call("prefill", args, timeout=self.prefill_timeout)
+
+    def _prefill_failure(self, req_id: str, addr: str, call: asyncio.Task, reason: str) -> RpcError:
+        """The error for a prefill leg that failed before the first token: the prefill worker's own
+        ``bad_request`` stays one; anything else is ``prefill_failed`` naming ``addr``."""
+        err = call.exception() if call.done() and not call.cancelled() else None
+        if isinstance(err, RpcError) and err.code is ErrorCode.BAD_REQUEST:
+            return RpcError(ErrorCode.BAD_REQUEST, f"prefill worker {addr} refused {req_id}: {err.message}")
+        self.prefill_failures += 1
+        log.warning("prefill of %s on %s failed: %s", req_id, addr, reason)
+        return RpcError(ErrorCode.PREFILL_FAILED, f"prefill of {req_id} on {addr} failed before the first token: {reason}",
+                        prefill=addr)
+
+    async def _watch_transfer(self, asm: PagedAssembly, addr: str) -> None:
+        """The stall deadline, until the transfer is over: when it has made no progress for
+        ``kv_stall_timeout`` seconds, ask the prefill worker for ``health``. An answer (any answer,
+        even an error) means it is alive, e.g. the request is queued behind another prefill, and
+        the clock restarts; none within :attr:`STALL_PROBE_S` (the process is stopped, its host or
+        the link is blackholed) aborts the transfer, which fails the request."""
+        stall = self.kv_stall_timeout
+        if not stall or stall <= 0:
+            return
+        alive_at = time.monotonic()
+        while not asm.done.is_set():
+            idle = time.monotonic() - max(asm.progress_at, alive_at)
+            if idle < stall:
+                await asyncio.sleep(stall - idle)
+                continue
+            probe_s = min(stall, self.STALL_PROBE_S)
+            self.stall_probes += 1
+            try:
+                await self._prefill_client(addr).call("health", {}, timeout=probe_s)
+            except (Unavailable, asyncio.TimeoutError, OSError) as e:
+                if asm.done.is_set() or asm.idle_s() < stall:
+                    continue  # it moved while we asked
+                self.kv_stalls += 1
+                asm.abort(f"its KV transfer stalled: no KVCache for {asm.idle_s():.1f}s and no answer from {addr} to "
+                          f"a health probe within {probe_s:g}s ({_describe(e)})")
+                return
+            except RpcError:
+                pass  # it answered (an older peer without ``health``): alive
+            alive_at = time.monotonic()
 
     # -- the batch loop ----------------------------------------------------------------------
     async def _batch_loop(self) -> None:
@@ -537,6 +681,11 @@ class DecodeWorker:
             tokens = sample_batch(logits, [r.sampling for r in reqs], [len(r.generated) for r in reqs])
         except LayerNotReady:
             raise
+        except KvError as e:  # an early step's transfer failed under it (wait_layer): not a compute failure
+            for r in reqs:
+                r.out.put_nowait({"error": f"decode step of {r.req_id} failed: {e}", "code": ErrorCode.UNAVAILABLE})
+                r.cancelled = True
+            return
         except Exception as e:  # a failed step fails its rows, never the worker
             log.exception("decode step failed")
             for r in reqs:
@@ -548,9 +697,42 @@ class DecodeWorker:
         self.steps += 1
         self.step_time_ewma = dt if self.steps == 1 else 0.9 * self.step_time_ewma + 0.1 * dt
         for r, tok in zip(reqs, tokens):
-            if len(r.generated) == 1 and r.asm is not None:
+            if len(r.generated) == r.replayed + 1 and r.asm is not None:
                 last = max((x for x in r.asm.layer_done_at if x is not None), default=None)
                 if last is not None:
                     self.first_step_after_kv_s = max(0.0, now - last)
             if not r.done:
                 r.push(tok)
+
+
+def _describe(e: BaseException) -> str:
+    """An exception as a short message (a bare ``TimeoutError`` has no text of its own)."""
+    return str(e) or type(e).__name__
+
+
+def _fail_transfer_if_call_failed(call: asyncio.Task, asm: PagedAssembly, addr: str) -> None:
+    """Done-callback of a ``prefill`` call: a failure (error answer, lost connection, timeout) while
+    the transfer is unfinished aborts it, so whoever waits on it (``generate``, the batch loop, an
+    early step's compute thread) wakes at once. A finished transfer is left alone."""
+    if call.cancelled():
+        return
+    e = call.exception()
+    if e is not None and not asm.done.is_set():
+        asm.abort(f"the prefill call to {addr} failed: {_describe(e)}")
+
+
+def _resume_of(resume: Any, input_ids: list[int]) -> tuple[int, list[int]]:
+    """``generate``'s ``resume`` arg checked against ``input_ids``: ``(prompt_len, generated_ids)``,
+    or ``(len(input_ids), [])`` without one. Raises :class:`RpcError` ``bad_request``."""
+    if resume is None:
+        return len(input_ids), []
+    if not isinstance(resume, dict):
+        raise RpcError(ErrorCode.BAD_REQUEST, "resume must be a map {prompt_len, generated_ids}")
+    n, gen = resume.get("prompt_len"), resume.get("generated_ids")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= len(input_ids):
+        raise RpcError(ErrorCode.BAD_REQUEST, f"resume.prompt_len must be an int in [1, {len(input_ids)}] (the prompt's "
+                       f"length within input_ids), got {n!r}")
+    if not isinstance(gen, list) or any(not isinstance(t, int) or isinstance(t, bool) for t in gen) or gen != input_ids[n:]:
+        raise RpcError(ErrorCode.BAD_REQUEST, "resume.generated_ids must be the token ids already streamed, equal to "
+                       f"input_ids[prompt_len:] ({len(input_ids) - n} tokens)")
+    return n, input_ids[n:]

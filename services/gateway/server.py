@@ -181,8 +181,8 @@ class Gateway:
         - The decode worker's stream breaks after tokens were streamed (``unavailable``: it died or
           its connection dropped; ``draining``: it handed the request off): the request resumes on
           another decode worker with ``input_ids = prompt + tokens streamed so far`` and
-          ``resume`` (:meth:`DecodeWorker.generate`), so the client's stream just continues. Greedy
-          decoding continues exactly; a seeded sampler continues with a fresh draw.
+          ``resume`` (:meth:`DecodeWorker.generate`), so the client's stream just continues, exactly for greedy
+          and for seeded sampling (per-position seeds, ``common.sampling.shifted_seed``).
 
         Anything else, or a retry past the budget or the deadline, raises
         :class:`oa.OpenAIError` (a stream already started turns it into an SSE error event)."""
@@ -217,6 +217,8 @@ class Gateway:
                             started = True
                             generated += item["token_ids"]
                             yield item
+                            if item["finish_reason"] is not None:
+                                break  # final: an error after it (e.g. a hand-off racing the stream's end) changes nothing
                 return
             except RpcError as e:
                 why = self._retry_reason(e, started, retries, len(excluded_decode))
