@@ -1,0 +1,193 @@
+"""End to end: what a client sees when a worker or the router fails (issue 7's failure handling).
+
+One cluster (tiny-dense, threshold 256 so long prompts take the PrfaaS route, two decode workers,
+the gateway admitting at most 8 requests at once):
+
+- the PrfaaS prefill worker is SIGKILLed while KVCache streams (case c02): every affected request is
+  re-prefilled on the local PD-P and completes with exact tokens; the decode worker stays healthy
+  and its KV blocks return to baseline;
+- the decode worker serving a stream is SIGKILLed mid-stream: the stream resumes on the other decode
+  worker and the client gets the exact greedy tokens, no error;
+- the router is killed and restarted: requests sent meanwhile wait and complete, and a stream
+  already past the router is not disturbed;
+- more requests than the gateway admits: the excess gets 429 with Retry-After at once, the rest
+  complete exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from tests.cluster import Cluster
+from tests.test_admission import prompt_of, reference  # tiny-dense greedy references, EOS ignored
+
+pytestmark = pytest.mark.timeout(300)
+
+SPEC = "tiny-dense"
+THRESHOLD = 256
+
+
+def body_of(prompt: list[int], n: int, stream: bool = True) -> dict:
+    return {"model": "prfaas/tiny-dense", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream}
+
+
+async def stream_ids(url: str, body: dict, on_token=None, total: float = 120.0) -> tuple[int, list[int], dict]:
+    """(status, token ids, error body or {}) of one streaming completion; ``on_token(n)`` is awaited
+    after each chunk with the tokens received so far. An SSE error event is returned as the error."""
+    ids: list[int] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=total)) as s:
+        async with s.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                return r.status, [], {**await r.json(content_type=None), "retry_after": r.headers.get("Retry-After")}
+            done, error = False, {}
+            async for line in r.content:
+                line = line.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:]
+                if data == b"[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    error = chunk
+                    continue
+                for ch in chunk["choices"]:
+                    ids += ch.get("token_ids") or []
+                if on_token is not None:
+                    await on_token(len(ids))
+            assert done, "stream ended without [DONE]"
+    return 200, ids, error
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(model=SPEC, threshold=THRESHOLD, log_dir=tmp_path_factory.mktemp("logs-failover"), second_decode_args=(),
+                extra_args={"gateway": ("--max-inflight", "8")}).start()
+    yield c
+    c.stop()
+
+
+async def wait_idle(c: Cluster, service: str, timeout: float = 20.0) -> dict:
+    """Poll until decode worker ``service`` holds nothing: no request, no queue, no reserved KV."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = await c.call(service, "stats")
+        held = {k: s[k] for k in ("running", "waiting", "admission_queue", "swapped", "kv_blocks_held", "kv_reserved_bytes") if s[k]}
+        if not held:
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{service} still holds {held} {timeout}s after the last request")
+        await asyncio.sleep(0.05)
+
+
+async def metric(c: Cluster, name: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(c.url + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+async def test_prefill_killed_mid_transfer_requests_reprefill_locally(cluster):
+    base = {d: (await wait_idle(cluster, d))["kv_blocks_used"] for d in ("decode", "decode2")}
+    prompts = [prompt_of(1500 + 16 * i, i) for i in range(4)]
+    tasks = [asyncio.create_task(stream_ids(cluster.url, body_of(p, 8))) for p in prompts]
+    deadline = time.monotonic() + 60
+    while True:  # wait until KVCache is streaming into a decode worker, then kill the PrfaaS worker
+        s = [await cluster.call(d, "stats") for d in ("decode", "decode2")]
+        if any(x.get("kv_reserved_bytes") for x in s):
+            break
+        assert time.monotonic() < deadline, "no transfer started"
+        await asyncio.sleep(0.02)
+    cluster.kill("prefill_remote")
+    t0 = time.monotonic()
+    results = await asyncio.gather(*tasks)
+    for p, (status, ids, err) in zip(prompts, results):
+        assert status == 200 and not err, err
+        assert ids == reference(tuple(p), 8)
+    assert time.monotonic() - t0 < 60
+    # The decode workers stayed healthy: a new request is served at once, and the KV came back.
+    status, ids, err = await stream_ids(cluster.url, body_of(prompt_of(40, 99), 4))
+    assert status == 200 and ids == reference(tuple(prompt_of(40, 99)), 4)
+    for d in ("decode", "decode2"):
+        assert (await wait_idle(cluster, d))["kv_blocks_used"] <= base[d] + 4 * 100  # cached prompt blocks only
+    assert await metric(cluster, 'prfaas_gateway_retries_total{reason="prefill_failed"}') >= 1
+    cluster.restart("prefill_remote")
+    cluster.wait_healthy()
+
+
+async def test_decode_killed_mid_stream_resumes_on_the_other_decoder(cluster):
+    cluster.wait_healthy()
+    prompt = prompt_of(60, 7)
+    killed: list[str] = []
+
+    async def on_token(n: int) -> None:
+        if n >= 6 and not killed:
+            for d in ("decode", "decode2"):
+                if (await cluster.call(d, "stats"))["running"]:
+                    cluster.kill(d)
+                    killed.append(d)
+                    return
+    status, ids, err = await stream_ids(cluster.url, body_of(prompt, 48), on_token)
+    assert killed, "the stream finished before a decoder could be killed"
+    assert status == 200 and not err, err
+    assert ids == reference(tuple(prompt), 48)
+    assert await metric(cluster, 'prfaas_gateway_retries_total{reason="decode_resumed"}') >= 1
+    cluster.restart(killed[0])
+    cluster.wait_healthy()
+
+
+async def test_router_restart_delays_requests_but_loses_none(cluster):
+    cluster.wait_healthy()
+    long_prompt = prompt_of(30, 11)
+    started = asyncio.Event()
+
+    async def on_token(n: int) -> None:
+        started.set()
+    inflight = asyncio.create_task(stream_ids(cluster.url, body_of(long_prompt, 64), on_token))
+    await asyncio.wait_for(started.wait(), 60)
+    cluster.kill("router")
+    prompts = [prompt_of(20 + i, 30 + i) for i in range(3)] + [prompt_of(600, 40)]
+    sent = [asyncio.create_task(stream_ids(cluster.url, body_of(p, 4, stream=i % 2 == 0))) if i % 2 == 0 else
+            asyncio.create_task(unary_ids(cluster.url, body_of(p, 4, stream=False))) for i, p in enumerate(prompts)]
+    await asyncio.sleep(3.0)  # the requests wait for a router (longer than the client's 2 s connect deadline)
+    assert not any(t.done() for t in sent), "a request was answered while no router ran"
+    await asyncio.to_thread(cluster.restart, "router")
+    for p, (status, ids, err) in zip(prompts, await asyncio.gather(*sent)):
+        assert status == 200 and not err, err
+        assert ids == reference(tuple(p), 4)
+    status, ids, err = await inflight
+    assert status == 200 and not err and ids == reference(tuple(long_prompt), 64)
+
+
+async def unary_ids(url: str, body: dict) -> tuple[int, list[int], dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        async with s.post(url + "/v1/completions", json=body) as r:
+            out = await r.json(content_type=None)
+            if r.status != 200:
+                return r.status, [], out
+    return 200, out["choices"][0]["token_ids"], {}
+
+
+async def test_overload_past_the_admission_bound_is_429_with_retry_after(cluster):
+    cluster.wait_healthy()
+    prompts = [prompt_of(40 + i, 200 + i) for i in range(24)]
+    results = await asyncio.gather(*(stream_ids(cluster.url, body_of(p, 24)) for p in prompts))
+    refused = [r for r in results if r[0] != 200]
+    assert refused, "24 concurrent requests against --max-inflight 8: some must be refused"
+    for status, _, err in refused:
+        assert status == 429 and err["error"]["code"] == "overloaded" and err["retry_after"] == "1", err
+    served = [(p, r) for p, r in zip(prompts, results) if r[0] == 200]
+    assert len(served) >= 8
+    for p, (_, ids, err) in served:
+        assert not err and ids == reference(tuple(p), 24)
+    assert await metric(cluster, "prfaas_gateway_rejected_total") == len(refused)
+    assert await metric(cluster, "prfaas_gateway_inflight") == 0
