@@ -55,6 +55,7 @@ class Cluster:
     router_args: tuple[str, ...] = ()  # extra flags for the router (e.g. --bandwidth-plentiful)
     second_decode_args: tuple[str, ...] | None = None  # start a second decode worker ("decode2") with these flags
     extra_decoders: int = 0  # more decode workers "decode3", "decode4", ... (names decode-2, decode-3, ...), default flags
+    pd_local: bool = False  # start the local prefill worker as a switchable PD worker (python -m services.pd, name pd-0)
     preset_addrs: dict[str, str] = field(default_factory=dict)  # host:port per address name instead of a free loopback port
     extra_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # flags appended to a service's command (last wins)
     wrap: dict[str, tuple[str, ...]] = field(default_factory=dict)  # argv prefix per service (e.g. ip netns exec NS)
@@ -64,7 +65,7 @@ class Cluster:
     url: str = ""
 
     def commands(self) -> dict[str, list[str]]:
-        names = ["router", "planner", "prefill_remote", "prefill_local", "decode", "decode_kv", "decode2", "decode2_kv"]
+        names = ["router", "planner", "prefill_remote", "prefill_local", "prefill_local_kv", "decode", "decode_kv", "decode2", "decode2_kv"]
         names += [f"decode{k + 3}{kv}" for k in range(self.extra_decoders) for kv in ("", "_kv")]
         a = {n: self.preset_addrs.get(n) or f"127.0.0.1:{free_port()}" for n in names}
         gw_host, _, gw_port = (self.preset_addrs.get("gateway") or f"127.0.0.1:{free_port()}").rpartition(":")
@@ -84,6 +85,9 @@ class Cluster:
             "decode": py + ["services.decode", "--name", "decode-0", "--listen", a["decode"], "--kv-listen", a["decode_kv"],
                             "--planner", a["planner"], "--router", a["router"]] + model + list(self.decode_args),
         }
+        if self.pd_local:  # the local prefill worker is a switchable PD worker, "pd-0", in the prefill role
+            cmds["prefill_local"] = py + ["services.pd", "--name", "pd-0", "--role", "prefill", "--listen", a["prefill_local"],
+                                          "--kv-listen", a["prefill_local_kv"], "--planner", a["planner"], "--router", a["router"]] + model
         for k in range(self.extra_decoders):
             n = f"decode{k + 3}"
             cmds[n] = py + ["services.decode", "--name", f"decode-{k + 2}", "--listen", a[n], "--kv-listen", a[n + "_kv"],
