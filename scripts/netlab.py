@@ -326,11 +326,16 @@ class TwoDatacenters:
         """Start ``argv`` inside a namespace (``ns`` is a side name or the full namespace name) via
         ``ip netns exec``. Extra keyword arguments go to :class:`subprocess.Popen`; by default the
         child gets its own session so :meth:`down` can kill its whole process group."""
-        name = self.ns[self._side(ns)]
         popen_kwargs.setdefault("start_new_session", True)
-        proc = subprocess.Popen([_ip_tool(), "netns", "exec", name, *argv], **popen_kwargs)
+        proc = subprocess.Popen([*self.exec_prefix(ns), *argv], **popen_kwargs)
         self._procs.append(proc)
         return proc
+
+    def exec_prefix(self, ns: str) -> list[str]:
+        """The argv prefix that runs a command inside a namespace (``ip netns exec NAME``), for
+        launchers that start processes themselves; ``ip`` execs the command in place, so the
+        process id is the command's own."""
+        return [_ip_tool() or "ip", "netns", "exec", self.ns[self._side(ns)]]
 
     def exec(self, ns: str, argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
         """Run a short command inside a namespace and wait for it (stdout/stderr captured as text)."""

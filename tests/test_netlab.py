@@ -195,3 +195,37 @@ def test_cli_check_runs():
                        cwd=os.path.join(os.path.dirname(__file__), ".."), timeout=30)
     assert p.returncode == 0, p.stderr
     assert "netns: True" in p.stdout and "netem:" in p.stdout
+
+
+def test_exec_prefix_runs_the_command_in_place_inside_the_namespace():
+    """Launchers that start services themselves (tests/cluster.py ``wrap``) get the namespace's argv
+    prefix; ``ip netns exec`` execs in place, so the Popen pid is the service's own (SIGKILL hits it)."""
+    prefix = _prefix()
+    with TwoDatacenters(prefix=prefix, subnet="10.203.12.0/30") as lab:
+        script = "import os; print(os.getpid(), 'veth-prfaas' in open('/proc/net/dev').read(), flush=True)"
+        p = subprocess.Popen([*lab.exec_prefix("prfaas"), sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        out, _ = p.communicate(timeout=15)
+        assert out.split() == [str(p.pid), "True"]
+    assert _our_namespaces(prefix) == []
+
+
+def test_run_in_lab_tears_everything_down_after_a_failing_command():
+    """scripts/chaos_topology.run_in_lab: the command runs in the local namespace and finds the lab;
+    when it fails, its exit status comes back and both namespaces, with what ran in them, are gone."""
+    from scripts.chaos_topology import LAB_ENV, run_in_lab
+
+    prefix = _prefix()
+    script = (f"import os, subprocess, sys; assert os.environ['{LAB_ENV}'].split()[0] == '{prefix}'; "
+              "assert 'veth-local' in open('/proc/net/dev').read(); "
+              f"p = subprocess.Popen(['ip', 'netns', 'exec', '{prefix}-prfaas', 'sleep', '300']); "
+              "open(sys.argv[1], 'w').write(str(p.pid)); sys.exit(3)")
+    pidfile = f"/tmp/{prefix}.pid"
+    try:
+        assert run_in_lab([sys.executable, "-c", script, pidfile], prefix=prefix, subnet="10.203.13.0/30") == 3
+        with open(pidfile) as f:
+            sleeper = int(f.read())
+    finally:
+        if os.path.exists(pidfile):
+            os.unlink(pidfile)
+    assert _our_namespaces(prefix) == []
+    assert not _alive(sleeper)

@@ -11,6 +11,8 @@ left held.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import pytest
@@ -107,6 +109,10 @@ async def test_stale_or_bad_move_refused(cluster):
         await cluster.call("planner", "move_worker", {"name": "pd-0", "to_role": "prefill"})
     with pytest.raises(RpcError, match="cannot change role"):
         await cluster.call("planner", "move_worker", {"name": "decode-0", "to_role": "prefill"})
+    # The same refusal through the command line, as an operator sees it.
+    cli = subprocess.run([sys.executable, "-m", "services.planner.status", "--planner", cluster.addrs["planner"],
+                          "--move", "decode-0=prefill"], capture_output=True, text=True, timeout=60)
+    assert cli.returncode != 0 and "cannot change role" in cli.stderr, (cli.stdout, cli.stderr)
     # A command with an old epoch straight at the worker is refused: only newer epochs flip it.
     with pytest.raises(RpcError, match="stale epoch"):
         await cluster.call("prefill_local", "switch_role", {"epoch": 1, "to_role": "decode"})

@@ -1,6 +1,7 @@
 """``python -m services.planner.status``: a compact view of the planner: alive workers and the
 short-timescale loop (threshold, anchor, bandwidth regime, link capacity, decisions, last reason) and
-the long-timescale loop's role changes."""
+the long-timescale loop's role changes. ``--move NAME=ROLE`` asks the planner to move a switchable
+PD worker instead (``move_worker``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 import json
 
 from common import service
-from common.rpc import RpcClient
+from common.rpc import RpcClient, RpcError
 
 
 def render(status: dict) -> str:
@@ -38,9 +39,14 @@ def render(status: dict) -> str:
     return "\n".join(out)
 
 
-async def amain(addr: str) -> None:
+async def amain(addr: str, move: str | None = None) -> None:
     c = RpcClient(addr, service="status", name="status")
     try:
+        if move:
+            name, _, role = move.partition("=")
+            ans = await c.call("move_worker", {"name": name, "to_role": role}, timeout=5.0)
+            print(f"moving {name} to {role} under epoch {ans['epoch']} (drains first; see the status)")
+            return
         print(render(await c.call("status", {}, timeout=5.0)))
     finally:
         await c.close()
@@ -49,10 +55,17 @@ async def amain(addr: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description="PrfaaS planner status")
     p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"), help="planner host:port")
+    p.add_argument("--move", metavar="NAME=ROLE", help="move a switchable PD worker to a role (prefill or decode) "
+                                                      "instead of printing the status")
     args = p.parse_args()
     if not args.planner:
         p.error("--planner (or PRFAAS_PLANNER_ADDR) is required")
-    asyncio.run(amain(args.planner))
+    if args.move and "=" not in args.move:
+        p.error("--move takes NAME=ROLE, e.g. pd-0=decode")
+    try:
+        asyncio.run(amain(args.planner, args.move))
+    except RpcError as e:
+        raise SystemExit(f"planner refused: {e}") from None
 
 
 if __name__ == "__main__":
