@@ -188,13 +188,17 @@ class LinkProxy:
 
     ``max_buffer_bytes`` (bytes): bound on data held per connection per direction (see the module
     docstring). ``chunk_bytes``: largest read. ``seed``: for the jitter's random numbers.
-    ``connect_timeout_s``: how long to try the target before resetting the client.
+    ``connect_timeout_s``: how long to try the target before resetting the client. ``buckets``:
+    ``(client->target, target->client)`` token buckets to meter with instead of the proxy's own (then
+    ``rate_bps``/``burst_bytes`` are ignored): several proxies given the same buckets share one cap,
+    like the paths of one physical link.
     """
 
     def __init__(self, listen_host: str, listen_port: int, target_host: str, target_port: int, *,
                  delay_s: float = 0.0, jitter_s: float = 0.0, rate_bps: float | None = None,
                  burst_bytes: int = 16 * 1024, max_buffer_bytes: int = 4 * 1024 * 1024,
-                 chunk_bytes: int = 64 * 1024, connect_timeout_s: float = 5.0, seed: int | None = None):
+                 chunk_bytes: int = 64 * 1024, connect_timeout_s: float = 5.0, seed: int | None = None,
+                 buckets: tuple[TokenBucket, TokenBucket] | None = None):
         self.listen_host, self.listen_port = listen_host, listen_port
         self.target_host, self.target_port = target_host, target_port
         self.max_buffer_bytes = int(max_buffer_bytes)
@@ -206,7 +210,9 @@ class LinkProxy:
         self._jitter = 0.0
         self.delay_s = delay_s
         self.jitter_s = jitter_s
-        self._buckets = {"up": TokenBucket(rate_bps, burst_bytes), "down": TokenBucket(rate_bps, burst_bytes)}
+        if buckets is None:
+            buckets = (TokenBucket(rate_bps, burst_bytes), TokenBucket(rate_bps, burst_bytes))
+        self._buckets = {"up": buckets[0], "down": buckets[1]}
         self._flowing: asyncio.Event | None = None
         self._stalled = False
         self._server: asyncio.AbstractServer | None = None

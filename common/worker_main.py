@@ -64,6 +64,9 @@ def add_decode_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-t
     p.add_argument("--kv-listen", help="host:port where prefill workers stream KVCache")
     p.add_argument("--kv-advertise", default=service.env_default("PRFAAS_DECODE_KV_ADVERTISE"),
                    help="host:port prefill workers should dial for KV (e.g. a proxy or NAT address); default --kv-listen")
+    p.add_argument("--kv-advertise-remote", default=service.env_default("PRFAAS_DECODE_KV_ADVERTISE_REMOTE"),
+                   help="host:port PrfaaS-cluster prefill workers (route remote) dial for KV, when they reach this worker "
+                        "by another path than the local PD-P does (e.g. across the datacenter link); default --kv-advertise")
     p.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds from the prefill call to the last KV byte")
     p.add_argument(stall_flag, dest="kv_receive_stall_timeout", type=float, default=10.0,
                    help="seconds a KV transfer may make no progress before its prefill worker is probed (health) and, "
@@ -98,7 +101,8 @@ def prefill_worker_from_args(args: argparse.Namespace, backend):
 def decode_worker_from_args(args: argparse.Namespace, backend, kv_listen: str):
     """``(receiver, worker)``: a :class:`~common.kv_receiver.KvReceiver` (not started) and the
     :class:`~services.decode.worker.DecodeWorker` over it (not started), configured by
-    :func:`add_decode_flags`'s flags; the worker advertises ``--kv-advertise`` or ``kv_listen``."""
+    :func:`add_decode_flags`'s flags; the worker advertises ``--kv-advertise`` or ``kv_listen``, and
+    ``--kv-advertise-remote`` to PrfaaS prefill workers when set."""
     from common import peer_auth
     from common.kv_receiver import KvReceiver
     from services.decode.worker import DecodeWorker
@@ -106,6 +110,7 @@ def decode_worker_from_args(args: argparse.Namespace, backend, kv_listen: str):
     receiver = KvReceiver(args.name, backend.loaded.fingerprint, backend.num_layers, budget_bytes=args.kv_budget_bytes,
                           lease_s=args.kv_lease_s, secret=peer_auth.load_secret(), ssl=tls_server_context(args))
     worker = DecodeWorker(backend, args.name, args.kv_advertise or kv_listen, receiver, prefill_timeout=args.prefill_timeout,
+                          kv_addr_remote=args.kv_advertise_remote,
                           kv_pool_bytes=args.kv_budget_bytes, block_size=args.block_size, max_waiting=args.max_waiting,
                           admission_timeout=args.admission_timeout, prefix_cache=args.prefix_cache == "on",
                           kv_stall_timeout=args.kv_receive_stall_timeout)

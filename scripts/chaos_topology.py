@@ -7,19 +7,16 @@ Topology (what :class:`WanSystem` starts)::
                                                              |
     decode --prefill RPC--> [proxy "rpc"] ------------------+--> prefill_remote --listen
     decode --kv-listen <--- [proxy "kv:decode", "kv:decode2"] <--- KVCache streams (the PrfaaS worker dials
-                                                             |     the decode worker's --kv-advertise)
+                                                             |     the decode worker's --kv-advertise-remote)
     planner, router <------ [proxy "planner", "router"] <---+---- registration, load reports, cache events
 
 Every path that crosses the datacenter boundary goes through a :class:`~common.link_proxy.LinkProxy`
 that this process runs (:class:`WanLink`): one-way delay with jitter, a bandwidth cap shared by all
 paths in each direction, a stall (blackhole), resets and refused connections, all settable while
 traffic flows. The PrfaaS worker registers the ``rpc`` proxy as its address (``--advertise``), and
-each decode worker advertises its ``kv`` proxy (``--kv-advertise``), so the services themselves
-need no change to run across the "WAN".
-
-Known detour: the decode worker gives one KV address (``--kv-advertise``) to every prefill worker,
-so the local PD-P worker's KVCache also passes the ``kv`` proxies and the local route feels the
-link's faults too (see :data:`KV_ADVERTISE_FLAG`).
+each decode worker advertises its ``kv`` proxy to PrfaaS prefill workers only
+(``--kv-advertise-remote``; the local PD-P dials the KV listener directly), so the services
+themselves need no change to run across the "WAN".
 
 Two placements:
 
@@ -66,11 +63,9 @@ from tests.cluster import Cluster, free_port  # noqa: E402
 DECODERS = ("decode", "decode2")  # Cluster service names of the two PD-D workers (worker names decode-0, decode-1)
 PREFILLS = ("prefill_remote", "prefill_local")
 TOWARD_LOCAL, TOWARD_PRFAAS = "to_local", "to_prfaas"
-# The decode worker hands one KV address to every prefill worker, so with --kv-advertise the local
-# PD-P worker's KVCache also takes the "kv" proxies (a detour through the WAN's faults for the local
-# route). A decode flag giving PrfaaS prefill workers (placement route "remote") their own address
-# would keep PD-P on the direct path: put that flag here once the decode worker has it.
-KV_ADVERTISE_FLAG = "--kv-advertise"
+# The address PrfaaS prefill workers (placement route "remote") dial for KV: the "kv" proxy. The local
+# PD-P worker is told the decode worker's direct KV listener.
+KV_ADVERTISE_FLAG = "--kv-advertise-remote"
 
 
 class WanLink:
@@ -97,11 +92,10 @@ class WanLink:
             raise ValueError(f"client_side must be one of {netlab.SIDES}, got {client_side!r}")
         port = free_port()
         thost, tport = parse_addr(target)
-        proxy = LinkProxy(listen_host, port, thost, tport, max_buffer_bytes=self.max_buffer_bytes,
-                          seed=self.seed + len(self.proxies))
         up, down = (TOWARD_LOCAL, TOWARD_PRFAAS) if client_side == "prfaas" else (TOWARD_PRFAAS, TOWARD_LOCAL)
         # One bucket per link direction, shared by every path (LinkProxy keeps one per proxy by default).
-        proxy._buckets = {"up": self.buckets[up], "down": self.buckets[down]}
+        proxy = LinkProxy(listen_host, port, thost, tport, max_buffer_bytes=self.max_buffer_bytes,
+                          seed=self.seed + len(self.proxies), buckets=(self.buckets[up], self.buckets[down]))
         self.proxies[name] = proxy
         return f"{listen_host}:{port}"
 

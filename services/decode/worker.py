@@ -150,6 +150,9 @@ class DecodeWorker:
     """Continuous-batching decode from a paged KV pool over a :class:`~common.backend.Backend`.
 
     ``kv_pool_bytes``: the pool's budget (KV blocks and state slots); ``block_size`` in tokens;
+    ``kv_addr`` is the KV address prefill workers are told to dial; ``kv_addr_remote`` (default the
+    same) the one PrfaaS-cluster prefill workers dial (requests whose ``route`` is ``"remote"``), for a
+    worker they reach by another path (across the datacenter link, a NAT or a proxy).
     ``prefill_timeout`` (seconds) bounds the wait from the prefill call to the last KV byte;
     ``kv_stall_timeout`` (seconds; 0 disables) is the stall deadline: a transfer that makes no
     progress that long while its prefill worker does not answer a ``health`` probe either fails
@@ -163,10 +166,11 @@ class DecodeWorker:
 
     def __init__(self, backend: Backend, name: str, kv_addr: str, receiver: KvReceiver, prefill_timeout: float = 300.0,
                  kv_pool_bytes: int = 1 << 30, block_size: int = 16, max_waiting: int = 64, admission_timeout: float = 30.0,
-                 prefix_cache: bool = True, kv_stall_timeout: float = 10.0):
+                 prefix_cache: bool = True, kv_stall_timeout: float = 10.0, kv_addr_remote: str | None = None):
         self.backend = backend
         self.name = name
         self.kv_addr = kv_addr
+        self.kv_addr_remote = kv_addr_remote or kv_addr  # what a PrfaaS prefill worker (route "remote") dials
         self.receiver = receiver
         self.prefill_timeout = prefill_timeout
         self.kv_stall_timeout = kv_stall_timeout
@@ -407,7 +411,8 @@ class DecodeWorker:
                 raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
             t0 = time.monotonic()
             call = asyncio.create_task(self._call_prefill(prefill_addr, {  # 2. transfer
-                "req_id": req_id, "input_ids": input_ids, "sampling": prefill_sampling.to_wire(), "kv_addr": self.kv_addr,
+                "req_id": req_id, "input_ids": input_ids, "sampling": prefill_sampling.to_wire(),
+                 "kv_addr": self.kv_addr_remote if args.get("route") == "remote" else self.kv_addr,
                 "kv_from": kv_from, "prefix_source": args.get("prefix_source")}), name=f"{self.name}:prefill-call:{req_id}")
             # Whatever ends the prefill leg early fails the transfer, which wakes every waiter on it.
             call.add_done_callback(lambda c: _fail_transfer_if_call_failed(c, asm, prefill_addr))

@@ -279,8 +279,10 @@ class Gateway:
         A router that cannot be reached, does not answer, or has no alive worker yet (it restarted,
         or workers are re-registering) is asked again with backoff (0.1 s doubling to 1 s) for up to
         ``place_retry_s`` seconds (and never past ``deadline``, event-loop time): the client sees a
-        delay. Raises :class:`oa.OpenAIError` after that, or at once when the router rejects the
-        request, or when no worker is left outside the exclusions."""
+        delay. When the exclusions leave no prefill worker, they are dropped (in place: the caller's
+        list is cleared) and the router asked again, since the fault may have passed. Raises
+        :class:`oa.OpenAIError` after that, or at once when the router rejects the request, or when no
+        decode worker is left outside the exclusions."""
         ids = req.prompt_ids if input_ids is None else input_ids
         args: dict[str, Any] = {"req_id": req.request_id, "prompt_len": len(ids), "exclude_decode": excluded,
                                 "exclude_prefill": excluded_prefill or []}
@@ -299,7 +301,14 @@ class Gateway:
                     raise _service_error(e) from None
                 if refusal is not None:
                     raise _service_error(refusal) from None  # every decode worker refused: say so
-                if excluded or excluded_prefill or loop.time() + backoff > give_up:
+                if excluded_prefill and not excluded and loop.time() + backoff <= give_up:
+                    # Every prefill worker failed this request once (e.g. a reset link): the fault may
+                    # have passed, so the next attempt may use any of them again.
+                    log.info("request %s: every prefill worker was excluded (%s); trying them all again", req.request_id,
+                             ", ".join(excluded_prefill))
+                    excluded_prefill.clear()
+                    args["exclude_prefill"] = []
+                elif excluded or excluded_prefill or loop.time() + backoff > give_up:
                     raise _service_error(e) from None
                 self.place_retries += 1
             except (asyncio.TimeoutError, asyncio.CancelledError) as e:

@@ -330,7 +330,9 @@ class Router:
                 p = place_with_prefix(prompt_len, block_size, self.index.lookup(hashes), self.threshold, workers,
                                       self.inflight, self.bandwidth_plentiful)
         except policy.NoWorker as e:
-            raise RpcError(ErrorCode.UNAVAILABLE, str(e), retry_after=1) from None
+            excluded = sorted(set(args.get("exclude_decode" if e.role == "decode" else "exclude_prefill") or []))
+            why = f"no alive {e.role} worker is left outside the excluded ones ({', '.join(map(str, excluded))})" if excluded else str(e)
+            raise RpcError(ErrorCode.UNAVAILABLE, why, retry_after=1) from None
         except ValueError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
         self.decisions[p.route] += 1
