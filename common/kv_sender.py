@@ -401,8 +401,9 @@ class KvLink:
                 conn = min(self._live(), key=lambda c: c.queued_bytes)
                 conn.writer.write(begin)
                 remaining = end - time.monotonic()
-                try:
-                    await asyncio.wait_for(_wait_set_or_dead(tr.admitted, conn), max(0.01, remaining))
+                try:  # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel racing the admission
+                    async with asyncio.timeout(max(0.01, remaining)):
+                        await _wait_set_or_dead(tr.admitted, conn)
                 except asyncio.TimeoutError:
                     raise TransferRefused(f"KV receiver {self.addr} did not admit {req_id} within {deadline_s}s") from None
                 if not tr.admitted.is_set():
