@@ -153,8 +153,14 @@ class PrefillWorker:
         finally:
             self.waiting -= 1
         self.running += 1
+        held = [True]
+
+        def release_slot() -> None:  # once: when the compute ends, or when the call does
+            if held[0]:
+                held[0] = False
+                self._slot.release()
         try:
-            result = await self._run(req_id, input_ids, sampling, kv_addr, kv_from)
+            result = await self._run(req_id, input_ids, sampling, kv_addr, kv_from, release_slot)
             self.completed += 1
             self.prompt_tokens += len(input_ids)
             return result
@@ -163,10 +169,15 @@ class PrefillWorker:
             raise
         finally:
             self.running -= 1
-            self._slot.release()
+            release_slot()
 
     async def _run(self, req_id: str, input_ids: list[int], sampling: SamplingParams, kv_addr: str,
-                   kv_from: int = 0) -> dict[str, Any]:
+                   kv_from: int = 0, release_slot=lambda: None) -> dict[str, Any]:
+        """Compute the prefill, streaming each layer's KVCache to ``kv_addr``. ``release_slot`` is
+        called once the compute has ended and every layer is queued on the link: the next request
+        computes while this one's tail drains and its ``KV_ACK`` crosses back (over a WAN, a round
+        trip the compute need not wait for). The link's in-flight bound keeps that overlap's memory
+        bounded."""
         link = self._link(kv_addr)
         loop = asyncio.get_running_loop()
         ready: asyncio.Queue = asyncio.Queue()
@@ -226,6 +237,7 @@ class PrefillWorker:
                     self.kv_bytes_inflight -= n
                 sent_at = time.monotonic()
             logits = await compute
+            release_slot()
             first = sample_next(logits, sampling, 0)
             last_computed = computed_at[-1]
             timings = {
