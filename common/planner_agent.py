@@ -63,7 +63,7 @@ class PlannerAgent:
             self.registered = False
         except (asyncio.TimeoutError, OSError) as e:
             self.registered = False
-            log.warning("planner unreachable: %s", e)
+            log.warning("planner unreachable: %s", str(e) or type(e).__name__)
         except Exception:  # e.g. a failing stats(): log it and keep reporting, never die silently
             log.exception("planner report failed")
         return False

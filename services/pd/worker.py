@@ -462,8 +462,8 @@ class PdWorker:
         self.draining, self.switching_to = False, None
         if registered:
             await self._report()
-        log.info("%s is now a %s worker (epoch %d; drained in %.3fs, %d handed off, %s blocks held at close)",
-                 self.name, self.role, sw.epoch, drained_s, handed, held)
+        log.info("%s is now a %s worker (epoch %d; drained in %.3fs, %d handed off%s)", self.name, self.role, sw.epoch,
+                 drained_s, handed, "" if held is None else f", {held} KV blocks held at close")
         return {"role": self.role, "epoch": sw.epoch, "drained_s": round(drained_s, 4), "handed_off": handed}
 
     async def _report(self) -> None:
