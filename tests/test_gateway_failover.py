@@ -191,3 +191,29 @@ async def test_overload_past_the_admission_bound_is_429_with_retry_after(cluster
         assert not err and ids == reference(tuple(p), 24)
     assert await metric(cluster, "prfaas_gateway_rejected_total") == len(refused)
     assert await metric(cluster, "prfaas_gateway_inflight") == 0
+
+
+async def test_planner_restart_loses_no_request(cluster):
+    """The planner is SIGKILLed while a stream runs and more requests arrive: the router keeps its last
+    view, the stream and the new requests complete exactly, and the workers re-register with the new
+    planner (health comes back with every worker alive)."""
+    cluster.wait_healthy()
+    long_prompt = prompt_of(30, 51)
+    started = asyncio.Event()
+
+    async def on_token(n: int) -> None:
+        started.set()
+    inflight = asyncio.create_task(stream_ids(cluster.url, body_of(long_prompt, 64), on_token))
+    await asyncio.wait_for(started.wait(), 60)
+    cluster.kill("planner")
+    prompts = [prompt_of(25 + i, 60 + i) for i in range(3)] + [prompt_of(600, 70)]
+    results = await asyncio.gather(*(stream_ids(cluster.url, body_of(p, 4)) for p in prompts))
+    for p, (status, ids, err) in zip(prompts, results):
+        assert status == 200 and not err, err
+        assert ids == reference(tuple(p), 4)
+    await asyncio.to_thread(cluster.restart, "planner")
+    status, ids, err = await inflight
+    assert status == 200 and not err and ids == reference(tuple(long_prompt), 64)
+    await asyncio.to_thread(cluster.wait_healthy, 30)
+    view = await cluster.call("planner", "view", {})
+    assert {w["name"] for w in view["workers"] if w["alive"]} >= {"prefill-remote-0", "prefill-local-0", "decode-0", "decode-1"}
