@@ -145,15 +145,21 @@ async def test_decode_killed_mid_stream_resumes_on_the_other_decoder(cluster):
     cluster.wait_healthy()
 
 
-async def test_router_restart_delays_requests_but_loses_none(cluster):
-    cluster.wait_healthy()
-    long_prompt = prompt_of(30, 11)
+async def stream_under_way(c: Cluster, prompt: list[int], n: int) -> asyncio.Task:
+    """Start a greedy stream of ``n`` tokens and return its task once the first token has arrived."""
+    c.wait_healthy()
     started = asyncio.Event()
 
-    async def on_token(n: int) -> None:
+    async def on_token(_: int) -> None:
         started.set()
-    inflight = asyncio.create_task(stream_ids(cluster.url, body_of(long_prompt, 64), on_token))
+    task = asyncio.create_task(stream_ids(c.url, body_of(prompt, n), on_token))
     await asyncio.wait_for(started.wait(), 60)
+    return task
+
+
+async def test_router_restart_delays_requests_but_loses_none(cluster):
+    long_prompt = prompt_of(30, 11)
+    inflight = await stream_under_way(cluster, long_prompt, 64)
     cluster.kill("router")
     prompts = [prompt_of(20 + i, 30 + i) for i in range(3)] + [prompt_of(600, 40)]
     sent = [asyncio.create_task(stream_ids(cluster.url, body_of(p, 4, stream=i % 2 == 0))) if i % 2 == 0 else
@@ -197,14 +203,8 @@ async def test_planner_restart_loses_no_request(cluster):
     """The planner is SIGKILLed while a stream runs and more requests arrive: the router keeps its last
     view, the stream and the new requests complete exactly, and the workers re-register with the new
     planner (health comes back with every worker alive)."""
-    cluster.wait_healthy()
     long_prompt = prompt_of(30, 51)
-    started = asyncio.Event()
-
-    async def on_token(n: int) -> None:
-        started.set()
-    inflight = asyncio.create_task(stream_ids(cluster.url, body_of(long_prompt, 64), on_token))
-    await asyncio.wait_for(started.wait(), 60)
+    inflight = await stream_under_way(cluster, long_prompt, 64)
     cluster.kill("planner")
     prompts = [prompt_of(25 + i, 60 + i) for i in range(3)] + [prompt_of(600, 70)]
     results = await asyncio.gather(*(stream_ids(cluster.url, body_of(p, 4)) for p in prompts))
