@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from common.rpc import RpcClient, RpcError, RpcServer, Unavailable, fingerprint_mismatch, parse_addr
+from common.rpc import ClientPool, RpcClient, RpcError, RpcServer, Unavailable, fingerprint_mismatch, parse_addr
 from proto.frames import MAGIC, PREFIX, ErrorCode, Frame, Kind, encode_frame, read_frame
 
 pytestmark = pytest.mark.timeout(10)
@@ -703,3 +703,18 @@ async def test_on_disconnect_called(servers, clients) -> None:
     await client.close()
     await wait(gone.wait())
     assert names == [client.name]
+
+
+async def test_client_pool_one_client_per_address_all_closed(servers) -> None:
+    (_, p1), (_, p2) = await servers(), await servers(name="other")
+    pool = ClientPool(service="test", name="pool", connect_timeout=WAIT_S)
+    a, b = pool.get(f"{HOST}:{p1}"), pool.get(f"{HOST}:{p2}")
+    assert pool.get(f"{HOST}:{p1}") is a and a is not b
+    assert await a.call("echo", {"x": 1}, timeout=WAIT_S) == {"x": 1}
+    assert await b.call("echo", {"x": 2}, timeout=WAIT_S) == {"x": 2}
+    await pool.close()
+    assert pool.clients == {}
+    with pytest.raises(Unavailable):  # a closed client stays closed
+        await a.call("echo", {"x": 3}, timeout=WAIT_S)
+    with pytest.raises(ValueError):
+        pool.get("no-port")

@@ -60,7 +60,7 @@ from common.kv_receiver import KvReceiver, Overloaded
 from common.kv_stream import KvError
 from common.paged_kv import LayerNotReady, PagedAssembly, PagedSeq, PoolExhausted
 from common.prefix_cache import PrefixCache, block_hashes
-from common.rpc import RpcClient, RpcError, Unavailable, parse_addr
+from common.rpc import ClientPool, RpcClient, RpcError, Unavailable, parse_addr
 from common.sampling import SamplingParams, sample_batch, shifted_seed
 from proto.frames import ErrorCode
 from services.prefill.worker import validate_prompt
@@ -191,7 +191,7 @@ class DecodeWorker:
         self.swapped: deque[DecodeRequest] = deque()
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        self._prefill_clients: dict[str, RpcClient] = {}
+        self._prefill_clients = ClientPool(service="decode", name=name, connect_timeout=self.PREFILL_CONNECT_S)
         self.steps = 0
         self.batch_size = 0
         self.max_batch_size = 0
@@ -212,8 +212,7 @@ class DecodeWorker:
 
     async def close(self) -> None:
         await service.stop_task(self._loop_task)
-        for c in self._prefill_clients.values():
-            await c.close()
+        await self._prefill_clients.close()
 
     def stats(self) -> dict[str, Any]:
         """Load report for the planner and /metrics: counts, blocks, bytes, seconds."""
@@ -257,11 +256,7 @@ class DecodeWorker:
         }
 
     def _prefill_client(self, addr: str) -> RpcClient:
-        c = self._prefill_clients.get(addr)
-        if c is None:
-            c = RpcClient(addr, service="decode", name=self.name, connect_timeout=self.PREFILL_CONNECT_S)
-            self._prefill_clients[addr] = c
-        return c
+        return self._prefill_clients.get(addr)
 
     # -- admission ---------------------------------------------------------------------------
     def _fits_ever(self, tokens: int) -> bool:

@@ -32,7 +32,7 @@ from common.kv_events import block_size_from_env
 from common.link_stats import render_prometheus
 from common.model import load_model_info
 from common.prefix_cache import block_hashes
-from common.rpc import RpcClient, RpcError
+from common.rpc import ClientPool, RpcClient, RpcError
 from proto.frames import ErrorCode
 from services.gateway import openai_api as oa
 
@@ -89,7 +89,7 @@ class Gateway:
         self.request_timeout = request_timeout
         self.router = RpcClient(router_addr, service="gateway", name=name, connect_timeout=2.0)
         self.planner = RpcClient(planner_addr, service="gateway", name=name, connect_timeout=2.0)
-        self.decoders: dict[str, RpcClient] = {}
+        self.decoders = ClientPool(service="gateway", name=name, connect_timeout=5.0)
         self.requests: Counter[tuple[str, int]] = Counter()
         self.active = 0
         self.max_reroutes = 2  # decode workers tried after the first one refused (overloaded)
@@ -112,15 +112,12 @@ class Gateway:
         self.app.on_cleanup.append(self._cleanup)
 
     async def _cleanup(self, _app: web.Application) -> None:
-        for c in [self.router, self.planner, *self.decoders.values()]:
+        for c in [self.router, self.planner]:
             await c.close()
+        await self.decoders.close()
 
     def _decoder(self, addr: str) -> RpcClient:
-        c = self.decoders.get(addr)
-        if c is None:
-            c = RpcClient(addr, service="gateway", name=self.name, connect_timeout=5.0)
-            self.decoders[addr] = c
-        return c
+        return self.decoders.get(addr)
 
     # -- OpenAI endpoints -------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:

@@ -41,7 +41,7 @@ from common.kv_sender import KvLink
 from common.kv_stream import tensor_ranges
 from common.paged_kv import PagedKvStore, PagedSeq, PoolExhausted
 from common.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
-from common.rpc import RpcClient, RpcError
+from common.rpc import ClientPool, RpcClient, RpcError
 from common.sampling import SamplingParams, sample_next
 from proto.frames import ErrorCode
 
@@ -85,7 +85,7 @@ class PrefillWorker:
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_pulled_tokens = 0
-        self._peers: dict[str, RpcClient] = {}
+        self._peers = ClientPool(service="prefill", name=name, connect_timeout=5.0)
         self.block_size = block_size
         self.checkpoint_every = max(1, checkpoint_every)
         self.kv_store: PagedKvStore | None = None
@@ -119,8 +119,7 @@ class PrefillWorker:
     async def close(self) -> None:
         for link in self._links.values():
             await link.close()
-        for c in self._peers.values():
-            await c.close()
+        await self._peers.close()
 
     async def inject_fault(self, args: dict[str, Any]) -> dict[str, Any]:
         """RPC for tests: see :class:`~common.faults.Faults`. Refused unless injection is enabled."""
@@ -339,10 +338,7 @@ class PrefillWorker:
         return len(got) * bs
 
     def _peer(self, addr: str) -> RpcClient:
-        c = self._peers.get(addr)
-        if c is None:
-            c = self._peers[addr] = RpcClient(addr, service="prefill", name=self.name, connect_timeout=5.0)
-        return c
+        return self._peers.get(addr)
 
     def _match(self, input_ids: list[int]) -> "_Hit":
         """The longest cached prefix this worker can resume from (pinned until :meth:`_Hit.unpin`), and
