@@ -145,6 +145,16 @@ async def test_controller_sets_the_model_optimum_then_raises_t_when_the_link_fil
     assert st["applied"]["decisions"] >= 2 and st["shape"] == [4, 3, 5]
 
 
+async def test_a_faster_prfaas_cluster_lowers_the_anchor(env):
+    """With --prfaas-profile the PrfaaS side has its own hardware: prefill twice as fast there means
+    the optimum offloads more (a lower t) than with one profile for both clusters."""
+    same = await Controller(PROFILE, DIST, 100.0, 1024, env.client).tick(0.0, workers())
+    fast = {**PROFILE, "name": "2x", "prefill_s": [x / 2 for x in PROFILE["prefill_s"]]}
+    mixed = await Controller(PROFILE, DIST, 100.0, 1024, env.client, prfaas_profile=fast).tick(0.0, workers())
+    assert mixed["t"] < 0.9 * same["t"], (mixed, same)
+    assert env.router.threshold == mixed["t"]
+
+
 async def test_controller_uses_the_measured_capacity_and_shows_it(env):
     """38 Gbit/s of egress is light on the configured 100 Gbit/s link, but the workers measured only
     40: the loop sees 95% utilisation and raises t; its state shows which capacity it used."""

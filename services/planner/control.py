@@ -122,7 +122,8 @@ def signals(workers: list[dict[str, Any]], link_gbps: float | None, prev: dict[s
 
 class Controller:
     """The short loop over a profile. ``profile``: a hardware profile dict (``throughput`` format)
-    used for every stage; ``dist``: the prompt-length distribution (tokens); ``l_out`` in tokens;
+    of the PD cluster (PD-P and PD-D); ``prfaas_profile``: the PrfaaS cluster's (default
+    ``profile``: the same hardware on both sides); ``dist``: the prompt-length distribution (tokens); ``l_out`` in tokens;
     ``link_gbps`` the configured cross-cluster link capacity in Gbit/s, used until the KV senders
     measure one and then a cap on the measurement; None: not configured (the measurement alone, and
     ``config.link_gbps``, by default :data:`NOMINAL_LINK_GBPS`, before one). ``router``: an
@@ -130,12 +131,13 @@ class Controller:
     finite number."""
 
     def __init__(self, profile: dict[str, Any], dist: tm.LengthDistribution, link_gbps: float | None, l_out: float,
-                 router: RpcClient, config: ShortConfig | None = None):
+                 router: RpcClient, config: ShortConfig | None = None, prfaas_profile: dict[str, Any] | None = None):
         if link_gbps is not None and not (math.isfinite(link_gbps) and link_gbps > 0):
             raise ValueError(f"link_gbps must be a positive number of Gbit/s or None, got {link_gbps!r}")
         nominal = NOMINAL_LINK_GBPS if link_gbps is None else link_gbps
         hw = tm.HardwareProfile.from_dict(profile)
-        self.base = tm.Deployment(n_prfaas=1, n_p=1, n_d=1, prfaas_hw=hw, pdp_hw=hw, pdd_hw=hw,
+        prfaas_hw = hw if prfaas_profile is None else tm.HardwareProfile.from_dict(prfaas_profile)
+        self.base = tm.Deployment(n_prfaas=1, n_p=1, n_d=1, prfaas_hw=prfaas_hw, pdp_hw=hw, pdd_hw=hw,
                                   link_gbps=nominal, l_out=l_out)
         self.dist = dist
         self.link_gbps = link_gbps

@@ -141,7 +141,8 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         lengths = profile["lengths"]
         dist = tm.TruncatedLogNormal(mu=args.length_mu if args.length_mu is not None else math.log(max(lengths) / 4),
                                      sigma=args.length_sigma, lo=min(lengths), hi=max(lengths))
-        controller = Controller(profile, dist, args.link_gbps, args.l_out, router)
+        controller = Controller(profile, dist, args.link_gbps, args.l_out, router,
+                                prfaas_profile=load_profile(args.prfaas_profile) if args.prfaas_profile else None)
         if args.long_loop == "on":
             long_cfg = LongConfig(period_s=args.long_period, hold_s=args.long_hold, cooldown_s=args.long_cooldown)
             mover = RoleMover(LongLoop(long_cfg), controller.base, dist, lambda addr: planner.workers.get(addr),
@@ -167,6 +168,9 @@ def main() -> None:
     p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"), help="router address (for the loop)")
     p.add_argument("--profile", default=service.env_default("PRFAAS_PLANNER_PROFILE"),
                    help="hardware profile JSON (e.g. from scripts/measure_profile.py); enables the short-timescale loop")
+    p.add_argument("--prfaas-profile", default=service.env_default("PRFAAS_PLANNER_PRFAAS_PROFILE"),
+                   help="hardware profile JSON of the PrfaaS cluster when its hardware differs from the PD cluster's "
+                        "(--profile); default: --profile for both")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="cross-cluster link capacity, Gbit/s: a cap on the capacity the KV senders measure, and the "
                         "capacity used until they measure one (default: measured only, 100 before a measurement)")
