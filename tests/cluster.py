@@ -27,15 +27,23 @@ ROOT = Path(__file__).resolve().parent.parent
 PORT_RANGE = (20000, 32000)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port outside the ephemeral range that was free on 127.0.0.1 a moment ago."""
+    """A TCP port outside the ephemeral range that was free on 127.0.0.1 a moment ago, and never
+    handed out before by this process: a service started late binds its port only seconds after the
+    pick, and meanwhile another pick must not return the same port (it would bind it first)."""
     for _ in range(1000):
         port = random.randint(*PORT_RANGE)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise OSError(f"no free port in {PORT_RANGE}")
 
