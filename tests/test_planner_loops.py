@@ -286,3 +286,12 @@ def test_long_state_json_safe_and_from_evaluation(model):
     feed(loop, s, 0, 600)
     st = loop.state()
     assert json.loads(json.dumps(st)) == st
+
+
+def test_long_due_once_per_period_and_when_a_command_expires():
+    loop = LongLoop(LCFG)
+    assert loop.due(0.0)
+    rc = feed(loop, DECODE_BOUND, 0, 290)[0]
+    assert not loop.due(loop._last_eval + LCFG.period_s - 1) and loop.due(loop._last_eval + LCFG.period_s)
+    loop._last_eval = rc.at + LCFG.ack_timeout_s  # evaluated just now: only the expiry can make it due
+    assert not loop.due(rc.at + LCFG.ack_timeout_s) and loop.due(rc.at + LCFG.ack_timeout_s + 1)

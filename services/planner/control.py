@@ -43,6 +43,17 @@ def counts(workers: list[dict[str, Any]]) -> tuple[int, int, int]:
     return n_prfaas, n_p, n_d
 
 
+def queue_depths(workers: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """Requests waiting at alive (PrfaaS prefill, PD-P prefill) workers and at alive decode workers'
+    KV admission, from their load reports."""
+    alive = [w for w in workers if w.get("alive")]
+
+    def total(key: str, role: str, cluster: str | None = None) -> int:
+        return int(sum((w.get("stats") or {}).get(key, 0) for w in alive
+                       if w["role"] == role and (cluster is None or w["cluster"] == cluster)))
+    return total("waiting", "prefill", "prfaas"), total("waiting", "prefill", "pd"), total("admission_queue", "decode")
+
+
 NOMINAL_LINK_GBPS = 100.0  # Gbit/s assumed with neither a measurement nor a configured capacity
 
 
@@ -103,19 +114,14 @@ def signals(workers: list[dict[str, Any]], link_gbps: float | None, prev: dict[s
     now = {"stalls": float(sum(s.get("stalls") or 0 for s in links)),
            "retransmits": float(sum(s.get("retransmits") or 0 for s in links))}
     rtt = [float(s["rtt_ms"]) / float(s["rtt_min_ms"]) for s in links if s.get("rtt_ms") and s.get("rtt_min_ms")]
-
-    def waiting(pred) -> int:
-        return int(sum((w.get("stats") or {}).get("waiting", 0) for w in alive if pred(w)))
-
+    q_prfaas, q_pdp, q_decode = queue_depths(alive)
     sig = ShortSignals(
         egress_util=goodput / (cap_gbps * 1e9),
         link_gbps=cap_gbps,
         stalls=int(max(0.0, now["stalls"] - prev.get("stalls", now["stalls"]))),
         retransmits=int(max(0.0, now["retransmits"] - prev.get("retransmits", now["retransmits"]))),
         rtt_inflation=max(rtt, default=1.0),
-        q_prfaas=waiting(lambda w: w["role"] == "prefill" and w["cluster"] == "prfaas"),
-        q_pdp=waiting(lambda w: w["role"] == "prefill" and w["cluster"] == "pd"),
-        q_decode=int(sum((w.get("stats") or {}).get("admission_queue", 0) for w in alive if w["role"] == "decode")),
+        q_prfaas=q_prfaas, q_pdp=q_pdp, q_decode=q_decode,
     )
     return sig, now
 

@@ -408,6 +408,12 @@ class LongLoop:
         self._smooth, self._track = None, None  # the split changed: start afresh
         return True
 
+    def due(self, now: float) -> bool:
+        """Whether :meth:`tick` at ``now`` would do anything: evaluate (``period_s`` has passed) or
+        expire a pending command. A caller may skip sampling the signals otherwise."""
+        expired = self.pending is not None and now - self.pending.at > self.cfg.ack_timeout_s
+        return expired or now - self._last_eval >= self.cfg.period_s
+
     def tick(self, now: float, s: LongSignals) -> RoleChange | None:
         """Evaluate at most once per ``period_s``; returns a command or None."""
         # Invariant: at most one command is outstanding, epochs strictly increase, and no command

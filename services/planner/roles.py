@@ -38,6 +38,7 @@ from typing import Any
 from common import service
 from common.rpc import RpcClient, RpcError
 from services.planner import throughput as tm
+from services.planner.control import counts, queue_depths
 from services.planner.loops import LongLoop, LongSignals, RoleChange
 
 log = logging.getLogger("prfaas.planner.roles")
@@ -62,12 +63,9 @@ def pick_worker(workers: list[dict[str, Any]], role: str) -> dict[str, Any] | No
     return min(ok, key=load)
 
 
-def queues(workers: list[dict[str, Any]]) -> tuple[float, float]:
-    """Requests waiting at alive PD-P prefill workers and at alive decode workers' admission."""
-    alive = [w for w in workers if w.get("alive")]
-    q_pdp = sum(float((w.get("stats") or {}).get("waiting", 0)) for w in alive if w["role"] == "prefill" and w["cluster"] == "pd")
-    q_dec = sum(float((w.get("stats") or {}).get("admission_queue", 0)) for w in alive if w["role"] == "decode")
-    return q_pdp, q_dec
+def reported_epoch(workers: list[dict[str, Any]]) -> int:
+    """The largest role epoch any switchable worker reports (0 when none): a new command must be above it."""
+    return max((int((w.get("stats") or {}).get("epoch") or 0) for w in workers if switchable(w)), default=0)
 
 
 class RoleMover:
@@ -97,26 +95,28 @@ class RoleMover:
         """The long loop's sample: the model's stage capacities (req/s) at the live split and ``t``.
         Needs ``base`` and ``dist``."""
         assert self.base is not None and self.dist is not None
-        alive = [w for w in workers if w.get("alive")]
-        n_prfaas = sum(1 for w in alive if w["role"] == "prefill" and w["cluster"] == "prfaas")
-        n_p = sum(1 for w in alive if w["role"] == "prefill" and w["cluster"] == "pd")
-        n_d = sum(1 for w in alive if w["role"] == "decode")
+        n_prfaas, n_p, n_d = counts(workers)
         dist = tm.EmpiricalLengths(self.recent_lengths) if len(self.recent_lengths) >= self.min_samples else self.dist
         dep = replace(self.base, n_prfaas=n_prfaas, n_p=n_p, n_d=max(1, n_d),
                       prfaas_hw=self.base.prfaas_hw if n_prfaas else None, pdp_hw=self.base.pdp_hw if n_p else None)
         ev = tm.evaluate(dep, dist, float(self.threshold))
-        q_pdp, q_dec = queues(workers)
+        _, q_pdp, q_dec = queue_depths(workers)
         sig = LongSignals.from_evaluation(ev, n_p, n_d, q_pdp, q_dec)
         return sig if n_d else replace(sig, theta_pdd=0.0)
 
+    def due(self, now: float) -> bool:
+        """Whether :meth:`tick` at ``now`` would consult the model (so ``threshold`` and
+        ``recent_lengths`` are worth refreshing first): a model is set, no switch is in progress, and
+        the long loop is due (:meth:`LongLoop.due`)."""
+        return self.base is not None and self.dist is not None and not self.busy and self.loop.due(now)
+
     def tick(self, now: float, workers: list[dict[str, Any]]) -> RoleChange | None:
         """One long-loop step; starts the switch in the background when the loop decides one."""
-        if self.busy or self.base is None or self.dist is None:
+        if not self.due(now):
             return None
         if not any(switchable(w) and w.get("alive") for w in workers):
             return None  # nothing can move: do not let the loop issue commands nobody can apply
-        seen = max((int((w.get("stats") or {}).get("epoch") or 0) for w in workers if switchable(w)), default=0)
-        self.loop.epoch = max(self.loop.epoch, seen)
+        self.loop.epoch = max(self.loop.epoch, reported_epoch(workers))
         rc = self.loop.tick(now, self.signals(workers))
         if rc is None:
             return None
@@ -149,8 +149,7 @@ class RoleMover:
             raise ValueError(f"{name} cannot change role (only PD-cluster workers started with `python -m services.pd` can)")
         if w["role"] == to_role:
             raise ValueError(f"{name} is already a {to_role} worker")
-        seen = max((int((x.get("stats") or {}).get("epoch") or 0) for x in workers if switchable(x)), default=0)
-        self.loop.epoch = max(self.loop.epoch, seen) + 1
+        self.loop.epoch = max(self.loop.epoch, reported_epoch(workers)) + 1
         self.loop.pending = RoleChange(self.loop.epoch, w["role"], to_role, 0, 0, time.monotonic(), reason)
         self._start(w, self.loop.epoch, to_role, reason)
         return self.loop.epoch

@@ -70,24 +70,28 @@ class Planner:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.loop_interval)
+            now = time.monotonic()
+            view = self.registry.view(now)
             try:
-                await self.controller.tick(time.monotonic(), self.registry.view(time.monotonic()))
+                await self.controller.tick(now, view)
             except Exception:  # the router may be down or restarting: log, count, go on
                 self.loop_errors += 1
                 log.exception("short-timescale loop tick failed")
             try:
-                await self._long_tick()
+                await self._long_tick(now, view)
             except Exception:
                 self.loop_errors += 1
                 log.exception("long-timescale loop tick failed")
 
-    async def _long_tick(self) -> None:
-        if self.mover.base is None or self.router is None:
+    async def _long_tick(self, now: float, view: list[dict[str, Any]]) -> None:
+        """The long loop's step; the router's threshold and recent lengths are fetched only when the
+        loop will evaluate (once per ``--long-period``), not every tick."""
+        if self.router is None or not self.mover.due(now):
             return
         stats = await self.router.call("stats", {"lengths": True}, timeout=5.0)
         self.mover.threshold = float(stats["threshold_tokens"])
         self.mover.recent_lengths = [int(x) for x in stats.get("recent_lengths") or []]
-        self.mover.tick(time.monotonic(), self.registry.view(time.monotonic()))
+        self.mover.tick(now, view)
 
     async def move_worker(self, args: dict[str, Any]) -> dict[str, Any]:
         """Operator command ``{name, to_role}``: switch that worker's role (drained first) under a new
