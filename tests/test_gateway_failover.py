@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 
 from tests.cluster import Cluster
-from tests.test_admission import prompt_of, reference  # tiny-dense greedy references, EOS ignored
+from tests.test_admission import prompt_of, reference, wait_drained  # tiny-dense greedy references, EOS ignored
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,19 +74,6 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-async def wait_idle(c: Cluster, service: str, timeout: float = 20.0) -> dict:
-    """Poll until decode worker ``service`` holds nothing: no request, no queue, no reserved KV."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = await c.call(service, "stats")
-        held = {k: s[k] for k in ("running", "waiting", "admission_queue", "swapped", "kv_blocks_held", "kv_reserved_bytes") if s[k]}
-        if not held:
-            return s
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{service} still holds {held} {timeout}s after the last request")
-        await asyncio.sleep(0.05)
-
-
 async def metric(c: Cluster, name: str) -> float:
     async with aiohttp.ClientSession() as s, s.get(c.url + "/metrics") as r:
         text = await r.text()
@@ -97,7 +84,7 @@ async def metric(c: Cluster, name: str) -> float:
 
 
 async def test_prefill_killed_mid_transfer_requests_reprefill_locally(cluster):
-    base = {d: (await wait_idle(cluster, d))["kv_blocks_used"] for d in ("decode", "decode2")}
+    base = {d: (await wait_drained(cluster, d, timeout=20.0))["kv_blocks_used"] for d in ("decode", "decode2")}
     prompts = [prompt_of(1500 + 16 * i, i) for i in range(4)]
     tasks = [asyncio.create_task(stream_ids(cluster.url, body_of(p, 8))) for p in prompts]
     deadline = time.monotonic() + 60
@@ -118,7 +105,7 @@ async def test_prefill_killed_mid_transfer_requests_reprefill_locally(cluster):
     status, ids, err = await stream_ids(cluster.url, body_of(prompt_of(40, 99), 4))
     assert status == 200 and ids == reference(tuple(prompt_of(40, 99)), 4)
     for d in ("decode", "decode2"):
-        assert (await wait_idle(cluster, d))["kv_blocks_used"] <= base[d] + 4 * 100  # cached prompt blocks only
+        assert (await wait_drained(cluster, d, timeout=20.0))["kv_blocks_used"] <= base[d] + 4 * 100  # cached prompt blocks only
     assert await metric(cluster, 'prfaas_gateway_retries_total{reason="prefill_failed"}') >= 1
     cluster.restart("prefill_remote")
     cluster.wait_healthy()

@@ -18,7 +18,8 @@ import time
 import pytest
 
 from tests.cluster import Cluster
-from tests.test_gateway_failover import body_of, prompt_of, reference, stream_ids, unary_ids, wait_idle
+from tests.test_admission import wait_drained
+from tests.test_gateway_failover import body_of, prompt_of, reference, stream_ids, unary_ids
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -97,7 +98,7 @@ async def test_role_switch_under_load_loses_no_request(cluster):
     stats = await cluster.call("prefill_local", "stats")
     assert stats["role_changes"] == 2 and not stats["draining"]
     assert stats.get("last_switch", {}).get("held_blocks_at_close", 0) == 0
-    await wait_idle(cluster, "decode")
+    await wait_drained(cluster, "decode", timeout=20.0)
     st = await cluster.call("planner", "status", {})
     assert st["roles"]["moves"]["done"] == 2
 
