@@ -190,9 +190,11 @@ class Gateway:
         refusal: RpcError | None = None
         generated: list[int] = []  # tokens already yielded to the client
         retries = 0
+        hashes, hashed_len = None, -1  # block hashes of the input, recomputed only when a resume lengthens it
         while True:
             input_ids = req.prompt_ids + generated
-            hashes = await self._block_hashes(input_ids)
+            if len(input_ids) != hashed_len:
+                hashes, hashed_len = await self._block_hashes(input_ids), len(input_ids)
             placement = await self._place(req, excluded_decode, refusal, hashes, excluded_prefill, input_ids, deadline)
             started = False
             self.active += 1
