@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from common.kv_stream import DEFAULT_CHUNK_BYTES, Layout, Range, split_ranges
-from common.link_stats import LinkStats, read_tcp_info
+from common.link_stats import LinkStats, TcpInfo, read_tcp_info
 from common.rpc import RpcError, Unavailable, client_handshake, parse_addr
 from proto.frames import ErrorCode, Frame, Kind, ProtocolError, encode_frame, encode_frame_parts, read_frame
 
@@ -212,9 +212,8 @@ class KvLink:
             return False
 
     @staticmethod
-    def _note_progress(c: _Conn, now: float) -> None:
-        """Record when the kernel last saw the peer acknowledge bytes on ``c`` (``TCP_INFO``)."""
-        info = read_tcp_info(c.sock)
+    def _note_progress(c: _Conn, info: TcpInfo | None, now: float) -> None:
+        """Record when the kernel last saw the peer acknowledge bytes on ``c`` (its ``TCP_INFO``)."""
         acked = info.bytes_acked if info is not None and info.bytes_acked is not None else None
         if acked is not None and acked > c.acked:
             if c.acked >= 0:
@@ -226,8 +225,9 @@ class KvLink:
         while not self._closed:
             await asyncio.sleep(self.ping_interval)
             now = time.monotonic()
+            infos = {c.cid: read_tcp_info(c.sock) for c in self._live()}  # read once: progress and link stats
             for c in self._live():
-                self._note_progress(c, now)
+                self._note_progress(c, infos[c.cid], now)
                 # A pong queued behind megabytes of KV on a slow link is late, not lost: while the
                 # kernel sees the peer acknowledge bytes, the connection is alive.
                 late = now - c.ping_sent if c.ping_sent is not None else 0.0
@@ -236,7 +236,7 @@ class KvLink:
                     self._fail(c, f"no pong for {late:.1f}s and no bytes acknowledged for {now - c.last_progress:.1f}s")
                 else:
                     self._ping(c)
-            self.stats.sample_tcp([c.sock for c in self._live()])
+            self.stats.fold_tcp([(c.sock, infos[c.cid]) for c in self._live()])
             if len(self._live()) < self.n_conns and not self._closed:
                 with contextlib.suppress(Exception):
                     await self.ensure_connected()

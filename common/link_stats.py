@@ -672,15 +672,16 @@ class LinkStats:
         the number read), the TCP SRTT mean/max, summed ``lost``/``snd_cwnd``/``unacked``, the
         retransmit counters and ``tcp_goodput_bps``. Returns the number of sockets read.
         """
-        t = self._now(now)
         if isinstance(socks, Mapping):
             socks = socks.values()
-        infos: list[tuple[tuple, TcpInfo]] = []
-        for s in socks:
-            info = read_tcp_info(s)
-            if info is None:
-                continue
-            infos.append((_sock_key(_as_socket(s)), info))
+        return self.fold_tcp([(s, read_tcp_info(s)) for s in socks], now)
+
+    def fold_tcp(self, readings: Iterable[tuple[Any, TcpInfo | None]], now: float | None = None) -> int:
+        """:meth:`sample_tcp` with the ``TCP_INFO`` already read: ``readings`` pairs each socket (or
+        transport) with what :func:`read_tcp_info` gave for it (None: skipped), for a caller that
+        also uses the readings itself. Returns the number of sockets folded in."""
+        t = self._now(now)
+        infos: list[tuple[tuple, TcpInfo]] = [(_sock_key(_as_socket(s)), info) for s, info in readings if info is not None]
 
         delta_retrans = 0
         acked = 0
