@@ -101,6 +101,25 @@ class KvEventPublisher:
         self._task = None
         await self.client.close()
 
+    async def retire(self) -> bool:
+        """Stop publishing and tell the router this node's cache is gone (the node changes role, or
+        drops the cache): an empty ``kv_resync`` snapshot under a fresh epoch replaces the node's
+        indexed blocks at once. Best effort: an unreachable router is logged (a later publisher of
+        the node, with its own fresh epoch, replaces the index on its first batch anyway). Closes
+        the publisher; returns True when the router took the empty snapshot."""
+        await service.stop_task(self._task)
+        self._task = None
+        try:
+            await self.client.call("kv_resync", {**self._base(), "epoch": secrets.token_hex(8), "seq": 0, "entries": [],
+                                                 "part": 0, "last": True}, timeout=CALL_TIMEOUT_S)
+            log.info("router told that %s's %s prefix cache is gone", self.node, self.role)
+            return True
+        except (RpcError, asyncio.TimeoutError, OSError) as e:
+            log.warning("could not tell the router that %s's %s prefix cache is gone: %s", self.node, self.role, e)
+            return False
+        finally:
+            await self.client.close()
+
     def stats(self) -> dict[str, Any]:
         """Counters for the worker's load report: acked seq, batches, events, resyncs, failures."""
         return {"epoch": self.epoch, "acked_seq": self.acked, "batches": self.batches, "events_sent": self.events_sent,

@@ -46,7 +46,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -54,7 +53,7 @@ from typing import Any
 from common import service
 from common.backend import Backend
 from common.planner_agent import PlannerAgent
-from common.rpc import RpcClient, RpcError, RpcServer, parse_addr
+from common.rpc import RpcError, RpcServer, parse_addr
 from common.worker_main import decode_worker_from_args, prefill_worker_from_args, report_with_publisher, start_kv_publisher
 from proto.frames import ErrorCode
 
@@ -492,24 +491,8 @@ class PdWorker:
         return _DecodeRole(receiver, worker, start_kv_publisher(self.args, worker, "decode", "pd"))
 
     async def _close_role(self, hosted: _PrefillRole | _DecodeRole, forget: bool) -> None:
-        """Close ``hosted``: its publisher first, then (``forget``) an empty snapshot to the router, then the rest."""
+        """Close ``hosted``: its publisher first (``forget``: retired, so the router drops the node's
+        cached blocks at once, :meth:`KvEventPublisher.retire`), then the rest."""
         if hosted.publisher is not None:
-            await hosted.publisher.close()
-            if forget:
-                await self._forget_at_router(hosted.role)
+            await (hosted.publisher.retire() if forget else hosted.publisher.close())
         await hosted.close()
-
-    async def _forget_at_router(self, role: str) -> None:
-        """Tell the router this node's ``role`` prefix cache is gone: an empty ``kv_resync`` snapshot
-        under a fresh cache epoch replaces the node's indexed blocks. Best effort: a router that
-        cannot be reached is logged (the new role's publisher, if any, replaces the index on its first
-        batch anyway, since it too has a fresh epoch)."""
-        client = RpcClient(self.args.router, service=role, name=self.name, connect_timeout=2.0)
-        try:
-            await client.call("kv_resync", {"node": self.name, "cluster": "pd", "role": role, "epoch": secrets.token_hex(8),
-                                            "seq": 0, "entries": [], "part": 0, "last": True}, timeout=3.0)
-            log.info("router told that %s's %s prefix cache is gone", self.name, role)
-        except (RpcError, asyncio.TimeoutError, OSError) as e:
-            log.warning("could not tell the router that %s's %s prefix cache is gone: %s", self.name, role, e)
-        finally:
-            await client.close()
