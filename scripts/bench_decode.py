@@ -79,8 +79,8 @@ def synthetic(shape: list[int], layer: int, row: int, name: str):
 
 
 def load(model: str, threads: int):
-    from common.backend import TorchBackend
-    from common.model import load_model
+    from common.model.backend import TorchBackend
+    from common.model.loader import load_model
 
     backend = TorchBackend(load_model(model), threads=threads)
     specs = backend.state_specs  # a 2-token prefill: also warms the model up
@@ -101,7 +101,7 @@ def step_times(ends: list[float], warmup: int) -> list[float]:
 
 def pool_bytes_for(specs, batch: int, tokens: int, block_size: int) -> int:
     """A pool budget that holds ``batch`` rows of ``tokens`` tokens with room for the worker's geometric growth."""
-    from common.paged_kv import PagedKvStore
+    from common.kv.paged_store import PagedKvStore
 
     probe = PagedKvStore(specs, 1 << 30, block_size)  # sizes only: its arenas are never touched
     per_row = probe.blocks_for(tokens) + PagedKvStore.GROW_MAX_BLOCKS + probe.pool.slot_pages
@@ -110,7 +110,7 @@ def pool_bytes_for(specs, batch: int, tokens: int, block_size: int) -> int:
 
 async def worker_round(worker, specs, args, rnd: int) -> dict:
     """One batch of requests through ``worker``, each injected as if its transfer had just finished."""
-    from common.sampling import SamplingParams
+    from common.model.sampling import SamplingParams
     from services.decode.worker import DecodeRequest
 
     store = worker.store
@@ -162,7 +162,7 @@ async def worker_round(worker, specs, args, rnd: int) -> dict:
 
 
 async def worker_role(args) -> None:
-    from common.kv_receiver import KvReceiver
+    from common.transfer.receiver import KvReceiver
     from services.decode.worker import DecodeWorker
 
     backend, specs = load(args.model, args.threads)

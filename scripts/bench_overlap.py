@@ -38,8 +38,8 @@ MODEL = "tiny-hybrid"
 
 async def client(decode: str, prefill: str, prompt_len: int, reps: int) -> None:
     """Role: time ``generate`` (max_tokens 1) against the decode worker; prints one JSON line."""
-    from common.rpc import RpcClient
-    from common.sampling import SamplingParams
+    from common.rpc.core import RpcClient
+    from common.model.sampling import SamplingParams
 
     c = RpcClient(decode, service="bench", name="bench-client", connect_timeout=120)
     out = []
@@ -67,8 +67,8 @@ def proxy_role(listen: str, target: str, rate_bps: float) -> None:
     """Role: a rate-capped userspace proxy (when namespaces are not available)."""
     import uvloop
 
-    from common.link_proxy import LinkProxy
-    from common.rpc import parse_addr
+    from common.lab.link_proxy import LinkProxy
+    from common.rpc.core import parse_addr
 
     async def run() -> None:
         lh, lp = parse_addr(listen)

@@ -61,7 +61,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.chaos_topology import LAB_ENV, WanSystem, lab_from_env, run_in_lab  # noqa: E402
-from scripts.netlab import NetlabError  # noqa: E402
+from common.lab.netlab import NetlabError  # noqa: E402
 
 SHORT_TOKENS = (8, 120)  # local route (PD-P): below the threshold
 OUTCOMES = ("ok", "wrong", "error", "hang", "lost", "abandoned")
@@ -159,7 +159,7 @@ class PromptPool:
 
     def compute_references(self) -> float:
         """Greedy references for every prompt (blocking; seconds taken)."""
-        from tests.conftest import reference_greedy
+        from common.lab.reference import reference_greedy
 
         t0 = time.monotonic()
         self.refs = [reference_greedy(self.model, p, self.max_new) for p in self.prompts]

@@ -10,7 +10,7 @@ Topology (what :class:`WanSystem` starts)::
                                                              |     the decode worker's --kv-advertise-remote)
     planner, router <------ [proxy "planner", "router"] <---+---- registration, load reports, cache events
 
-Every path that crosses the datacenter boundary goes through a :class:`~common.link_proxy.LinkProxy`
+Every path that crosses the datacenter boundary goes through a :class:`~common.lab.link_proxy.LinkProxy`
 that this process runs (:class:`WanLink`): one-way delay with jitter, a bandwidth cap shared by all
 paths in each direction, a stall (blackhole), resets and refused connections, all settable while
 traffic flows. The PrfaaS worker registers the ``rpc`` proxy as its address (``--advertise``), and
@@ -21,7 +21,7 @@ themselves need no change to run across the "WAN".
 Two placements:
 
 * **loopback** (default, no root): every service on 127.0.0.1; the proxies are the link.
-* **netns** (root and ``ip netns``; see ``scripts/netlab.py``): this process and the local services
+* **netns** (root and ``ip netns``; see ``common/lab/netlab.py``): this process and the local services
   run in the lab's ``local`` namespace, the PrfaaS prefill worker in the ``prfaas`` namespace, and
   the only path between them is the lab's veth pair. The proxies sit on the local end of it, so the
   bytes cross the veth, where ``tc tbf`` caps the bandwidth (:meth:`WanSystem.set_link` uses the
@@ -55,10 +55,10 @@ from typing import Any, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.link_proxy import LinkProxy, TokenBucket  # noqa: E402
-from common.rpc import RpcClient, parse_addr  # noqa: E402
-from scripts import netlab  # noqa: E402
-from tests.cluster import Cluster, free_port  # noqa: E402
+from common.lab.link_proxy import LinkProxy, TokenBucket  # noqa: E402
+from common.rpc.core import RpcClient, parse_addr  # noqa: E402
+from common.lab import netlab  # noqa: E402
+from common.lab.cluster import Cluster, free_port  # noqa: E402
 
 DECODERS = ("decode", "decode2")  # Cluster service names of the two PD-D workers (worker names decode-0, decode-1)
 PREFILLS = ("prefill_remote", "prefill_local")
@@ -166,7 +166,7 @@ class Drain:
 class WanSystem:
     """The whole system over the two datacenters (see the module docstring).
 
-    ``lab``: a :class:`~scripts.netlab.TwoDatacenters` whose namespaces exist and whose ``local``
+    ``lab``: a :class:`~common.lab.netlab.TwoDatacenters` whose namespaces exist and whose ``local``
     side this process runs in (netns placement), or ``None`` (loopback). ``prefix_cache``: off by
     default, so every long prompt's whole KVCache crosses the link each time.
     """
@@ -388,7 +388,7 @@ def run_in_lab(argv: Sequence[str], prefix: str | None = None, subnet: str = "10
     """Create a two-namespace lab, run ``argv`` inside its ``local`` namespace (with :data:`LAB_ENV`
     set so it finds the lab), and delete the lab afterwards -- after a failure, Ctrl-C or SIGTERM
     too (every process in either namespace is killed). Returns the command's exit status.
-    Raises :class:`~scripts.netlab.NetlabError` if namespaces are unavailable."""
+    Raises :class:`~common.lab.netlab.NetlabError` if namespaces are unavailable."""
     ok, reason = netlab.netns_available()
     if not ok:
         raise netlab.NetlabError(f"--netns needs root and ip netns: {reason}")

@@ -6,35 +6,14 @@ is exercised end to end); the hybrid cluster serves the embedded default.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
-import torch
 
-from tests.cluster import Cluster
+from common.lab.cluster import Cluster
+from common.lab.reference import reference_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-@functools.lru_cache(maxsize=None)
-def reference_model(spec: str):
-    """The model loaded in this process, for ``model.generate`` references."""
-    from common.model import load_model
-
-    torch.set_num_threads(1)
-    return load_model(spec)
-
-
-def reference_greedy(spec: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy tokens from ``model.generate`` in one process (stopping at the model's EOS, like the server)."""
-    lm = reference_model(spec)
-    ids = torch.tensor([prompt_ids])
-    out = lm.model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=lm.eos_token_ids or None, pad_token_id=lm.tokenizer.pad_token_id,
-    )
-    return out[0, len(prompt_ids):].tolist()
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,8 @@ import aiohttp
 import pytest
 import torch
 
-from tests.cluster import Cluster
-from tests.conftest import reference_model
+from common.lab.cluster import Cluster
+from common.lab.reference import reference_model
 
 pytestmark = pytest.mark.timeout(240)
 

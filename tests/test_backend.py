@@ -1,4 +1,4 @@
-"""Unit tests for ``common/backend.py`` (TorchBackend) and ``common/model.py`` on the real tiny models.
+"""Unit tests for ``common/model/backend.py`` (TorchBackend) and ``common/model/loader.py`` on the real tiny models.
 
 References are plain transformers calls in this process: a full forward for the prefill logits and
 ``model.generate`` (greedy, no EOS stop) for decode tokens.
@@ -13,9 +13,10 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from common.backend import PrefillCancelled, TorchBackend, make_backend
-from common.kv_stream import KvError, make_layout, split_ranges, tensor_ranges
-from common.model import (
+from common.model.backend import PrefillCancelled, TorchBackend, make_backend
+from common.kv.layout import KvError, make_layout
+from common.transfer.stream import split_ranges, tensor_ranges
+from common.model.loader import (
     TINY_MAX_MODEL_LEN,
     LoadedModel,
     ModelLoadError,
@@ -23,7 +24,8 @@ from common.model import (
     load_model_info,
     weight_hash,
 )
-from common.paged_kv import PagedAssembly, PagedKvStore, PagedSeq
+from common.transfer.paged_assembly import PagedAssembly
+from common.kv.paged_store import PagedKvStore, PagedSeq
 
 pytestmark = pytest.mark.timeout(120)
 

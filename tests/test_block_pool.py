@@ -1,4 +1,4 @@
-"""Tests for common.block_pool: exact placement, refcounts, exhaustion, shared budget, fragmentation."""
+"""Tests for common.kv.block_pool: exact placement, refcounts, exhaustion, shared budget, fragmentation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.block_pool import BlockPool, PoolExhausted
+from common.kv.block_pool import BlockPool, PoolExhausted
 
 
 def hold(pool: BlockPool, ids: list[int]) -> list[int]:

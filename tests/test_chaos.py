@@ -26,7 +26,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from scripts import chaos, netlab
+from common.lab import netlab
+
+from scripts import chaos
 from scripts.chaos import BY_NAME, Harness, Options, PromptPool, Spec, run_request
 from scripts.chaos_topology import WanLink
 

@@ -32,13 +32,15 @@ from typing import Any
 
 import pytest
 
-from common.rpc import RpcClient, RpcError
-from common.sampling import SamplingParams, shifted_seed, step_seed
-from common.tokenizer import build_byte_tokenizer
+from common.rpc.errors import RpcError
+
+from common.rpc.core import RpcClient
+from common.model.sampling import SamplingParams, shifted_seed, step_seed
+from common.model.tokenizer import build_byte_tokenizer
 from proto.frames import ErrorCode
 from services.decode.worker import DecodeRequest
-from tests.cluster import Cluster, free_port
-from tests.conftest import reference_greedy
+from common.lab.cluster import Cluster, free_port
+from common.lab.reference import reference_greedy
 
 pytestmark = pytest.mark.timeout(300)
 

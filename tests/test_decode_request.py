@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from common.sampling import SamplingParams
-from common.tokenizer import build_byte_tokenizer
+from common.model.sampling import SamplingParams
+from common.model.tokenizer import build_byte_tokenizer
 from services.decode.worker import DecodeRequest
 
 TOK = build_byte_tokenizer()

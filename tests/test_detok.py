@@ -1,4 +1,4 @@
-"""Tests for ``common.detok.IncrementalDetokenizer``."""
+"""Tests for ``common.model.detok.IncrementalDetokenizer``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from common.detok import IncrementalDetokenizer
-from common.tokenizer import build_byte_tokenizer
+from common.model.detok import IncrementalDetokenizer
+from common.model.tokenizer import build_byte_tokenizer
 
 EOS = 256
 

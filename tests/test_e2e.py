@@ -12,8 +12,8 @@ import re
 import aiohttp
 import pytest
 
-from common.rpc import RpcClient
-from tests.conftest import reference_greedy
+from common.rpc.core import RpcClient
+from common.lab.reference import reference_greedy
 
 LENGTHS = [1, 15, 16, 17, 33, 300, 1100]  # block size 16 (c01: 1, bs-1, bs, bs+1, 2bs+1); 1100 > t = 1024
 NEW_TOKENS = 24
@@ -104,7 +104,7 @@ async def test_default_threshold_sends_long_prompts_remote(cluster):
 async def test_negative_control_damaged_layer_is_detected(cluster, layer_kind):
     """Damage one layer's state in transit (scaled by 0.5): the tokens must differ from the reference."""
     c, spec = cluster
-    from tests.conftest import reference_model
+    from common.lab.reference import reference_model
 
     kinds = reference_model(spec).layer_types
     if layer_kind not in kinds:

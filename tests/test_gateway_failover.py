@@ -23,7 +23,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.cluster import Cluster
+from common.lab.cluster import Cluster
 from tests.test_admission import prompt_of, reference, wait_drained  # tiny-dense greedy references, EOS ignored
 
 pytestmark = pytest.mark.timeout(300)

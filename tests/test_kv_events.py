@@ -1,4 +1,4 @@
-"""The global KVCache index end to end in one process: :class:`common.kv_events.KvEventPublisher` on a
+"""The global KVCache index end to end in one process: :class:`common.control.kv_events.KvEventPublisher` on a
 real :class:`PrefixCache` publishing to a real router RPC server, and cache-aware ``place`` over fake
 workers registered with a real planner."""
 
@@ -9,15 +9,16 @@ import re
 
 import pytest
 
-from common import kv_events
-from common.block_pool import BlockPool
-from common.kv_events import KvEventPublisher, block_size_from_env
-from common.prefix_cache import PrefixCache, block_hashes
-from common.rpc import RpcClient, RpcError
+from common.control import kv_events
+from common.kv.block_pool import BlockPool
+from common.control.kv_events import KvEventPublisher, block_size_from_env
+from common.kv.prefix_cache import PrefixCache, block_hashes
+from common.rpc.errors import RpcError
+from common.rpc.core import RpcClient
 from services.gateway.server import _prefix_metrics, _worker_prefix_metrics
 from services.planner.server import Planner
 from services.router.server import Router
-from tests.cluster import free_port
+from common.lab.cluster import free_port
 
 BS = 4  # tokens per block in these tests
 
@@ -391,7 +392,7 @@ async def test_cluster_routes_a_repeated_prompt_to_the_worker_that_cached_it(hyb
     PrfaaS cluster is judged on its own cache, so l = 12) and gives the same greedy tokens."""
     import aiohttp
 
-    from tests.conftest import reference_greedy
+    from common.lab.reference import reference_greedy
     from tests.test_e2e import greedy_ids, prompt_of, served_model
 
     c = hybrid_cluster

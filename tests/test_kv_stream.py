@@ -1,4 +1,4 @@
-"""Unit tests for ``common/kv_stream.py`` (no sockets): layouts, byte ranges of whole tensors and of
+"""Unit tests for ``common/transfer/stream.py`` (no sockets): layouts, byte ranges of whole tensors and of
 sequence chunks, deterministic splitting, layout validation, and :class:`KvAssembly` reassembly
 (shuffled, duplicated and overlapping pieces; readiness; errors)."""
 
@@ -11,18 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.kv_stream import (
-    BufferPool,
-    DTYPES,
-    KvAssembly,
-    KvError,
-    _Coverage,
-    check_layouts,
-    dtype_name,
-    make_layout,
-    split_ranges,
-    tensor_ranges,
-)
+from common.kv.layout import DTYPES, KvError, check_layouts, dtype_name, make_layout
+
+from common.transfer.stream import BufferPool, KvAssembly, _Coverage, split_ranges, tensor_ranges
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -535,8 +526,8 @@ def test_tensors_are_views_of_the_buffer():
 
 def test_receiver_recycles_only_finished_transfers():
     """A cancelled transfer's buffers may still be receiving bytes: they must not go back to the pool."""
-    from common.kv_receiver import KvReceiver
-    from common.kv_stream import make_layout
+    from common.transfer.receiver import KvReceiver
+    from common.kv.layout import make_layout
 
     rx = KvReceiver("rx", None, 1, budget_bytes=1 << 20)
     layout = [make_layout([("k", "float32", [64])])]

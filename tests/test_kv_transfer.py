@@ -1,5 +1,5 @@
-"""The KV transfer engine over real loopback sockets: ``common/kv_sender.py`` (KvLink) to
-``common/kv_receiver.py`` (KvReceiver), with ``common/peer_auth.py`` and ``common/link_proxy.py``.
+"""The KV transfer engine over real loopback sockets: ``common/transfer/sender.py`` (KvLink) to
+``common/transfer/receiver.py`` (KvReceiver), with ``common/rpc/auth.py`` and ``common/lab/link_proxy.py``.
 
 Covers striping over N connections, a connection cut mid-transfer (resend on the others), a stalled
 connection (detected by the drain deadline or by overdue pongs), refusal at connect (fingerprint,
@@ -26,13 +26,14 @@ from typing import Any
 import pytest
 import torch
 
-from common.kv_receiver import KvReceiver, Overloaded, _KvConnection
-from common.kv_sender import KvLink, Transfer, TransferRefused
-from common.kv_stream import KvAssembly, KvError, dtype_name, make_layout, split_ranges, tensor_ranges
-from common.link_proxy import LinkProxy
-from common.link_stats import read_tcp_info
-from common.peer_auth import AuthError, AuthVerifier, client_context, hello_auth, server_context
-from common.rpc import RpcError, Unavailable
+from common.transfer.receiver import KvReceiver, Overloaded, _KvConnection
+from common.transfer.sender import KvLink, Transfer, TransferRefused
+from common.kv.layout import KvError, dtype_name, make_layout
+from common.transfer.stream import KvAssembly, split_ranges, tensor_ranges
+from common.lab.link_proxy import LinkProxy
+from common.transfer.link_stats import read_tcp_info
+from common.rpc.auth import AuthError, AuthVerifier, client_context, hello_auth, server_context
+from common.rpc.errors import RpcError, Unavailable
 from proto.frames import ErrorCode, Kind, encode_frame, encode_frame_parts, read_frame
 
 pytestmark = pytest.mark.timeout(30)

@@ -19,8 +19,8 @@ import time
 import aiohttp
 import pytest
 
-from tests.cluster import Cluster
-from tests.conftest import reference_greedy
+from common.lab.cluster import Cluster
+from common.lab.reference import reference_greedy
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,4 +1,4 @@
-"""The userspace link proxy (common/link_proxy.py): byte transparency, delay, rate cap, stall,
+"""The userspace link proxy (common/lab/link_proxy.py): byte transparency, delay, rate cap, stall,
 reset, refused connections, bounded buffering, and a clean close. Loopback only; no root needed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.link_proxy import LinkProxy, TokenBucket
+from common.lab.link_proxy import LinkProxy, TokenBucket
 
 pytestmark = pytest.mark.timeout(30)
 

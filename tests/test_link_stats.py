@@ -1,4 +1,4 @@
-"""Tests for common.link_stats: TCP_INFO parsing, Ewma, LinkStats, Prometheus rendering."""
+"""Tests for common.transfer.link_stats: TCP_INFO parsing, Ewma, LinkStats, Prometheus rendering."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common import link_stats
-from common.link_stats import (
+from common.transfer.link_stats import (
     TCP_INFO_MIN_LEN,
     Ewma,
     LinkStats,
@@ -752,11 +752,12 @@ async def test_capacity_of_a_rate_capped_loopback_link(monkeypatch):
     cap (not the loopback speed, hundreds of times more)."""
     import torch
 
-    import common.kv_sender as kv_sender
-    from common.kv_receiver import KvReceiver
-    from common.kv_sender import KvLink
-    from common.kv_stream import dtype_name, make_layout, tensor_ranges
-    from common.link_proxy import LinkProxy
+    import common.transfer.sender as kv_sender
+    from common.transfer.receiver import KvReceiver
+    from common.transfer.sender import KvLink
+    from common.kv.layout import dtype_name, make_layout
+    from common.transfer.stream import tensor_ranges
+    from common.lab.link_proxy import LinkProxy
 
     cap_bps = 50e6
     # Buffers sized for this slow link (the engine's defaults hold ~48 MiB, 8 s at this rate; pings

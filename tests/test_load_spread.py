@@ -16,7 +16,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.cluster import Cluster
+from common.lab.cluster import Cluster
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,4 +1,4 @@
-"""The two-datacenter lab (scripts/netlab.py): connectivity, tbf bandwidth shaping, teardown.
+"""The two-datacenter lab (common/lab/netlab.py): connectivity, tbf bandwidth shaping, teardown.
 
 Needs root and working network namespaces; otherwise every test is skipped with the reason. All
 traffic stays inside the lab's two namespaces (a private /30 that exists only there).
@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from scripts import netlab
-from scripts.netlab import NetemUnavailable, TwoDatacenters
+from common.lab import netlab
+from common.lab.netlab import NetemUnavailable, TwoDatacenters
 
 _OK, _REASON = netlab.netns_available()
 pytestmark = [
@@ -191,14 +191,14 @@ def test_delay_without_netem_is_a_clear_error():
 
 
 def test_cli_check_runs():
-    p = subprocess.run([sys.executable, "scripts/netlab.py", "check"], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "common.lab.netlab", "check"], capture_output=True, text=True,
                        cwd=os.path.join(os.path.dirname(__file__), ".."), timeout=30)
     assert p.returncode == 0, p.stderr
     assert "netns: True" in p.stdout and "netem:" in p.stdout
 
 
 def test_exec_prefix_runs_the_command_in_place_inside_the_namespace():
-    """Launchers that start services themselves (tests/cluster.py ``wrap``) get the namespace's argv
+    """Launchers that start services themselves (common/lab/cluster.py ``wrap``) get the namespace's argv
     prefix; ``ip netns exec`` execs in place, so the Popen pid is the service's own (SIGKILL hits it)."""
     prefix = _prefix()
     with TwoDatacenters(prefix=prefix, subnet="10.203.12.0/30") as lab:

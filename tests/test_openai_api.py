@@ -10,8 +10,8 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from common.sampling import SamplingParams
-from common.tokenizer import build_byte_tokenizer
+from common.model.sampling import SamplingParams
+from common.model.tokenizer import build_byte_tokenizer
 from services.gateway.openai_api import (
     GenerateRequest,
     ModelContext,

@@ -1,4 +1,4 @@
-"""Tests for ``common/paged_kv.py``: the decode worker's paged KVCache and its in-place attention.
+"""Tests for ``common/kv/paged_store.py``: the decode worker's paged KVCache and its in-place attention.
 
 Exactness: tokens decoded through :meth:`PagedKvStore.decode_step` (batched, rows of mixed lengths,
 fragmented block tables, rows joining and leaving) equal ``model.generate`` greedy tokens from a
@@ -25,11 +25,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.backend import TorchBackend
-from common.block_pool import BlockPool
-from common.model import LoadedModel, load_model
-from common.paged_kv import ATTN_IMPL, PagedKvStore, PagedSeq, PoolExhausted, install_layer_hooks
-from tests.conftest import reference_greedy, reference_model
+from common.model.backend import TorchBackend
+from common.kv.block_pool import BlockPool
+from common.model.loader import LoadedModel, load_model
+from common.kv.paged_store import ATTN_IMPL, PagedKvStore, PagedSeq, PoolExhausted, install_layer_hooks
+from common.lab.reference import reference_greedy, reference_model
 
 pytestmark = pytest.mark.timeout(240)
 

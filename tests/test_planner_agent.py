@@ -1,4 +1,4 @@
-"""The worker side of the planner link: :class:`common.planner_agent.PlannerAgent` against a real
+"""The worker side of the planner link: :class:`common.control.planner_agent.PlannerAgent` against a real
 planner RPC server in this process."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from common.planner_agent import PlannerAgent
+from common.control.planner_agent import PlannerAgent
 from services.planner.server import Planner
-from tests.cluster import free_port
+from common.lab.cluster import free_port
 
 INFO = {"name": "w0", "role": "decode", "cluster": "pd", "addr": "127.0.0.1:1", "kv_addr": "127.0.0.1:2"}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.rpc import RpcClient
+from common.rpc.core import RpcClient
 from services.planner import throughput as tm
 from services.planner.control import (
     NOMINAL_LINK_GBPS,
@@ -21,7 +21,7 @@ from services.planner.control import (
     signals,
 )
 from services.planner.server import Planner
-from tests.cluster import free_port
+from common.lab.cluster import free_port
 from tests.test_kv_events import Env as RouterEnv
 
 PROFILE = {**json.loads((Path(__file__).resolve().parent.parent / "services/planner/profiles/h200_table5.json").read_text()),
@@ -204,7 +204,7 @@ async def test_planner_runs_the_loop_and_reports_it(env):
 
 
 async def test_router_refuses_a_malformed_bandwidth_flag(env):
-    from common.rpc import RpcError
+    from common.rpc.errors import RpcError
 
     with pytest.raises(RpcError):
         await env.client.call("set_bandwidth", {"plentiful": "yes"}, timeout=5)

@@ -1,4 +1,4 @@
-"""Tests for common.prefix_cache: chained hashes, exact hits and block ids, shared refcounts, state
+"""Tests for common.kv.prefix_cache: chained hashes, exact hits and block ids, shared refcounts, state
 checkpoints, LRU leaf-only eviction, the event log, and a randomized run against a real BlockPool."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from common.block_pool import BlockPool
-from common.prefix_cache import ROOT_HASH, InsertResult, PrefixCache, block_hashes
+from common.kv.block_pool import BlockPool
+from common.kv.prefix_cache import ROOT_HASH, InsertResult, PrefixCache, block_hashes
 
 
 def cached_request(pool: BlockPool, cache: PrefixCache, tokens: list[int], slots: dict[int, int] | None = None):

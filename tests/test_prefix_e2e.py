@@ -17,7 +17,7 @@ import re
 import aiohttp
 import pytest
 
-from tests.conftest import reference_greedy
+from common.lab.reference import reference_greedy
 
 BS = 16  # block size (tokens), the system default
 NEW = 32
@@ -81,7 +81,7 @@ async def test_c01_exact_with_prefix_hits(cluster, route):
 @pytest.fixture(scope="module")
 def plentiful(tmp_path_factory):
     """A hybrid cluster whose router treats cross-cluster bandwidth as plentiful."""
-    from tests.cluster import Cluster
+    from common.lab.cluster import Cluster
 
     c = Cluster(model="tiny-hybrid", log_dir=tmp_path_factory.mktemp("logs-plentiful"),
                 router_args=("--bandwidth-plentiful",)).start()
@@ -120,7 +120,7 @@ async def test_prefix_moves_to_the_chosen_cluster_first(plentiful):
 
 
 def hashes_of(tokens: list[int]) -> list[int]:
-    from common.prefix_cache import block_hashes
+    from common.kv.prefix_cache import block_hashes
 
     return block_hashes(tokens, BS)
 

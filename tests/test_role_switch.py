@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.cluster import Cluster
+from common.lab.cluster import Cluster
 from tests.test_admission import wait_drained
 from tests.test_gateway_failover import body_of, prompt_of, reference, stream_ids, unary_ids
 
@@ -104,7 +104,7 @@ async def test_role_switch_under_load_loses_no_request(cluster):
 
 
 async def test_stale_or_bad_move_refused(cluster):
-    from common.rpc import RpcError
+    from common.rpc.errors import RpcError
 
     with pytest.raises(RpcError, match="already a prefill"):
         await cluster.call("planner", "move_worker", {"name": "pd-0", "to_role": "prefill"})

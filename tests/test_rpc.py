@@ -1,4 +1,4 @@
-"""Tests for ``common/rpc.py`` over real sockets on 127.0.0.1 (port 0 unless a test needs a fixed one).
+"""Tests for ``common/rpc/core.py`` over real sockets on 127.0.0.1 (port 0 unless a test needs a fixed one).
 
 Every test is bounded by a pytest timeout and every wait inside one by ``asyncio.wait_for``, so a
 hang fails fast. An autouse fixture also fails any test after which the event loop reported an
@@ -19,7 +19,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from common.rpc import ClientPool, RpcClient, RpcError, RpcServer, Unavailable, fingerprint_mismatch, parse_addr
+from common.rpc.errors import RpcError, Unavailable
+
+from common.rpc.core import ClientPool, RpcClient, RpcServer, fingerprint_mismatch, parse_addr
 from proto.frames import MAGIC, PREFIX, ErrorCode, Frame, Kind, encode_frame, read_frame
 
 pytestmark = pytest.mark.timeout(10)

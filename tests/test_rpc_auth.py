@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.rpc import RpcClient, RpcError, RpcServer
+from common.rpc.errors import RpcError
+
+from common.rpc.core import RpcClient, RpcServer
 from proto.frames import ErrorCode
 
 

@@ -1,11 +1,11 @@
-"""Tests for ``sample_next`` / ``sample_batch`` in ``common.sampling``."""
+"""Tests for ``sample_next`` / ``sample_batch`` in ``common.model.sampling``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from common.sampling import SamplingParams, sample_batch, sample_next, step_seed
+from common.model.sampling import SamplingParams, sample_batch, sample_next, step_seed
 
 VOCAB = 260
 

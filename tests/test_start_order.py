@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
-from tests.cluster import Cluster
+from common.lab.cluster import Cluster
 
 
 def test_workers_first_then_planner_and_router(tmp_path):

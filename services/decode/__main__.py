@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from common import service
-from common.planner_agent import PlannerAgent
-from common.rpc import RpcServer, parse_addr
-from common.worker_main import (add_block_size_flag, add_decode_flags, add_worker_flags, decode_worker_from_args, load_backend,
+from common.runtime import service
+from common.control.planner_agent import PlannerAgent
+from common.rpc.core import RpcServer, parse_addr
+from common.runtime.worker_flags import (add_block_size_flag, add_decode_flags, add_worker_flags, decode_worker_from_args, load_backend,
                                 report_with_publisher, start_kv_publisher, stats_handler)
 
 

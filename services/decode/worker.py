@@ -4,13 +4,13 @@ with continuous batching.
 Request lifecycle: pre-allocate, then transfer, then wait, then run, then finish.
 
 1. **Pre-allocate.** The ``generate`` stream RPC (prompt, sampling settings, chosen prefill worker)
-   first takes blocks for the prompt and one state slot from the :class:`~common.paged_kv.PagedKvStore`,
+   first takes blocks for the prompt and one state slot from the :class:`~common.kv.paged_store.PagedKvStore`,
    all or nothing. If the pool is short, the request waits in a FIFO admission queue (at most
    ``max_waiting`` requests, each at most ``admission_timeout`` seconds); a full queue or a passed
    deadline is an ``overloaded`` error with ``retry_after``, which the gateway turns into a try on
    another decode worker. A prompt that can never fit is ``bad_request``. Nothing is half-admitted.
 2. **Transfer.** Only then is the prefill worker asked to start. ``KV_LAYER`` bytes land straight in
-   the request's blocks (:class:`~common.paged_kv.PagedAssembly`), over any connection, in any order.
+   the request's blocks (:class:`~common.kv.paged_store.PagedAssembly`), over any connection, in any order.
    The reservation has a lease on the receiver: a transfer that never finishes gives its blocks back.
 3. **Wait.** ``KV_DONE`` brings the first token (sampled by the prefill worker). It is streamed at
    once; if it already ends the request, no decode step runs. Whatever ends the prefill leg first
@@ -38,7 +38,7 @@ Request lifecycle: pre-allocate, then transfer, then wait, then run, then finish
 ``resume = {prompt_len, generated_ids}`` and ``input_ids = prompt + generated_ids`` prefills the
 whole (the KVCache of the streamed tokens is recomputed), replays ``generated_ids`` into the request
 (``max_tokens``, usage, the detokenizer's held-back text and stop-string state) and streams only new
-tokens. Seeded sampling continues the same per-position draws (:func:`common.sampling.shifted_seed`
+tokens. Seeded sampling continues the same per-position draws (:func:`common.model.sampling.shifted_seed`
 for the first new token, which the prefill worker samples), so a resumed request gives exactly the
 tokens the uninterrupted one would have, as greedy does, wherever the logits are equal.
 """
@@ -53,15 +53,17 @@ import time
 from collections import deque
 from typing import Any
 
-from common import service
-from common.backend import Backend
-from common.detok import IncrementalDetokenizer
-from common.kv_receiver import KvReceiver, Overloaded
-from common.kv_stream import KvError
-from common.paged_kv import LayerNotReady, PagedAssembly, PagedSeq, PoolExhausted
-from common.prefix_cache import PrefixCache, block_hashes
-from common.rpc import ClientPool, RpcClient, RpcError, Unavailable, parse_addr
-from common.sampling import SamplingParams, sample_batch, shifted_seed
+from common.runtime import service
+from common.model.backend import Backend
+from common.model.detok import IncrementalDetokenizer
+from common.transfer.receiver import KvReceiver, Overloaded
+from common.kv.layout import KvError
+from common.transfer.paged_assembly import LayerNotReady, PagedAssembly
+from common.kv.paged_store import PagedSeq, PoolExhausted
+from common.kv.prefix_cache import PrefixCache, block_hashes
+from common.rpc.errors import RpcError, Unavailable
+from common.rpc.core import ClientPool, RpcClient, parse_addr
+from common.model.sampling import SamplingParams, sample_batch, shifted_seed
 from proto.frames import ErrorCode
 from services.prefill.worker import validate_prompt
 
@@ -147,7 +149,7 @@ class DecodeRequest:
 
 
 class DecodeWorker:
-    """Continuous-batching decode from a paged KV pool over a :class:`~common.backend.Backend`.
+    """Continuous-batching decode from a paged KV pool over a :class:`~common.model.backend.Backend`.
 
     ``kv_pool_bytes``: the pool's budget (KV blocks and state slots); ``block_size`` in tokens;
     ``kv_addr`` is the KV address prefill workers are told to dial; ``kv_addr_remote`` (default the

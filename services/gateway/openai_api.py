@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from common.sampling import SamplingParams
+from common.model.sampling import SamplingParams
 
 __all__ = [
     "OpenAIError",

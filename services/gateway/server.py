@@ -27,12 +27,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from common import service
-from common.kv_events import block_size_from_env
-from common.link_stats import render_prometheus
-from common.model import load_model_info
-from common.prefix_cache import block_hashes
-from common.rpc import ClientPool, RpcClient, RpcError
+from common.runtime import service
+from common.control.kv_events import block_size_from_env
+from common.transfer.link_stats import render_prometheus
+from common.model.loader import load_model_info
+from common.kv.prefix_cache import block_hashes
+from common.rpc.errors import RpcError
+from common.rpc.core import ClientPool, RpcClient
 from proto.frames import ErrorCode
 from services.gateway import openai_api as oa
 
@@ -179,7 +180,7 @@ class Gateway:
           its connection dropped; ``draining``: it handed the request off): the request resumes on
           another decode worker with ``input_ids = prompt + tokens streamed so far`` and
           ``resume`` (:meth:`DecodeWorker.generate`), so the client's stream just continues, exactly for greedy
-          and for seeded sampling (per-position seeds, ``common.sampling.shifted_seed``).
+          and for seeded sampling (per-position seeds, ``common.model.sampling.shifted_seed``).
 
         Anything else, or a retry past the budget or the deadline, raises
         :class:`oa.OpenAIError` (a stream already started turns it into an SSE error event)."""

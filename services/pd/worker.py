@@ -5,8 +5,8 @@ The model and its backend are loaded once per process. A *role* is the set of ob
 them, and thrown away whole on a switch:
 
 - prefill: a :class:`~services.prefill.worker.PrefillWorker` (its KV links to decode workers, its
-  prefix cache) and its :class:`~common.kv_events.KvEventPublisher`;
-- decode: a :class:`~common.kv_receiver.KvReceiver` listening on ``--kv-listen``, a
+  prefix cache) and its :class:`~common.control.kv_events.KvEventPublisher`;
+- decode: a :class:`~common.transfer.receiver.KvReceiver` listening on ``--kv-listen``, a
   :class:`~services.decode.worker.DecodeWorker` (KV block pool, batch loop, prefix cache) and its
   publisher.
 
@@ -50,11 +50,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from common import service
-from common.backend import Backend
-from common.planner_agent import PlannerAgent
-from common.rpc import RpcError, RpcServer, parse_addr
-from common.worker_main import decode_worker_from_args, prefill_worker_from_args, report_with_publisher, start_kv_publisher
+from common.runtime import service
+from common.model.backend import Backend
+from common.control.planner_agent import PlannerAgent
+from common.rpc.errors import RpcError
+from common.rpc.core import RpcServer, parse_addr
+from common.runtime.worker_flags import decode_worker_from_args, prefill_worker_from_args, report_with_publisher, start_kv_publisher
 from proto.frames import ErrorCode
 
 log = logging.getLogger("prfaas.pd")

@@ -5,7 +5,7 @@ Every ``interval`` seconds the planner turns its view of the workers into
 
 - ``egress_util``: the PrfaaS prefill workers' KV goodput (sum over their links' ``goodput_bps``
   EWMA, bits/s) over the link capacity ``link_gbps`` (see :func:`link_capacity_gbps`): the capacity
-  the workers' KV senders measure passively (``capacity_bps``, ``common/link_stats.py``), at most the
+  the workers' KV senders measure passively (``capacity_bps``, ``common/transfer/link_stats.py``), at most the
   configured ``--link-gbps`` (an operator cap), or the configured figure when nothing is measured;
 - ``stalls`` and ``retransmits``: increases of those links' counters since the previous tick;
 - ``rtt_inflation``: the worst link's smoothed RTT over its minimum RTT;
@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from common.rpc import RpcClient
+from common.rpc.core import RpcClient
 from services.planner import throughput as tm
 from services.planner.loops import ModelThreshold, ShortConfig, ShortLoop, ShortSignals
 

@@ -9,8 +9,9 @@ import argparse
 import asyncio
 import json
 
-from common import service
-from common.rpc import RpcClient, RpcError
+from common.runtime import service
+from common.rpc.errors import RpcError
+from common.rpc.core import RpcClient
 
 
 def render(status: dict) -> str:

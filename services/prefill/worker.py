@@ -34,15 +34,16 @@ from typing import Any
 
 import torch
 
-from common import service
-from common.backend import Backend
-from common.faults import Faults, FaultsDisabled
-from common.kv_sender import KvLink
-from common.kv_stream import tensor_ranges
-from common.paged_kv import PagedKvStore, PagedSeq, PoolExhausted
-from common.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
-from common.rpc import ClientPool, RpcClient, RpcError
-from common.sampling import SamplingParams, sample_next
+from common.runtime import service
+from common.model.backend import Backend
+from common.lab.faults import Faults, FaultsDisabled
+from common.transfer.sender import KvLink
+from common.transfer.stream import tensor_ranges
+from common.kv.paged_store import PagedKvStore, PagedSeq, PoolExhausted
+from common.kv.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
+from common.rpc.errors import RpcError
+from common.rpc.core import ClientPool, RpcClient
+from common.model.sampling import SamplingParams, sample_next
 from proto.frames import ErrorCode
 
 log = logging.getLogger("prfaas.prefill")
@@ -122,7 +123,7 @@ class PrefillWorker:
         await self._peers.close()
 
     async def inject_fault(self, args: dict[str, Any]) -> dict[str, Any]:
-        """RPC for tests: see :class:`~common.faults.Faults`. Refused unless injection is enabled."""
+        """RPC for tests: see :class:`~common.lab.faults.Faults`. Refused unless injection is enabled."""
         try:
             return self.faults.configure(args)
         except (FaultsDisabled, ValueError) as e:

@@ -11,7 +11,7 @@ placement reads the cached-prefix lengths ``l_pd`` and ``l_prfaas`` on every req
 index in the same process costs no extra hop (and no second service to fail) on the path of every
 request, while the index's inputs (workers' cache events) are off that path and may lag a little.
 Lifecycle of a node in the index: ``kv_events`` batches from the worker's
-:class:`~common.kv_events.KvEventPublisher` (applied in order; a gap, an unknown node or a new
+:class:`~common.control.kv_events.KvEventPublisher` (applied in order; a gap, an unknown node or a new
 epoch is answered ``resync``) -> ``kv_resync`` snapshot when asked -> forgotten once the planner has
 reported the worker dead for ``forget_after`` seconds, or replaced when it comes back with a new
 epoch. A router restart starts with an empty index; every publisher's next batch is answered
@@ -34,8 +34,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from common import service
-from common.rpc import RpcClient, RpcError, RpcServer, parse_addr
+from common.runtime import service
+from common.rpc.errors import RpcError
+from common.rpc.core import RpcClient, RpcServer, parse_addr
 from proto.frames import ErrorCode
 from services.planner.registry import CLUSTERS, ROLES
 from services.router import policy

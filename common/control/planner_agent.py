@@ -17,8 +17,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from common import service
-from common.rpc import RpcClient, RpcError
+from common.runtime import service
+from common.rpc.errors import RpcError
+from common.rpc.core import RpcClient
 
 log = logging.getLogger("prfaas.agent")
 

@@ -34,9 +34,12 @@ import ssl as ssl_mod
 import time
 from typing import Any
 
-from common.kv_stream import DEFAULT_CHUNK_BYTES, Layout, Range, split_ranges
-from common.link_stats import LinkStats, TcpInfo, read_tcp_info
-from common.rpc import RpcError, Unavailable, client_handshake, parse_addr
+from common.kv.layout import Layout
+
+from common.transfer.stream import DEFAULT_CHUNK_BYTES, Range, split_ranges
+from common.transfer.link_stats import LinkStats, TcpInfo, read_tcp_info
+from common.rpc.errors import RpcError, Unavailable
+from common.rpc.core import client_handshake, parse_addr
 from proto.frames import ErrorCode, Frame, Kind, ProtocolError, encode_frame, encode_frame_parts, read_frame
 
 log = logging.getLogger("prfaas.kv.send")
@@ -481,7 +484,7 @@ class KvLink:
             break
 
     def snapshot(self) -> dict[str, Any]:
-        """The link's congestion signals (see ``common/link_stats.py``) plus its live connections."""
+        """The link's congestion signals (see ``common/transfer/link_stats.py``) plus its live connections."""
         snap = self.stats.snapshot()
         snap["connections"] = len(self._live())
         return snap

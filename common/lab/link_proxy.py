@@ -3,7 +3,7 @@
 ``LinkProxy`` listens on one address and forwards every accepted connection to one target, and can
 make the path behave like a bad wide-area link: one-way delay with jitter, a bandwidth cap, a stall
 (blackhole), connection resets, and refusing new connections. It is for tests without root and for
-fault injection where the kernel has no ``netem`` (see ``scripts/netlab.py``)::
+fault injection where the kernel has no ``netem`` (see ``common/lab/netlab.py``)::
 
     proxy = LinkProxy("127.0.0.1", 0, "127.0.0.1", kv_port, delay_s=0.02, rate_bps=1e9)
     port = await proxy.start()          # connect to 127.0.0.1:port instead of kv_port

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from common.model import LoadedModel
+from common.model.loader import LoadedModel
 
 if TYPE_CHECKING:
-    from common.paged_kv import PagedKvStore
+    from common.kv.paged_store import PagedKvStore
 
 LayerState = dict[str, torch.Tensor]
 OnLayer = Callable[[int, LayerState, "int | None"], None]
@@ -60,7 +60,7 @@ class Backend(ABC):
 
     @abstractmethod
     def layer_layouts(self, prompt_len: int) -> list[dict]:
-        """Every layer's KVCache layout for ``prompt_len`` tokens (see ``common/kv_stream.py``)."""
+        """Every layer's KVCache layout for ``prompt_len`` tokens (see ``common/transfer/stream.py``)."""
 
     def kv_bytes(self, prompt_len: int) -> int:
         """Bytes of KVCache a prompt of ``prompt_len`` tokens produces (all layers)."""
@@ -68,7 +68,7 @@ class Backend(ABC):
 
     @abstractmethod
     def paged_store(self, capacity_bytes: int, block_size: int = 16) -> "PagedKvStore":
-        """The decode-side KVCache pool for this model (see ``common/paged_kv.py``)."""
+        """The decode-side KVCache pool for this model (see ``common/kv/paged_store.py``)."""
 
     @abstractmethod
     def paged_step(self, store: "PagedKvStore", seqs: list, tokens: list[int],
@@ -98,7 +98,7 @@ def export_layer(cache: DynamicCache, i: int) -> LayerState:
 
 
 class TorchBackend(Backend):
-    """Runs a transformers causal LM on the CPU (see ``common/model.py``)."""
+    """Runs a transformers causal LM on the CPU (see ``common/model/loader.py``)."""
 
     def __init__(self, loaded: LoadedModel, threads: int | None = None):
         self.loaded = loaded
@@ -186,8 +186,8 @@ class TorchBackend(Backend):
         return cache
 
     def layer_layouts(self, prompt_len: int) -> list[dict]:
-        """Every layer's KVCache layout for a prompt of ``prompt_len`` tokens (see ``common/kv_stream.py``)."""
-        from common.kv_stream import make_layout
+        """Every layer's KVCache layout for a prompt of ``prompt_len`` tokens (see ``common/transfer/stream.py``)."""
+        from common.kv.layout import make_layout
 
         return [make_layout([(name, dtype, [d if d != -1 else prompt_len for d in shape]) for name, (dtype, shape) in spec.items()])
                 for spec in self.state_specs]
@@ -215,7 +215,7 @@ class TorchBackend(Backend):
     def paged_store(self, capacity_bytes: int, block_size: int = 16) -> "PagedKvStore":
         """A paged KVCache pool of ``capacity_bytes`` for this model, and the model switched to paged
         decode (the attention falls back to SDPA outside a paged step, so prefill is unchanged)."""
-        from common.paged_kv import ATTN_IMPL, PagedKvStore, install_layer_hooks
+        from common.kv.paged_store import ATTN_IMPL, PagedKvStore, install_layer_hooks
 
         store = PagedKvStore(self.state_specs, capacity_bytes, block_size)
         self.model.set_attn_implementation(ATTN_IMPL)

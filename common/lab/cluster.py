@@ -1,6 +1,6 @@
 """Start the whole PrfaaS system as real subprocesses on free ports, the way honcho would.
 
-Used by the end-to-end tests and by scripts. Each service gets its addresses from flags, exactly as
+Used by the end-to-end tests and by scripts (it lives in ``common/lab`` so that both can import it). Each service gets its addresses from flags, exactly as
 in the Procfile; ``Cluster.stop`` terminates them all (SIGTERM, then SIGKILL after a grace period).
 """
 
@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: services run with it as their working directory
 
 
 # Below the kernel's ephemeral range (32768-60999 by default): a port picked there could be taken, before
@@ -208,7 +208,7 @@ class Cluster:
 
     async def call(self, service: str, method: str, args: dict | None = None, timeout: float = 10.0):
         """One RPC to ``service`` of this cluster, over a fresh client that is closed afterwards."""
-        from common.rpc import RpcClient
+        from common.rpc.core import RpcClient
 
         client = RpcClient(self.addrs[service], service="test", name="test")
         try:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel, Qwen3NextConfig
 
-from common.tokenizer import VOCAB_SIZE, build_byte_tokenizer
+from common.model.tokenizer import VOCAB_SIZE, build_byte_tokenizer
 
 DEFAULT_MODEL = "tiny-hybrid"
 DEFAULT_SEED = 1234

@@ -3,7 +3,7 @@
 A request's KVCache is one buffer per layer. The sender announces every layer's *layout* in
 ``KV_BEGIN`` (each tensor's name, dtype, shape, offset and size inside the layer buffer), so the
 receiver can allocate the destination before any byte moves. After that, data frames carry only
-``(layer, offset)`` and raw bytes, which land straight in place (see ``common/kv_receiver.py``).
+``(layer, offset)`` and raw bytes, which land straight in place (see ``common/transfer/receiver.py``).
 
 Layouts keep each tensor in the model's own memory order, so the sender never copies:
 - attention layer: ``k`` and ``v`` of shape ``[1, kv_heads, L, head_dim]``; the tokens ``[a, b)`` of
@@ -20,35 +20,11 @@ from typing import Any
 
 import torch
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+from common.kv.layout import DTYPES, KvError, Layout, check_layouts, dtype_name
+
 DEFAULT_CHUNK_BYTES = 4 << 20  # bytes per KV_LAYER frame at most
 
-Layout = dict[str, Any]  # {"total": bytes, "tensors": [{"name", "dtype", "shape", "offset", "nbytes"}]}
 Range = tuple[int, memoryview]  # (offset in the layer buffer, bytes)
-
-
-class KvError(ValueError):
-    """A KV frame or layout is inconsistent (bad layer, range outside the buffer, sizes that disagree)."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def make_layout(tensors: list[tuple[str, str, list[int]]]) -> Layout:
-    """Lay tensors ``(name, dtype name, shape)`` out back to back in name order. Raises :class:`KvError`."""
-    out, pos = [], 0
-    for name, dtype, shape in sorted(tensors):
-        if dtype not in DTYPES:
-            raise KvError(f"unsupported dtype {dtype!r}")
-        count = 1
-        for s in shape:
-            count *= int(s)
-        nbytes = count * DTYPES[dtype].itemsize
-        out.append({"name": name, "dtype": dtype, "shape": [int(s) for s in shape], "offset": pos, "nbytes": nbytes})
-        pos += nbytes
-    return {"total": pos, "tensors": out}
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -102,35 +78,6 @@ def split_ranges(ranges: list[Range], chunk_bytes: int) -> list[Range]:
         for a in range(0, view.nbytes, chunk_bytes):
             out.append((off + a, view[a : a + chunk_bytes]))
     return out
-
-
-def check_layouts(layouts: Any, num_layers: int, max_total: int) -> list[Layout]:
-    """Validate layouts received in ``KV_BEGIN``. Raises :class:`KvError`."""
-    if not isinstance(layouts, list) or len(layouts) != num_layers:
-        raise KvError(f"expected {num_layers} layer layouts")
-    total = 0
-    for i, lay in enumerate(layouts):
-        try:
-            pos = 0
-            for d in lay["tensors"]:
-                if d["dtype"] not in DTYPES or int(d["offset"]) != pos:
-                    raise KvError(f"layer {i}: tensor {d.get('name')} has a bad dtype or offset")
-                count = 1
-                for s in d["shape"]:
-                    count *= int(s)
-                if count * DTYPES[d["dtype"]].itemsize != int(d["nbytes"]):
-                    raise KvError(f"layer {i}: tensor {d['name']} shape does not match its size")
-                pos += int(d["nbytes"])
-            if pos != int(lay["total"]):
-                raise KvError(f"layer {i}: tensors add up to {pos} bytes, layout says {lay['total']}")
-        except KvError:
-            raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise KvError(f"layer {i}: malformed layout: {e}") from None
-        total += pos
-    if total > max_total:
-        raise KvError(f"layouts need {total} bytes, more than the {max_total} reserved")
-    return layouts
 
 
 class _Coverage:

@@ -8,7 +8,7 @@ only inside the two namespaces, and each namespace has just ``lo`` and its veth 
 
 Library::
 
-    from scripts.netlab import TwoDatacenters, netns_available, netem_available, cleanup
+    from common.lab.netlab import TwoDatacenters, netns_available, netem_available, cleanup
 
     with TwoDatacenters(prefix="prfaas-lab") as lab:
         lab.shape(rate_bit=100_000_000)                  # 100 Mbit/s each way
@@ -17,9 +17,9 @@ Library::
 
 CLI::
 
-    python scripts/netlab.py check                       # root? ip? netns? netem?
-    python scripts/netlab.py up [--prefix P] [--rate-mbit 100] [--delay-ms 20]
-    python scripts/netlab.py down [--prefix P]           # also cleans up after a crashed run
+    python common/lab/netlab.py check                       # root? ip? netns? netem?
+    python common/lab/netlab.py up [--prefix P] [--rate-mbit 100] [--delay-ms 20]
+    python common/lab/netlab.py down [--prefix P]           # also cleans up after a crashed run
 
 Requirements: root (``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``) and iproute2 (``ip``, ``tc``).
 
@@ -64,7 +64,7 @@ These need the ``sch_netem`` kernel module. :func:`netem_available` probes for i
 veth in a throwaway namespace). With netem, ``shape`` installs ``netem`` as the root qdisc and ``tbf``
 as its child (the layout from ``tc-netem(8)``). Without netem, asking for ``delay_ms``,
 ``jitter_ms`` or ``loss_pct`` raises :class:`NetemUnavailable`: run the traffic through the userspace
-proxy instead (``common.link_proxy.LinkProxy``, which adds one-way delay, jitter, rate caps, stalls
+proxy instead (``common.lab.link_proxy.LinkProxy``, which adds one-way delay, jitter, rate caps, stalls
 and resets from user space), e.g. a proxy in the ``local`` namespace that forwards to the ``prfaas``
 address. :attr:`TwoDatacenters.needs_userspace_proxy` lists what was asked for and could not be done
 in the kernel.
@@ -271,7 +271,7 @@ class TwoDatacenters:
                 ns = self.ns[side]
                 if ns in list_namespaces():
                     raise NetlabError(f"namespace {ns} already exists (left by a crashed run? "
-                                      f"run: python scripts/netlab.py down --prefix {self.prefix})")
+                                      f"run: python common/lab/netlab.py down --prefix {self.prefix})")
                 _ip("netns", "add", ns)
                 self._created.append(ns)
             p, l = self.ns["prfaas"], self.ns["local"]
@@ -356,7 +356,7 @@ class TwoDatacenters:
             self.needs_userspace_proxy = impaired
             raise NetemUnavailable(
                 f"{', '.join(impaired)}: needs the netem qdisc, which this kernel lacks; shape bandwidth only "
-                "here and add delay/jitter/loss with common.link_proxy.LinkProxy (userspace) instead")
+                "here and add delay/jitter/loss with common.lab.link_proxy.LinkProxy (userspace) instead")
         if rate_bit is not None and rate_bit <= 0:
             raise ValueError("rate_bit must be positive or None")
         self.clear_shaping()
@@ -431,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"netns: {ok} ({reason})")
         print(f"tbf:   {tbf_available() if ok else False}")
         print(f"netem: {netem_available() if ok else False}"
-              + ("" if ok and netem_available() else "  (delay/jitter/loss: use common.link_proxy.LinkProxy)"))
+              + ("" if ok and netem_available() else "  (delay/jitter/loss: use common.lab.link_proxy.LinkProxy)"))
         return 0 if ok else 1
     if args.cmd == "down":
         gone = cleanup(args.prefix)

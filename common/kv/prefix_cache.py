@@ -1,4 +1,4 @@
-"""Prefix cache index over a :class:`~common.block_pool.BlockPool`: which full KV blocks can be reused.
+"""Prefix cache index over a :class:`~common.kv.block_pool.BlockPool`: which full KV blocks can be reused.
 
 Part of the paper's hybrid prefix-cache pool. Two rules from it shape this module:
 
@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from common.block_pool import BlockPool
+from common.kv.block_pool import BlockPool
 
 __all__ = ["ROOT_HASH", "block_hashes", "CachedBlock", "InsertResult", "PrefixCache"]
 

@@ -7,8 +7,8 @@ import argparse
 import logging
 import os
 
-from common import service
-from common.backend import BACKENDS
+from common.runtime import service
+from common.model.backend import BACKENDS
 
 log = logging.getLogger("prfaas.worker")
 
@@ -85,7 +85,7 @@ def add_decode_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-t
 def prefill_worker_from_args(args: argparse.Namespace, backend):
     """A :class:`~services.prefill.worker.PrefillWorker` configured by :func:`add_prefill_flags`'s flags
     (``PRFAAS_PREFIX_CACHE=0`` turns its prefix cache off)."""
-    from common import peer_auth
+    from common.rpc import auth as peer_auth
     from services.prefill.worker import PrefillWorker
 
     return PrefillWorker(
@@ -99,12 +99,12 @@ def prefill_worker_from_args(args: argparse.Namespace, backend):
 
 
 def decode_worker_from_args(args: argparse.Namespace, backend, kv_listen: str):
-    """``(receiver, worker)``: a :class:`~common.kv_receiver.KvReceiver` (not started) and the
+    """``(receiver, worker)``: a :class:`~common.transfer.receiver.KvReceiver` (not started) and the
     :class:`~services.decode.worker.DecodeWorker` over it (not started), configured by
     :func:`add_decode_flags`'s flags; the worker advertises ``--kv-advertise`` or ``kv_listen``, and
     ``--kv-advertise-remote`` to PrfaaS prefill workers when set."""
-    from common import peer_auth
-    from common.kv_receiver import KvReceiver
+    from common.rpc import auth as peer_auth
+    from common.transfer.receiver import KvReceiver
     from services.decode.worker import DecodeWorker
 
     receiver = KvReceiver(args.name, backend.loaded.fingerprint, backend.num_layers, budget_bytes=args.kv_budget_bytes,
@@ -126,22 +126,22 @@ def add_tls_flags(p: argparse.ArgumentParser) -> None:
 
 def tls_server_context(args: argparse.Namespace):
     """A server ``SSLContext`` when ``--tls-cert`` is set, else ``None``."""
-    from common.peer_auth import server_context
+    from common.rpc.auth import server_context
 
     return server_context(args.tls_cert, args.tls_key) if args.tls_cert else None
 
 
 def tls_client_context(args: argparse.Namespace):
     """A client ``SSLContext`` trusting ``--tls-ca`` when it is set, else ``None``."""
-    from common.peer_auth import client_context
+    from common.rpc.auth import client_context
 
     return client_context(args.tls_ca) if args.tls_ca else None
 
 
 def load_backend(args: argparse.Namespace):
     """Load the model named by ``args.model`` and wrap it in the chosen backend."""
-    from common.backend import make_backend
-    from common.model import load_model
+    from common.model.backend import make_backend
+    from common.model.loader import load_model
 
     loaded = load_model(args.model, served_name=args.served_model_name)
     return make_backend(args.backend, loaded, threads=args.threads or None)
@@ -157,7 +157,7 @@ def stats_handler(stats):
 def start_kv_publisher(args: argparse.Namespace, worker, role: str, cluster: str):
     """Start publishing ``worker.prefix_cache``'s events to ``--router``; return the publisher to
     close on shutdown, or None when the worker has no prefix cache or no router is configured."""
-    from common.kv_events import KvEventPublisher
+    from common.control.kv_events import KvEventPublisher
 
     cache = getattr(worker, "prefix_cache", None)
     if cache is None:

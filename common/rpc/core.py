@@ -28,7 +28,16 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from common.peer_auth import AuthError, AuthVerifier, check_reply, hello_auth, load_secret, reply_mac
+from common.rpc.auth import (
+    AuthError,
+    AuthVerifier,
+    check_reply,
+    hello_auth,
+    load_secret,
+    reply_mac,
+)
+from common.rpc.errors import RpcError, Unavailable
+from common.rpc.schema import convert_call, to_wire
 from proto.frames import (
     ErrorCode,
     Frame,
@@ -47,34 +56,6 @@ FrameHandler = Callable[["ServerConnection", Frame], Awaitable[None]]
 
 HANDSHAKE_TIMEOUT_S = 5.0
 ENV_SECRET = object()  # default for ``secret``: read PRFAAS_SHARED_SECRET(_FILE) from the environment
-
-
-class RpcError(Exception):
-    """An error answered by a peer, or raised by a handler to be answered as an ``ERROR`` frame.
-
-    ``code`` is an :class:`~proto.frames.ErrorCode` value; ``data`` holds extra fields
-    (e.g. ``retry_after`` in seconds).
-    """
-
-    def __init__(self, code: ErrorCode | str, message: str, **data: Any):
-        super().__init__(message)
-        try:
-            self.code = ErrorCode(code)
-        except ValueError:  # a newer peer's code we do not know: keep it, treat it as internal
-            self.code = ErrorCode.INTERNAL
-            data = {**data, "peer_code": str(code)}
-        self.message = message
-        self.data = data
-
-    def __str__(self) -> str:
-        return f"{self.code.value}: {self.message}"
-
-
-class Unavailable(RpcError):
-    """The peer could not be reached, or the connection dropped before the answer came."""
-
-    def __init__(self, message: str):
-        super().__init__(ErrorCode.UNAVAILABLE, message)
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -304,13 +285,15 @@ class RpcServer:
     async def _run_call(self, conn: ServerConnection, call_id: Any, method: str, args: dict[str, Any]) -> None:
         try:
             if method in self.handlers:
-                result = await self.handlers[method](args)
-                await conn.send(encode_frame(Kind.RESPONSE, {"id": call_id, "result": result}))
+                handler = self.handlers[method]
+                result = await handler(convert_call(handler, method, args))
+                await conn.send(encode_frame(Kind.RESPONSE, {"id": call_id, "result": to_wire(result)}))
             elif method in self.stream_handlers:
-                gen = self.stream_handlers[method](args)
+                stream = self.stream_handlers[method]
+                gen = stream(convert_call(stream, method, args))
                 try:
                     async for item in gen:
-                        await conn.send(encode_frame(Kind.STREAM_ITEM, {"id": call_id, "item": item}))
+                        await conn.send(encode_frame(Kind.STREAM_ITEM, {"id": call_id, "item": to_wire(item)}))
                 finally:
                     await gen.aclose()
                 await conn.send(encode_frame(Kind.STREAM_END, {"id": call_id}))

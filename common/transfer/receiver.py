@@ -27,11 +27,12 @@ import ssl as ssl_mod
 import time
 from typing import Any
 
-from common import service
-from common.kv_sender import SOCKET_BUFFER_BYTES
-from common.kv_stream import BufferPool, KvAssembly, KvError
-from common.peer_auth import AuthError, AuthVerifier, reply_mac
-from common.rpc import fingerprint_mismatch
+from common.runtime import service
+from common.transfer.sender import SOCKET_BUFFER_BYTES
+from common.kv.layout import KvError
+from common.transfer.stream import BufferPool, KvAssembly
+from common.rpc.auth import AuthError, AuthVerifier, reply_mac
+from common.rpc.core import fingerprint_mismatch
 from proto.frames import (
     DEFAULT_MAX_HEADER,
     PREFIX,
