@@ -38,8 +38,8 @@ MODEL = "tiny-hybrid"
 
 async def client(decode: str, prefill: str, prompt_len: int, reps: int) -> None:
     """Role: time ``generate`` (max_tokens 1) against the decode worker; prints one JSON line."""
-    from common.rpc.core import RpcClient
     from common.model.sampling import SamplingParams
+    from common.rpc.core import RpcClient
 
     c = RpcClient(decode, service="bench", name="bench-client", connect_timeout=120)
     out = []

@@ -67,8 +67,8 @@ def make_layers(nbytes: int):
 # engine roles
 
 async def engine_recv(listen: str, ctl: str) -> None:
-    from common.transfer.receiver import KvReceiver
     from common.rpc.core import RpcServer, parse_addr
+    from common.transfer.receiver import KvReceiver
 
     rx = KvReceiver("bench-rx", {"model_id": "bench"}, LAYERS, budget_bytes=2 << 30)
 

@@ -60,8 +60,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.chaos_topology import LAB_ENV, WanSystem, lab_from_env, run_in_lab  # noqa: E402
 from common.lab.netlab import NetlabError  # noqa: E402
+from scripts.chaos_topology import LAB_ENV, WanSystem, lab_from_env, run_in_lab  # noqa: E402
 
 SHORT_TOKENS = (8, 120)  # local route (PD-P): below the threshold
 OUTCOMES = ("ok", "wrong", "error", "hang", "lost", "abandoned")

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from common.model.backend import PrefillCancelled, TorchBackend, make_backend
 from common.kv.layout import KvError, make_layout
-from common.transfer.stream import split_ranges, tensor_ranges
+from common.kv.paged_store import PagedKvStore, PagedSeq
+from common.model.backend import PrefillCancelled, TorchBackend, make_backend
 from common.model.loader import (
     TINY_MAX_MODEL_LEN,
     LoadedModel,
@@ -25,7 +25,7 @@ from common.model.loader import (
     weight_hash,
 )
 from common.transfer.paged_assembly import PagedAssembly
-from common.kv.paged_store import PagedKvStore, PagedSeq
+from common.transfer.stream import split_ranges, tensor_ranges
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -27,7 +27,6 @@ import pytest
 from aiohttp import web
 
 from common.lab import netlab
-
 from scripts import chaos
 from scripts.chaos import BY_NAME, Harness, Options, PromptPool, Spec, run_request
 from scripts.chaos_topology import WanLink

@@ -32,15 +32,14 @@ from typing import Any
 
 import pytest
 
-from common.rpc.errors import RpcError
-
-from common.rpc.core import RpcClient
-from common.model.sampling import SamplingParams, shifted_seed, step_seed
-from common.model.tokenizer import build_byte_tokenizer
-from proto.frames import ErrorCode
-from services.decode.worker import DecodeRequest
 from common.lab.cluster import Cluster, free_port
 from common.lab.reference import reference_greedy
+from common.model.sampling import SamplingParams, shifted_seed, step_seed
+from common.model.tokenizer import build_byte_tokenizer
+from common.rpc.core import RpcClient
+from common.rpc.errors import RpcError
+from proto.frames import ErrorCode
+from services.decode.worker import DecodeRequest
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -26,8 +26,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from common.rpc.core import RpcClient
 from common.lab.reference import reference_greedy
+from common.rpc.core import RpcClient
 
 LONG = 6000  # tokens: remote route (> t = 1024); prefill takes ~2 s on one CPU thread
 MEDIUM = 1500  # remote route, short prefill

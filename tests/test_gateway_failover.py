@@ -24,7 +24,11 @@ import aiohttp
 import pytest
 
 from common.lab.cluster import Cluster
-from tests.test_admission import prompt_of, reference, wait_drained  # tiny-dense greedy references, EOS ignored
+from tests.test_admission import (  # tiny-dense greedy references, EOS ignored
+    prompt_of,
+    reference,
+    wait_drained,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,15 +10,15 @@ import re
 import pytest
 
 from common.control import kv_events
-from common.kv.block_pool import BlockPool
 from common.control.kv_events import KvEventPublisher, block_size_from_env
+from common.kv.block_pool import BlockPool
 from common.kv.prefix_cache import PrefixCache, block_hashes
-from common.rpc.errors import RpcError
+from common.lab.cluster import free_port
 from common.rpc.core import RpcClient
+from common.rpc.errors import RpcError
 from services.gateway.server import _prefix_metrics, _worker_prefix_metrics
 from services.planner.server import Planner
 from services.router.server import Router
-from common.lab.cluster import free_port
 
 BS = 4  # tokens per block in these tests
 

@@ -12,11 +12,11 @@ import asyncio
 
 import torch
 
+from common.kv.layout import dtype_name, make_layout
+from common.lab.link_proxy import LinkProxy
 from common.transfer.receiver import KvReceiver
 from common.transfer.sender import KvLink
-from common.kv.layout import dtype_name, make_layout
 from common.transfer.stream import tensor_ranges
-from common.lab.link_proxy import LinkProxy
 
 
 async def test_slow_link_transfer_keeps_its_connections():

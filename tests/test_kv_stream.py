@@ -12,8 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.kv.layout import DTYPES, KvError, check_layouts, dtype_name, make_layout
-
-from common.transfer.stream import BufferPool, KvAssembly, _Coverage, split_ranges, tensor_ranges
+from common.transfer.stream import (
+    BufferPool,
+    KvAssembly,
+    _Coverage,
+    split_ranges,
+    tensor_ranges,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -526,8 +531,8 @@ def test_tensors_are_views_of_the_buffer():
 
 def test_receiver_recycles_only_finished_transfers():
     """A cancelled transfer's buffers may still be receiving bytes: they must not go back to the pool."""
-    from common.transfer.receiver import KvReceiver
     from common.kv.layout import make_layout
+    from common.transfer.receiver import KvReceiver
 
     rx = KvReceiver("rx", None, 1, budget_bytes=1 << 20)
     layout = [make_layout([("k", "float32", [64])])]

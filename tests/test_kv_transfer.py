@@ -26,14 +26,20 @@ from typing import Any
 import pytest
 import torch
 
+from common.kv.layout import KvError, dtype_name, make_layout
+from common.lab.link_proxy import LinkProxy
+from common.rpc.auth import (
+    AuthError,
+    AuthVerifier,
+    client_context,
+    hello_auth,
+    server_context,
+)
+from common.rpc.errors import RpcError, Unavailable
+from common.transfer.link_stats import read_tcp_info
 from common.transfer.receiver import KvReceiver, Overloaded, _KvConnection
 from common.transfer.sender import KvLink, Transfer, TransferRefused
-from common.kv.layout import KvError, dtype_name, make_layout
 from common.transfer.stream import KvAssembly, split_ranges, tensor_ranges
-from common.lab.link_proxy import LinkProxy
-from common.transfer.link_stats import read_tcp_info
-from common.rpc.auth import AuthError, AuthVerifier, client_context, hello_auth, server_context
-from common.rpc.errors import RpcError, Unavailable
 from proto.frames import ErrorCode, Kind, encode_frame, encode_frame_parts, read_frame
 
 pytestmark = pytest.mark.timeout(30)

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import link_stats
+from common.transfer import link_stats
 from common.transfer.link_stats import (
     TCP_INFO_MIN_LEN,
     Ewma,
@@ -753,11 +753,11 @@ async def test_capacity_of_a_rate_capped_loopback_link(monkeypatch):
     import torch
 
     import common.transfer.sender as kv_sender
+    from common.kv.layout import dtype_name, make_layout
+    from common.lab.link_proxy import LinkProxy
     from common.transfer.receiver import KvReceiver
     from common.transfer.sender import KvLink
-    from common.kv.layout import dtype_name, make_layout
     from common.transfer.stream import tensor_ranges
-    from common.lab.link_proxy import LinkProxy
 
     cap_bps = 50e6
     # Buffers sized for this slow link (the engine's defaults hold ~48 MiB, 8 s at this rate; pings

@@ -25,11 +25,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.model.backend import TorchBackend
 from common.kv.block_pool import BlockPool
-from common.model.loader import LoadedModel, load_model
-from common.kv.paged_store import ATTN_IMPL, PagedKvStore, PagedSeq, PoolExhausted, install_layer_hooks
+from common.kv.paged_store import (
+    ATTN_IMPL,
+    PagedKvStore,
+    PagedSeq,
+    PoolExhausted,
+    install_layer_hooks,
+)
 from common.lab.reference import reference_greedy, reference_model
+from common.model.backend import TorchBackend
+from common.model.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -27,10 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from common.rpc.errors import RpcError
-
-from common.rpc.core import RpcClient
 from common.lab.cluster import ROOT, Cluster, free_port
+from common.rpc.core import RpcClient
+from common.rpc.errors import RpcError
 
 pytestmark = pytest.mark.timeout(300)
 

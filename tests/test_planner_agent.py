@@ -9,8 +9,8 @@ import time
 import pytest
 
 from common.control.planner_agent import PlannerAgent
-from services.planner.server import Planner
 from common.lab.cluster import free_port
+from services.planner.server import Planner
 
 INFO = {"name": "w0", "role": "decode", "cluster": "pd", "addr": "127.0.0.1:1", "kv_addr": "127.0.0.1:2"}
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from common.lab.cluster import free_port
 from common.rpc.core import RpcClient
 from services.planner import throughput as tm
 from services.planner.control import (
@@ -21,7 +22,6 @@ from services.planner.control import (
     signals,
 )
 from services.planner.server import Planner
-from common.lab.cluster import free_port
 from tests.test_kv_events import Env as RouterEnv
 
 PROFILE = {**json.loads((Path(__file__).resolve().parent.parent / "services/planner/profiles/h200_table5.json").read_text()),

@@ -14,7 +14,13 @@ import pytest
 from scripts import reproduce_table6 as t6
 from services.planner import throughput as tm
 from services.planner.loops import (
-    LongConfig, LongLoop, LongSignals, ModelThreshold, ShortConfig, ShortLoop, ShortSignals,
+    LongConfig,
+    LongLoop,
+    LongSignals,
+    ModelThreshold,
+    ShortConfig,
+    ShortLoop,
+    ShortSignals,
 )
 
 CFG = ShortConfig(enter_ticks=3, exit_ticks=10, min_interval_s=10.0, reverse_interval_s=30.0)

@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from common.rpc.errors import RpcError
-
+from common.lab.cluster import free_port
 from common.rpc.core import ClientPool, RpcServer
+from common.rpc.errors import RpcError
 from proto.frames import ErrorCode
 from services.planner import throughput as tm
 from services.planner.loops import LongConfig, LongLoop
 from services.planner.roles import RoleMover, pick_worker, switchable
-from common.lab.cluster import free_port
 
 PROFILE = json.loads((Path(__file__).resolve().parent.parent / "services/planner/profiles/h200_table5.json").read_text())
 DIST = tm.TruncatedLogNormal(mu=9.90, sigma=1.00, lo=128, hi=131072)

@@ -19,7 +19,13 @@ import pytest
 
 from common.lab.cluster import Cluster
 from tests.test_admission import wait_drained
-from tests.test_gateway_failover import body_of, prompt_of, reference, stream_ids, unary_ids
+from tests.test_gateway_failover import (
+    body_of,
+    prompt_of,
+    reference,
+    stream_ids,
+    unary_ids,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,9 +19,14 @@ from typing import Any
 import msgpack
 import pytest
 
+from common.rpc.core import (
+    ClientPool,
+    RpcClient,
+    RpcServer,
+    fingerprint_mismatch,
+    parse_addr,
+)
 from common.rpc.errors import RpcError, Unavailable
-
-from common.rpc.core import ClientPool, RpcClient, RpcServer, fingerprint_mismatch, parse_addr
 from proto.frames import MAGIC, PREFIX, ErrorCode, Frame, Kind, encode_frame, read_frame
 
 pytestmark = pytest.mark.timeout(10)

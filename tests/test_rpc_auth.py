@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.rpc.errors import RpcError
-
 from common.rpc.core import RpcClient, RpcServer
+from common.rpc.errors import RpcError
 from proto.frames import ErrorCode
 
 

@@ -38,10 +38,10 @@ import secrets
 import time
 from typing import Any
 
-from common.runtime import service
 from common.kv.prefix_cache import PrefixCache
-from common.rpc.errors import RpcError
 from common.rpc.core import RpcClient
+from common.rpc.errors import RpcError
+from common.runtime import service
 
 log = logging.getLogger("prfaas.kv_events")
 

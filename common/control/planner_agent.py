@@ -17,9 +17,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from common.runtime import service
-from common.rpc.errors import RpcError
 from common.rpc.core import RpcClient
+from common.rpc.errors import RpcError
+from common.runtime import service
 
 log = logging.getLogger("prfaas.agent")
 

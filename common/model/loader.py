@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel, Qwen3NextConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedModel,
+    Qwen3NextConfig,
+)
 
 from common.model.tokenizer import VOCAB_SIZE, build_byte_tokenizer
 

@@ -7,8 +7,8 @@ import argparse
 import logging
 import os
 
-from common.runtime import service
 from common.model.backend import BACKENDS
+from common.runtime import service
 
 log = logging.getLogger("prfaas.worker")
 
@@ -80,41 +80,6 @@ def add_decode_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-t
     p.add_argument("--prefix-cache", choices=["on", "off"],
                    default="off" if service.env_default("PRFAAS_PREFIX_CACHE", "1") == "0" else "on",
                    help="keep prompt blocks cached after their request, so a shared prefix is not transferred again")
-
-
-def prefill_worker_from_args(args: argparse.Namespace, backend):
-    """A :class:`~services.prefill.worker.PrefillWorker` configured by :func:`add_prefill_flags`'s flags
-    (``PRFAAS_PREFIX_CACHE=0`` turns its prefix cache off)."""
-    from common.rpc import auth as peer_auth
-    from services.prefill.worker import PrefillWorker
-
-    return PrefillWorker(
-        backend, args.name, prefill_chunk_tokens=args.prefill_chunk_tokens, kv_stream=args.kv_stream, block_size=args.block_size,
-        prefix_cache_bytes=args.prefix_cache_bytes if service.env_default("PRFAAS_PREFIX_CACHE", "1") != "0" else 0,
-        checkpoint_every=args.checkpoint_every,
-        connections=args.kv_connections,
-        chunk_bytes=args.kv_chunk_bytes, max_inflight_bytes=args.kv_max_inflight_bytes, stall_timeout=args.kv_send_stall_timeout,
-        secret=peer_auth.load_secret(), ssl=tls_client_context(args),
-    )
-
-
-def decode_worker_from_args(args: argparse.Namespace, backend, kv_listen: str):
-    """``(receiver, worker)``: a :class:`~common.transfer.receiver.KvReceiver` (not started) and the
-    :class:`~services.decode.worker.DecodeWorker` over it (not started), configured by
-    :func:`add_decode_flags`'s flags; the worker advertises ``--kv-advertise`` or ``kv_listen``, and
-    ``--kv-advertise-remote`` to PrfaaS prefill workers when set."""
-    from common.rpc import auth as peer_auth
-    from common.transfer.receiver import KvReceiver
-    from services.decode.worker import DecodeWorker
-
-    receiver = KvReceiver(args.name, backend.loaded.fingerprint, backend.num_layers, budget_bytes=args.kv_budget_bytes,
-                          lease_s=args.kv_lease_s, secret=peer_auth.load_secret(), ssl=tls_server_context(args))
-    worker = DecodeWorker(backend, args.name, args.kv_advertise or kv_listen, receiver, prefill_timeout=args.prefill_timeout,
-                          kv_addr_remote=args.kv_advertise_remote,
-                          kv_pool_bytes=args.kv_budget_bytes, block_size=args.block_size, max_waiting=args.max_waiting,
-                          admission_timeout=args.admission_timeout, prefix_cache=args.prefix_cache == "on",
-                          kv_stall_timeout=args.kv_receive_stall_timeout)
-    return receiver, worker
 
 
 def add_tls_flags(p: argparse.ArgumentParser) -> None:

@@ -27,24 +27,29 @@ import ssl as ssl_mod
 import time
 from typing import Any
 
-from common.runtime import service
-from common.transfer.sender import SOCKET_BUFFER_BYTES
 from common.kv.layout import KvError
-from common.transfer.stream import BufferPool, KvAssembly
 from common.rpc.auth import AuthError, AuthVerifier, reply_mac
 from common.rpc.core import fingerprint_mismatch
+from common.runtime import service
+from common.transfer.sender import SOCKET_BUFFER_BYTES
+from common.transfer.stream import BufferPool, KvAssembly
 from proto.frames import (
     DEFAULT_MAX_HEADER,
+    MAGIC,
     PREFIX,
     PREFIX_SIZE,
+    VERSION,
+    BadMagic,
     ErrorCode,
+    FrameTooLarge,
     Kind,
     ProtocolError,
+    UnknownKind,
+    UnsupportedVersion,
     encode_error,
     encode_frame,
     parse_header,
 )
-from proto.frames import MAGIC, VERSION, BadMagic, FrameTooLarge, UnknownKind, UnsupportedVersion
 
 log = logging.getLogger("prfaas.kv.recv")
 

@@ -35,12 +35,19 @@ import time
 from typing import Any
 
 from common.kv.layout import Layout
-
-from common.transfer.stream import DEFAULT_CHUNK_BYTES, Range, split_ranges
-from common.transfer.link_stats import LinkStats, TcpInfo, read_tcp_info
-from common.rpc.errors import RpcError, Unavailable
 from common.rpc.core import client_handshake, parse_addr
-from proto.frames import ErrorCode, Frame, Kind, ProtocolError, encode_frame, encode_frame_parts, read_frame
+from common.rpc.errors import RpcError, Unavailable
+from common.transfer.link_stats import LinkStats, TcpInfo, read_tcp_info
+from common.transfer.stream import DEFAULT_CHUNK_BYTES, Range, split_ranges
+from proto.frames import (
+    ErrorCode,
+    Frame,
+    Kind,
+    ProtocolError,
+    encode_frame,
+    encode_frame_parts,
+    read_frame,
+)
 
 log = logging.getLogger("prfaas.kv.send")
 

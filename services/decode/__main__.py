@@ -5,11 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from common.runtime import service
 from common.control.planner_agent import PlannerAgent
 from common.rpc.core import RpcServer, parse_addr
-from common.runtime.worker_flags import (add_block_size_flag, add_decode_flags, add_worker_flags, decode_worker_from_args, load_backend,
-                                report_with_publisher, start_kv_publisher, stats_handler)
+from common.runtime import service
+from common.runtime.worker_flags import (
+    add_block_size_flag,
+    add_decode_flags,
+    add_worker_flags,
+    load_backend,
+    report_with_publisher,
+    start_kv_publisher,
+    stats_handler,
+)
+from services.decode.setup import decode_worker_from_args
 
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:

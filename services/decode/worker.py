@@ -53,19 +53,19 @@ import time
 from collections import deque
 from typing import Any
 
-from common.runtime import service
-from common.model.backend import Backend
-from common.model.detok import IncrementalDetokenizer
-from common.transfer.receiver import KvReceiver, Overloaded
 from common.kv.layout import KvError
-from common.transfer.paged_assembly import LayerNotReady, PagedAssembly
 from common.kv.paged_store import PagedSeq, PoolExhausted
 from common.kv.prefix_cache import PrefixCache, block_hashes
-from common.rpc.errors import RpcError, Unavailable
-from common.rpc.core import ClientPool, RpcClient, parse_addr
+from common.model.backend import Backend
+from common.model.detok import IncrementalDetokenizer
+from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, sample_batch, shifted_seed
+from common.rpc.core import ClientPool, RpcClient, parse_addr
+from common.rpc.errors import RpcError, Unavailable
+from common.runtime import service
+from common.transfer.paged_assembly import LayerNotReady, PagedAssembly
+from common.transfer.receiver import KvReceiver, Overloaded
 from proto.frames import ErrorCode
-from services.prefill.worker import validate_prompt
 
 log = logging.getLogger("prfaas.decode")
 

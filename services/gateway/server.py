@@ -27,13 +27,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from common.runtime import service
 from common.control.kv_events import block_size_from_env
-from common.transfer.link_stats import render_prometheus
-from common.model.loader import load_model_info
 from common.kv.prefix_cache import block_hashes
-from common.rpc.errors import RpcError
+from common.model.loader import load_model_info
 from common.rpc.core import ClientPool, RpcClient
+from common.rpc.errors import RpcError
+from common.runtime import service
+from common.transfer.link_stats import render_prometheus
 from proto.frames import ErrorCode
 from services.gateway import openai_api as oa
 

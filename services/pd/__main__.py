@@ -7,7 +7,13 @@ import argparse
 import asyncio
 
 from common.runtime import service
-from common.runtime.worker_flags import add_block_size_flag, add_decode_flags, add_prefill_flags, add_worker_flags, load_backend
+from common.runtime.worker_flags import (
+    add_block_size_flag,
+    add_decode_flags,
+    add_prefill_flags,
+    add_worker_flags,
+    load_backend,
+)
 from services.pd.worker import ROLES, PdWorker
 
 

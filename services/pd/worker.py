@@ -50,13 +50,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from common.runtime import service
-from common.model.backend import Backend
 from common.control.planner_agent import PlannerAgent
-from common.rpc.errors import RpcError
+from common.model.backend import Backend
 from common.rpc.core import RpcServer, parse_addr
-from common.runtime.worker_flags import decode_worker_from_args, prefill_worker_from_args, report_with_publisher, start_kv_publisher
+from common.rpc.errors import RpcError
+from common.runtime import service
+from common.runtime.worker_flags import report_with_publisher, start_kv_publisher
 from proto.frames import ErrorCode
+from services.decode.setup import decode_worker_from_args
+from services.prefill.setup import prefill_worker_from_args
 
 log = logging.getLogger("prfaas.pd")
 

@@ -35,9 +35,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from common.runtime import service
-from common.rpc.errors import RpcError
 from common.rpc.core import RpcClient
+from common.rpc.errors import RpcError
+from common.runtime import service
 from services.planner import throughput as tm
 from services.planner.control import counts, queue_depths
 from services.planner.loops import LongLoop, LongSignals, RoleChange

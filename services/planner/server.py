@@ -21,9 +21,9 @@ import math
 import time
 from typing import Any
 
-from common.runtime import service
-from common.rpc.errors import RpcError
 from common.rpc.core import ClientPool, RpcClient, RpcServer, parse_addr
+from common.rpc.errors import RpcError
+from common.runtime import service
 from proto.frames import ErrorCode
 from services.planner.loops import LongConfig, LongLoop
 from services.planner.registry import RegistrationError, WorkerRegistry

@@ -9,9 +9,9 @@ import argparse
 import asyncio
 import json
 
-from common.runtime import service
-from common.rpc.errors import RpcError
 from common.rpc.core import RpcClient
+from common.rpc.errors import RpcError
+from common.runtime import service
 
 
 def render(status: dict) -> str:

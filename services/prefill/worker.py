@@ -34,30 +34,20 @@ from typing import Any
 
 import torch
 
-from common.runtime import service
-from common.model.backend import Backend
-from common.lab.faults import Faults, FaultsDisabled
-from common.transfer.sender import KvLink
-from common.transfer.stream import tensor_ranges
 from common.kv.paged_store import PagedKvStore, PagedSeq, PoolExhausted
 from common.kv.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
-from common.rpc.errors import RpcError
-from common.rpc.core import ClientPool, RpcClient
+from common.lab.faults import Faults, FaultsDisabled
+from common.model.backend import Backend
+from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, sample_next
+from common.rpc.core import ClientPool, RpcClient
+from common.rpc.errors import RpcError
+from common.runtime import service
+from common.transfer.sender import KvLink
+from common.transfer.stream import tensor_ranges
 from proto.frames import ErrorCode
 
 log = logging.getLogger("prfaas.prefill")
-
-
-def validate_prompt(input_ids: Any, vocab_size: int, max_len: int) -> list[int]:
-    """Check a token-id prompt; returns it as ``list[int]``. Raises :class:`RpcError` BAD_REQUEST."""
-    if not isinstance(input_ids, list) or not input_ids:
-        raise RpcError(ErrorCode.BAD_REQUEST, "input_ids must be a non-empty list of token ids")
-    if len(input_ids) > max_len:
-        raise RpcError(ErrorCode.BAD_REQUEST, f"prompt of {len(input_ids)} tokens exceeds the {max_len}-token context")
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in input_ids):
-        raise RpcError(ErrorCode.BAD_REQUEST, f"input_ids must be integers in [0, {vocab_size})")
-    return input_ids
 
 
 class PrefillWorker:

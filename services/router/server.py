@@ -34,13 +34,19 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.runtime import service
-from common.rpc.errors import RpcError
 from common.rpc.core import RpcClient, RpcServer, parse_addr
+from common.rpc.errors import RpcError
+from common.runtime import service
 from proto.frames import ErrorCode
 from services.planner.registry import CLUSTERS, ROLES
 from services.router import policy
-from services.router.kv_index import HASH_LIMIT, KvIndex, choose_cluster, incremental_lengths, prefix_move
+from services.router.kv_index import (
+    HASH_LIMIT,
+    KvIndex,
+    choose_cluster,
+    incremental_lengths,
+    prefix_move,
+)
 
 log = logging.getLogger("prfaas.router")
 
