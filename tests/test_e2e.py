@@ -249,6 +249,6 @@ async def test_metrics_expose_kv_link_signals_and_worker_load(cluster):
         await asyncio.sleep(1.2)  # one planner report interval
         async with s.get(c.url + "/metrics") as r:
             text = await r.text()
-    assert re.search(r'prfaas_kv_link_bytes_sent_total\{worker="prefill-remote-0",peer="[^"]+"\} [1-9]', text), text
+    assert re.search(r'prfaas_kv_link_bytes_sent_total\{peer="[^"]+",worker="prefill-remote-0"\} [1-9]', text), text
     assert "prfaas_kv_link_rtt_seconds" in text or "prfaas_kv_link_goodput_bits_per_second" in text
     assert re.search(r'prfaas_worker_alive\{worker="decode-0",role="decode",cluster="pd"\} 1', text)

@@ -7,8 +7,8 @@ and what the kernel knows per connection (``TCP_INFO``: smoothed RTT, retransmit
 congestion window, bytes acked), and estimates the link's capacity passively from the rate at which
 the kernel acknowledges bytes while the engine is backlogged (:meth:`LinkStats.capacity_bytes_per_s`,
 over a :class:`WindowedMax`). :meth:`LinkStats.snapshot` is a msgpack/JSON-safe ``dict`` for the
-planner/router; :meth:`LinkStats.prometheus_lines` / :func:`render_prometheus` render it for a
-Prometheus ``/metrics`` endpoint (text exposition format 0.0.4).
+planner/router; :func:`common.transfer.link_metrics.link_metric_families` turns snapshots into
+Prometheus metric families.
 
 Units: byte counts are bytes, durations given to methods are seconds (``float``, from a monotonic
 clock, ``time.monotonic`` by default), rates in snapshots are bits per second (``*_bps``) and RTTs in
@@ -39,7 +39,6 @@ __all__ = [
     "Ewma",
     "WindowedMax",
     "LinkStats",
-    "render_prometheus",
 ]
 
 Clock = Callable[[], float]
@@ -806,121 +805,3 @@ class LinkStats:
             "reconnects": int(self.reconnects),
             "capacity_bps": None if cap is None else cap * 8.0,
         }
-
-    def prometheus_lines(self, prefix: str = "prfaas_link", labels: Mapping[str, Any] | None = None,
-                         now: float | None = None) -> list[str]:
-        """This link's snapshot in Prometheus text format; see :func:`render_prometheus`.
-
-        To put several links on one ``/metrics`` page use :func:`render_prometheus` with all of
-        them, so each metric's ``# HELP``/``# TYPE`` lines appear once.
-        """
-        return render_prometheus(prefix, [(dict(labels or {}), self.snapshot(now))])
-
-
-# ---------------------------------------------------------------------------------------------------
-# Prometheus rendering
-# ---------------------------------------------------------------------------------------------------
-
-# (snapshot key, metric suffix, type, scale to base unit, help)
-_PROM_METRICS: tuple[tuple[str, str, str, float, str], ...] = (
-    ("connections", "connections", "gauge", 1, "TCP connections of the link read at the latest sample."),
-    ("goodput_bps", "goodput_bits_per_second", "gauge", 1, "Goodput EWMA over send windows, bits/s."),
-    ("tcp_goodput_bps", "tcp_goodput_bits_per_second", "gauge", 1, "Goodput EWMA from TCP bytes acked, bits/s."),
-    ("bytes_sent", "bytes_sent_total", "counter", 1, "Bytes written and drained on the link."),
-    ("bytes_queued", "bytes_queued", "gauge", 1, "Bytes waiting in the engine's send queues."),
-    ("rtt_ms", "rtt_seconds", "gauge", 1e-3, "Application ping/pong RTT EWMA, seconds."),
-    ("rtt_min_ms", "rtt_min_seconds", "gauge", 1e-3, "Smallest application ping/pong RTT, seconds."),
-    ("tcp_srtt_ms", "tcp_srtt_seconds", "gauge", 1e-3, "Mean kernel smoothed RTT over connections, seconds."),
-    ("tcp_srtt_max_ms", "tcp_srtt_max_seconds", "gauge", 1e-3, "Largest kernel smoothed RTT over connections, seconds."),
-    ("tcp_lost", "tcp_lost_segments", "gauge", 1, "Segments the kernel considers lost, summed over connections."),
-    ("tcp_unacked", "tcp_unacked_segments", "gauge", 1, "Unacknowledged segments, summed over connections."),
-    ("tcp_snd_cwnd", "tcp_snd_cwnd_segments", "gauge", 1, "Congestion windows, summed over connections, segments."),
-    ("tcp_notsent_bytes", "tcp_notsent_bytes", "gauge", 1, "Bytes in kernel send buffers not yet sent."),
-    ("retransmits", "retransmits_total", "counter", 1, "Retransmitted TCP segments."),
-    ("retransmits_window", "retransmits_window", "gauge", 1, "Retransmitted TCP segments since the previous sample."),
-    ("stalls", "stalls_total", "counter", 1, "Connection stalls seen by the engine."),
-    ("reconnects", "reconnects_total", "counter", 1, "Connection reconnects."),
-    ("capacity_bps", "capacity_bits_per_second", "gauge", 1,
-     "Link capacity estimate: largest backlogged bytes-acked rate in the capacity window, bits/s."),
-)
-
-_METRIC_FIRST = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
-_METRIC_REST = _METRIC_FIRST | frozenset("0123456789")
-_LABEL_FIRST = _METRIC_FIRST - {":"}
-_LABEL_REST = _LABEL_FIRST | frozenset("0123456789")
-
-
-def _check_name(name: str, first: frozenset[str], rest: frozenset[str], what: str) -> None:
-    if not isinstance(name, str) or not name or name[0] not in first or any(c not in rest for c in name[1:]):
-        raise ValueError(f"invalid Prometheus {what}: {name!r}")
-
-
-def _escape_label_value(v: Any) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _format_value(v: float | int) -> str:
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, int):
-        return str(v)
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v))
-
-
-def _format_labels(labels: Mapping[str, Any]) -> str:
-    if not labels:
-        return ""
-    parts = []
-    for k, v in labels.items():
-        _check_name(k, _LABEL_FIRST, _LABEL_REST, "label name")
-        if k.startswith("__"):
-            raise ValueError(f"label names starting with '__' are reserved: {k!r}")
-        parts.append(f'{k}="{_escape_label_value(v)}"')
-    return "{" + ",".join(parts) + "}"
-
-
-def render_prometheus(prefix: str, links: Iterable[tuple[Mapping[str, Any], Mapping[str, Any] | LinkStats]]) -> list[str]:
-    """Render link snapshots as Prometheus text-format lines (no trailing newline per line).
-
-    ``links`` holds ``(labels, snapshot_or_LinkStats)`` pairs; each metric family gets one
-    ``# HELP`` and one ``# TYPE`` line followed by one sample per link, ``name{labels} value``.
-    Metric names are ``{prefix}_{suffix}``; RTTs are converted to seconds (``*_seconds``),
-    goodput is bits/s, byte and segment counts are as in the snapshot; cumulative counts are
-    ``counter`` typed and end in ``_total``. Values that are None in a snapshot (no sample yet) are
-    left out. Label values are escaped (backslash, double quote, newline).
-
-    Raises ValueError for an invalid metric prefix or label name (including reserved ``__`` names)
-    or two links with the same label set.
-    """
-    _check_name(prefix, _METRIC_FIRST, _METRIC_REST, "metric prefix")
-    rows: list[tuple[str, Mapping[str, Any]]] = []
-    seen: set[str] = set()
-    for labels, snap in links:
-        if isinstance(snap, LinkStats):
-            snap = snap.snapshot()
-        lab = _format_labels(labels)
-        if lab in seen:
-            raise ValueError(f"duplicate label set {lab or '{}'}")
-        seen.add(lab)
-        rows.append((lab, snap))
-    out: list[str] = []
-    for key, suffix, mtype, scale, help_text in _PROM_METRICS:
-        name = f"{prefix}_{suffix}"
-        samples = []
-        for lab, snap in rows:
-            v = snap.get(key)
-            if v is None:
-                continue
-            if scale != 1:
-                v = float(v) * scale
-            samples.append(f"{name}{lab} {_format_value(v)}")
-        if not samples:
-            continue
-        out.append(f"# HELP {name} {help_text}")
-        out.append(f"# TYPE {name} {mtype}")
-        out.extend(samples)
-    return out

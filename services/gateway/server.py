@@ -22,10 +22,12 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
 from aiohttp import web
+from prometheus_client.exposition import generate_latest
 
 from common.control.kv_events import block_size_from_env
 from common.kv.prefix_cache import block_hashes
@@ -33,7 +35,7 @@ from common.model.loader import load_model_info
 from common.rpc.core import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
-from common.transfer.link_stats import render_prometheus
+from common.transfer.link_metrics import link_metric_families
 from proto.frames import ErrorCode
 from services.gateway import openai_api as oa
 
@@ -462,7 +464,8 @@ class Gateway:
             return ["# planner unreachable: worker and link metrics omitted"]
         links = [({"worker": w["name"], "peer": peer}, snap)
                  for w in workers for peer, snap in sorted(((w.get("stats") or {}).get("links") or {}).items())]
-        lines = render_prometheus("prfaas_kv_link", links) if links else []
+        families = link_metric_families("prfaas_kv_link", links)
+        lines = generate_latest(SimpleNamespace(collect=lambda: families)).decode().splitlines()
         lines += ["# HELP prfaas_worker_alive 1 if the worker reported within its deadline.", "# TYPE prfaas_worker_alive gauge"]
         lines += [f'prfaas_worker_alive{{worker="{w["name"]}",role="{w["role"]}",cluster="{w["cluster"]}"}} {int(w["alive"])}'
                   for w in workers]
