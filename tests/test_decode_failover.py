@@ -36,7 +36,7 @@ from common.lab.cluster import Cluster, free_port
 from common.lab.reference import reference_greedy
 from common.model.sampling import SamplingParams, shifted_seed, step_seed
 from common.model.tokenizer import build_byte_tokenizer
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from proto.frames import ErrorCode
 from services.decode.worker import DecodeRequest

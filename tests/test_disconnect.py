@@ -27,7 +27,7 @@ import aiohttp
 import pytest
 
 from common.lab.reference import reference_greedy
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 
 LONG = 6000  # tokens: remote route (> t = 1024); prefill takes ~2 s on one CPU thread
 MEDIUM = 1500  # remote route, short prefill

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from common.lab.reference import reference_greedy
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 
 LENGTHS = [1, 15, 16, 17, 33, 300, 1100]  # block size 16 (c01: 1, bs-1, bs, bs+1, 2bs+1); 1100 > t = 1024
 NEW_TOKENS = 24

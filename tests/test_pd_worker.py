@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from common.lab.cluster import ROOT, Cluster, free_port
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from common.lab.cluster import free_port
-from common.rpc.core import ClientPool, RpcServer
+from common.rpc.client import ClientPool
 from common.rpc.errors import RpcError
+from common.rpc.server import RpcServer
 from proto.frames import ErrorCode
 from services.planner import throughput as tm
 from services.planner.loops import LongConfig, LongLoop

@@ -35,8 +35,8 @@ import time
 from typing import Any
 
 from common.kv.layout import Layout
-from common.rpc.core import client_handshake, parse_addr
 from common.rpc.errors import RpcError, Unavailable
+from common.rpc.handshake import client_handshake, parse_addr
 from common.transfer.link_stats import LinkStats, TcpInfo, read_tcp_info
 from common.transfer.stream import DEFAULT_CHUNK_BYTES, Range, split_ranges
 from proto.frames import (

@@ -60,8 +60,9 @@ from common.model.backend import Backend
 from common.model.detok import IncrementalDetokenizer
 from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, sample_batch, shifted_seed
-from common.rpc.core import ClientPool, RpcClient, parse_addr
+from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError, Unavailable
+from common.rpc.handshake import parse_addr
 from common.runtime import service
 from common.transfer.paged_assembly import LayerNotReady, PagedAssembly
 from common.transfer.receiver import KvReceiver, Overloaded

@@ -32,7 +32,7 @@ from prometheus_client.exposition import generate_latest
 from common.control.kv_events import block_size_from_env
 from common.kv.prefix_cache import block_hashes
 from common.model.loader import load_model_info
-from common.rpc.core import ClientPool, RpcClient
+from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
 from common.transfer.link_metrics import link_metric_families

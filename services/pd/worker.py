@@ -52,8 +52,9 @@ from typing import Any
 
 from common.control.planner_agent import PlannerAgent
 from common.model.backend import Backend
-from common.rpc.core import RpcServer, parse_addr
 from common.rpc.errors import RpcError
+from common.rpc.handshake import parse_addr
+from common.rpc.server import RpcServer
 from common.runtime import service
 from common.runtime.worker_flags import report_with_publisher, start_kv_publisher
 from proto.frames import ErrorCode

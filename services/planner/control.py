@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from services.planner import throughput as tm
 from services.planner.loops import ModelThreshold, ShortConfig, ShortLoop, ShortSignals
 

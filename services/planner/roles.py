@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
 from services.planner import throughput as tm

@@ -21,8 +21,10 @@ import math
 import time
 from typing import Any
 
-from common.rpc.core import ClientPool, RpcClient, RpcServer, parse_addr
+from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
+from common.rpc.handshake import parse_addr
+from common.rpc.server import RpcServer
 from common.runtime import service
 from proto.frames import ErrorCode
 from services.planner.loops import LongConfig, LongLoop

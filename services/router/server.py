@@ -34,8 +34,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.rpc.core import RpcClient, RpcServer, parse_addr
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
+from common.rpc.handshake import parse_addr
+from common.rpc.server import RpcServer
 from common.runtime import service
 from proto.frames import ErrorCode
 from services.planner.registry import CLUSTERS, ROLES
