@@ -111,8 +111,8 @@ class _EngineSender:
 
     async def use(self, nbytes: int, conns: int, chunk: int | None = None) -> None:
         """Switch to a config: a fresh link with ``conns`` connections and the payload, warmed up."""
+        from common.transfer.ranges import DEFAULT_CHUNK_BYTES
         from common.transfer.sender import KvLink
-        from common.transfer.stream import DEFAULT_CHUNK_BYTES
 
         key = (nbytes, conns, chunk)
         if key == self.key:
@@ -130,7 +130,7 @@ class _EngineSender:
 
     async def once(self) -> tuple[float, int, dict]:
         """One measured transfer: (seconds, payload bytes, the receiver's report)."""
-        from common.transfer.stream import tensor_ranges
+        from common.transfer.ranges import tensor_ranges
 
         layers, layouts, seq, _ = self.data
         total = sum(lay["total"] for lay in layouts)

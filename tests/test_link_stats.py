@@ -1,4 +1,5 @@
-"""Tests for common.transfer.link_stats (TCP_INFO parsing, Ewma, LinkStats) and link_metrics (Prometheus families)."""
+"""Tests for common.transfer.tcp_info (TCP_INFO parsing), estimators (Ewma, WindowedMax), link_stats
+(LinkStats) and link_metrics (Prometheus families)."""
 
 from __future__ import annotations
 
@@ -18,17 +19,11 @@ from hypothesis import strategies as st
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.transfer import link_stats
+from common.transfer import tcp_info
+from common.transfer.estimators import Ewma, WindowedMax
 from common.transfer.link_metrics import link_metric_families
-from common.transfer.link_stats import (
-    TCP_INFO_MIN_LEN,
-    Ewma,
-    LinkStats,
-    TcpInfo,
-    TcpState,
-    WindowedMax,
-    read_tcp_info,
-)
+from common.transfer.link_stats import LinkStats
+from common.transfer.tcp_info import TCP_INFO_MIN_LEN, TcpInfo, TcpState, read_tcp_info
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO layout is Linux's")
 
@@ -269,7 +264,7 @@ def test_read_tcp_info_none_and_junk():
 def test_read_tcp_info_not_linux(monkeypatch):
     s = FakeSock(port=1)
     assert read_tcp_info(s) is not None
-    monkeypatch.setattr(link_stats, "_IS_LINUX", False)
+    monkeypatch.setattr(tcp_info, "_IS_LINUX", False)
     assert read_tcp_info(s) is None
 
 
@@ -754,18 +749,18 @@ async def test_capacity_of_a_rate_capped_loopback_link(monkeypatch):
     cap (not the loopback speed, hundreds of times more)."""
     import torch
 
-    import common.transfer.sender as kv_sender
+    import common.transfer.connection as kv_connection
     from common.kv.layout import dtype_name, make_layout
     from common.lab.link_proxy import LinkProxy
+    from common.transfer.ranges import tensor_ranges
     from common.transfer.receiver import KvReceiver
     from common.transfer.sender import KvLink
-    from common.transfer.stream import tensor_ranges
 
     cap_bps = 50e6
     # Buffers sized for this slow link (the engine's defaults hold ~48 MiB, 8 s at this rate; pings
     # queued behind them would time out): every hop holds a few hundred KiB per connection.
-    monkeypatch.setattr(kv_sender, "SOCKET_BUFFER_BYTES", 256 << 10)
-    monkeypatch.setattr(kv_sender, "WRITE_HIGH_WATER_BYTES", 256 << 10)
+    monkeypatch.setattr(kv_connection, "SOCKET_BUFFER_BYTES", 256 << 10)
+    monkeypatch.setattr(kv_connection, "WRITE_HIGH_WATER_BYTES", 256 << 10)
     fp = {"model": "capacity-test"}
     n_layers = 48
     rx = KvReceiver("rx", fp, n_layers)

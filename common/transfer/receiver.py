@@ -32,8 +32,8 @@ from typing import Any
 from common.kv.layout import KvError
 from common.rpc.handshake import HelloListener, hello_timeout_frame
 from common.runtime import service
-from common.transfer.sender import SOCKET_BUFFER_BYTES
-from common.transfer.stream import BufferPool, KvAssembly
+from common.transfer.assembly import BufferPool, KvAssembly
+from common.transfer.connection import SOCKET_BUFFER_BYTES
 from proto.frames import (
     DEFAULT_MAX_HEADER,
     MAGIC,
