@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 from common.rpc.auth import ENV_SECRET, resolve_secret
 from common.rpc.errors import RpcError, Unavailable
 from common.rpc.handshake import client_handshake, parse_addr
+from common.runtime.backoff import Backoff
 from proto.frames import (
     ErrorCode,
     Frame,
@@ -83,7 +83,9 @@ class RpcClient:
             if self.connected:
                 return
             deadline = time.monotonic() + (self.connect_timeout if timeout is None else timeout)
-            delay = 0.05
+            # Waits of 50 ms doubling up to 1 s, each drawn from [0.5, 1.5) of that: first/cap are half of
+            # those and jitter=2 stretches them by [1, 3).
+            backoff = Backoff(0.025, 0.5, deadline=deadline, jitter=2.0)
             last: Exception | None = None
             while not self._closed:
                 try:
@@ -95,10 +97,8 @@ class RpcClient:
                     last = e
                 except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ProtocolError) as e:
                     last = e
-                if time.monotonic() + delay > deadline:
+                if not await backoff.sleep():
                     break
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 1.0)
             raise Unavailable(f"cannot reach {self.service} at {self.addr}: {last}")
 
     async def _dial(self, timeout: float) -> None:

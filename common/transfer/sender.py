@@ -38,6 +38,7 @@ from typing import Any
 from common.kv.layout import Layout
 from common.rpc.errors import RpcError, Unavailable
 from common.rpc.handshake import parse_addr
+from common.runtime.backoff import Backoff
 from common.transfer.connection import LinkConnection, wait_cleared, wait_set_or_dead
 from common.transfer.link_stats import LinkStats
 from common.transfer.outbound import Transfer, TransferRefused
@@ -110,8 +111,8 @@ class KvLink:
         async with self._dial_lock:
             if self._ping_task is None and not self._closed:
                 self._ping_task = asyncio.create_task(self._ping_loop(), name=f"kv-link:{self.addr}:ping")
-            deadline = time.monotonic() + self.connect_timeout
-            delay, last = 0.05, None
+            backoff = Backoff(0.05, 1.0, deadline=time.monotonic() + self.connect_timeout)
+            last = None
             while len(self._live()) < self.n_conns:
                 if self._closed:
                     raise Unavailable(f"KV link to {self.addr} is closed")
@@ -127,10 +128,8 @@ class KvLink:
                     last = e
                 if self._live():
                     return  # run with fewer connections; the ping loop keeps trying
-                if time.monotonic() + delay > deadline:
+                if not await backoff.sleep():
                     raise Unavailable(f"cannot reach KV receiver {self.addr}: {last}")
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 1.0)
 
     def _live(self) -> list[LinkConnection]:
         return [c for c in self.conns.values() if c.alive]
