@@ -17,10 +17,10 @@ reported the worker dead for ``forget_after`` seconds, or replaced when it comes
 epoch. A router restart starts with an empty index; every publisher's next batch is answered
 ``resync``, which rebuilds it within about a second.
 
-``place`` with ``block_hashes`` (the prompt's chained full-block hashes) picks the cluster by the
-paper's short-timescale rule (``kv_index.choose_cluster``; ``bandwidth_plentiful`` comes from a flag
-until link signals drive it) and then the worker with the longest cached prefix in that cluster,
-and the decode worker likewise, each under the load guard of :func:`policy.pick_affine`.
+``place`` hands the whole decision to :func:`services.router.placement.place_request` (pure): with
+``block_hashes`` (the prompt's chained full-block hashes) it picks the cluster by the paper's
+short-timescale rule (``bandwidth_plentiful`` is set by the planner's short loop, or a flag) and the
+cache-affine workers; this shell only looks the hashes up in the index, counts and logs the result.
 """
 
 from __future__ import annotations
@@ -39,84 +39,13 @@ from common.rpc.errors import RpcError
 from common.runtime import service
 from proto.frames import ErrorCode
 from services.planner.registry import CLUSTERS, ROLES
-from services.router import policy
-from services.router.kv_index import (
-    HASH_LIMIT,
-    KvIndex,
-    choose_cluster,
-    incremental_lengths,
-    prefix_move,
-)
+from services.router import placement
+from services.router.kv_index import HASH_LIMIT, KvIndex
 
 log = logging.getLogger("prfaas.router")
 
 RECENT_LENGTHS = 2000  # placements whose incremental length ``stats`` can report
 MAX_SNAPSHOT_ENTRIES = 1 << 22  # entries (blocks) one node's snapshot may hold; bounds a pending snapshot's memory
-
-
-def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str, int], threshold: int,
-                      workers: list[dict[str, Any]], inflight: dict[str, int], bandwidth_plentiful: bool,
-                      exclude_decode: set[str] | frozenset[str] = frozenset()) -> policy.Placement:
-    """Cache-aware placement, pure: route by the cached prefixes, then cache-affine workers.
-
-    ``prefix_blocks`` maps node name -> leading blocks of the prompt cached there (from
-    :meth:`KvIndex.lookup`). ``l_pd``/``l_prfaas`` are the longest over *alive* prefill workers of
-    each cluster, in tokens (:func:`incremental_lengths`); :func:`choose_cluster` picks the route and
-    ``l``. If that cluster has no alive prefill worker, the other cluster is used (``reason`` says
-    "fell back") and ``l`` is recomputed for it. A prefix move is suggested only when bandwidth is
-    plentiful. Then :func:`policy.pick_affine` picks the prefill worker in the chosen cluster and the
-    decode worker (not in ``exclude_decode``). ``prefill_prefix_tokens`` is capped like ``l_pd``
-    (the last prompt token is always computed); ``decode_prefix_tokens`` is blocks x ``block_size``.
-    Raises :class:`policy.NoWorker`, or ``ValueError`` for lengths that do not fit the prompt.
-    """
-    alive = [w for w in workers if w.get("alive")]
-    prefills = {c: [w for w in alive if w["role"] == "prefill" and w["cluster"] == c] for c in CLUSTERS}
-
-    def longest(ws: list[dict[str, Any]]) -> int:
-        return max((prefix_blocks.get(w["name"], 0) for w in ws), default=0)
-
-    lens = incremental_lengths(prompt_len, block_size, longest(prefills["pd"]), longest(prefills["prfaas"]))
-    l_pd, l_prfaas = lens["l_pd"], lens["l_prfaas"]
-    route, l, why = choose_cluster(prompt_len, l_pd, l_prfaas, threshold, bandwidth_plentiful)
-    reason = f"prompt={prompt_len} l_pd={l_pd} l_prfaas={l_prfaas}; {why}"
-    if not prefills[policy.CLUSTER_OF_ROUTE[route]]:
-        other = policy.LOCAL if route == policy.REMOTE else policy.REMOTE
-        if not prefills[policy.CLUSTER_OF_ROUTE[other]]:
-            raise policy.NoWorker("prefill")
-        cached = max(l_pd, l_prfaas) if bandwidth_plentiful else lens["l_" + policy.CLUSTER_OF_ROUTE[other]]
-        l = prompt_len - cached
-        reason += f"; no alive {route} prefill worker, fell back to {other} (l={l})"
-        route = other
-    move = prefix_move(route, l_pd, l_prfaas) if bandwidth_plentiful else None
-    if "fell back" in reason and bandwidth_plentiful:
-        reason += f"; move prefix {move[0]}->{move[1]}" if move else "; no prefix move"
-
-    source = None
-    if move is not None:  # the longer prefix sits in the other cluster: name a worker holding it
-        holders = [w for w in prefills[move[0]] if prefix_blocks.get(w["name"], 0)]
-        if holders:
-            best = max(holders, key=lambda w: (prefix_blocks[w["name"]], w["name"]))
-            source = {"name": best["name"], "addr": best["addr"],
-                      "tokens": min(prefix_blocks[best["name"]] * block_size, prompt_len - 1)}
-    pf = policy.pick_affine(prefills[policy.CLUSTER_OF_ROUTE[route]], prefix_blocks, inflight)
-    dec = policy.pick_affine([w for w in alive if w["role"] == "decode" and w["name"] not in exclude_decode],
-                             prefix_blocks, inflight)
-    if pf is None:  # unreachable: the route's cluster has an alive prefill worker
-        raise policy.NoWorker("prefill")
-    if dec is None:
-        raise policy.NoWorker("decode")
-    pf_tokens = min(pf.prefix_blocks * block_size, prompt_len - 1)
-    dec_tokens = dec.prefix_blocks * block_size
-    reason += f"; prefill {pf.worker['name']} has {pf_tokens} cached tokens"
-    if pf.skipped:
-        reason += f" (load guard skipped {', '.join(pf.skipped)})"
-    reason += f"; decode {dec.worker['name']} has {dec_tokens}"
-    if dec.skipped:
-        reason += f" (load guard skipped {', '.join(dec.skipped)})"
-    return policy.Placement(route, l, threshold, pf.worker, dec.worker, reason, l_pd=l_pd, l_prfaas=l_prfaas,
-                            prefill_prefix_tokens=pf_tokens, decode_prefix_tokens=dec_tokens, prefix_move=move,
-                            guard_skips=pf.skipped + dec.skipped,
-                            prefix_source=source if source and source["tokens"] > pf_tokens else None)
 
 
 @dataclass
@@ -327,16 +256,18 @@ class Router:
             with contextlib.suppress(RpcError, asyncio.TimeoutError, OSError):
                 await self.refresh_view()
         try:
-            exclude = {str(n) for n in (args.get("exclude_decode") or [])}
-            workers = policy.placeable(self.workers, exclude, {str(n) for n in (args.get("exclude_prefill") or [])})
-            if prefix is None or prompt_len < 1:  # no hashes: the whole prompt is incremental
-                p = policy.place(prompt_len, self.threshold, workers, self.inflight)
-            else:
+            blocks = None
+            if prefix is not None:
                 hashes, block_size = prefix
                 self._check_block_size(block_size)
-                p = place_with_prefix(prompt_len, block_size, self.index.lookup(hashes), self.threshold, workers,
-                                      self.inflight, self.bandwidth_plentiful)
-        except policy.NoWorker as e:
+                blocks = self.index.lookup(hashes)
+            p = placement.place_request(
+                prompt_len, self.threshold, self.workers, self.inflight,
+                exclude_decode={str(n) for n in (args.get("exclude_decode") or [])},
+                exclude_prefill={str(n) for n in (args.get("exclude_prefill") or [])},
+                block_size=prefix[1] if prefix else None, prefix_blocks=blocks,
+                bandwidth_plentiful=self.bandwidth_plentiful)
+        except placement.NoWorker as e:
             excluded = sorted(set(args.get("exclude_decode" if e.role == "decode" else "exclude_prefill") or []))
             why = f"no alive {e.role} worker is left outside the excluded ones ({', '.join(map(str, excluded))})" if excluded else str(e)
             raise RpcError(ErrorCode.UNAVAILABLE, why, retry_after=1) from None
@@ -344,8 +275,7 @@ class Router:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
         self.decisions[p.route] += 1
         self.recent_lengths.append(p.incremental_len)
-        if "fell back" in p.reason:
-            self.fallbacks += 1
+        self.fallbacks += p.fell_back
         self._count_prefix(prompt_len, p)
         names = [p.prefill["name"], p.decode["name"]]
         for n in names:
@@ -368,7 +298,7 @@ class Router:
             "prefix_source": p.prefix_source,
         }
 
-    def _count_prefix(self, prompt_len: int, p: policy.Placement) -> None:
+    def _count_prefix(self, prompt_len: int, p: placement.Placement) -> None:
         c = self.prefix_counts
         c["requests"] += 1
         c["prompt_tokens"] += prompt_len
@@ -458,7 +388,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description="PrfaaS router")
     p.add_argument("--listen", default=service.env_default("PRFAAS_ROUTER_ADDR"))
     p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
-    p.add_argument("--threshold", type=int, default=int(service.env_default("PRFAAS_THRESHOLD_TOKENS", str(policy.DEFAULT_THRESHOLD_TOKENS))),
+    p.add_argument("--threshold", type=int, default=int(service.env_default("PRFAAS_THRESHOLD_TOKENS", str(placement.DEFAULT_THRESHOLD_TOKENS))),
                    help="t: incremental prefill tokens above which prefill goes to the PrfaaS cluster")
     p.add_argument("--bandwidth-plentiful", action="store_true",
                    default=service.env_default("PRFAAS_BANDWIDTH_PLENTIFUL", "0") not in ("0", "false", "no"),
