@@ -53,7 +53,8 @@ class NodeCache:
     hashes: set[int] = field(default_factory=set)
 
 
-def _check_hash(h: object, what: str) -> None:
+def check_hash(h: object, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` unless ``h`` is an unsigned 64-bit int (a block hash)."""
     if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < HASH_LIMIT:
         raise ValueError(f"{what} must be an unsigned 64-bit int, got {h!r}")
 
@@ -107,9 +108,9 @@ class KvIndex:
                 raise ValueError(f"event {i} of {node!r} has seq {seq!r}, expected {first_seq + i} (batch seqs must be consecutive)")
             if kind not in (STORED, EVICTED):
                 raise ValueError(f"event seq {seq} of {node!r} has unknown kind {kind!r}")
-            _check_hash(h, f"hash of event seq {seq} of {node!r}")
+            check_hash(h, f"hash of event seq {seq} of {node!r}")
             if parent is not None:
-                _check_hash(parent, f"parent of event seq {seq} of {node!r}")
+                check_hash(parent, f"parent of event seq {seq} of {node!r}")
 
         nc = self._nodes.get(node)
         last = nc.seq if nc is not None else 0  # unknown node: 0, so it must start at seq 1
@@ -145,7 +146,7 @@ class KvIndex:
         if not isinstance(seq, int) or seq < 0:
             raise ValueError(f"snapshot seq must be an int >= 0, got {seq!r}")
         for h, _parent in entries:
-            _check_hash(h, f"snapshot hash of {node!r}")
+            check_hash(h, f"snapshot hash of {node!r}")
         self.forget(node)
         nc = self._nodes[node] = NodeCache(node, cluster, role, seq)
         for h, _parent in entries:

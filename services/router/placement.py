@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from services.planner.registry import CLUSTERS
+from services.planner.messages import CLUSTERS
 
 REMOTE, LOCAL = "remote", "local"
 CLUSTER_OF_ROUTE = {REMOTE: "prfaas", LOCAL: "pd"}

@@ -36,11 +36,21 @@ from typing import Any
 
 from common.rpc.core import RpcClient, RpcServer, parse_addr
 from common.rpc.errors import RpcError
+from common.rpc.schema import takes
 from common.runtime import service
 from proto.frames import ErrorCode
-from services.planner.registry import CLUSTERS, ROLES
+from services.planner.messages import CLUSTERS, NoArgs
 from services.router import placement
-from services.router.kv_index import HASH_LIMIT, KvIndex
+from services.router.kv_index import KvIndex
+from services.router.messages import (
+    KvEventsArgs,
+    KvResyncArgs,
+    PlaceArgs,
+    ReleaseArgs,
+    SetBandwidthArgs,
+    SetThresholdArgs,
+    StatsArgs,
+)
 
 log = logging.getLogger("prfaas.router")
 
@@ -58,35 +68,6 @@ class _PendingSnapshot:
     role: str
     next_part: int = 0
     entries: list[tuple[int, int | None]] = field(default_factory=list)
-
-
-def _ident(args: dict[str, Any]) -> tuple[str, str, str, str]:
-    """``(node, cluster, role, epoch)`` of a kv_events/kv_resync call. Raises ``RpcError`` (bad_request)."""
-    node, cluster, role, epoch = (args.get(k) for k in ("node", "cluster", "role", "epoch"))
-    if not (isinstance(node, str) and node and isinstance(epoch, str) and epoch):
-        raise RpcError(ErrorCode.BAD_REQUEST, "kv calls need a non-empty str node and epoch")
-    if cluster not in CLUSTERS or role not in ROLES:
-        raise RpcError(ErrorCode.BAD_REQUEST, f"cluster must be one of {CLUSTERS} and role one of {ROLES}, got {cluster!r}/{role!r}")
-    return node, cluster, role, epoch
-
-
-def _prefix_args(args: dict[str, Any], prompt_len: int) -> tuple[list[int], int] | None:
-    """``(block_hashes, block_size)`` of a ``place`` call, or None when it has no ``block_hashes``.
-    Raises ``RpcError`` (bad_request) when they are malformed or cover more than the prompt."""
-    hashes = args.get("block_hashes")
-    if hashes is None:
-        return None
-    size = args.get("block_size")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise RpcError(ErrorCode.BAD_REQUEST, "place with block_hashes needs an integer block_size >= 1 (tokens)")
-    if not isinstance(hashes, list):
-        raise RpcError(ErrorCode.BAD_REQUEST, "block_hashes must be a list of unsigned 64-bit ints")
-    if len(hashes) * size > prompt_len:
-        raise RpcError(ErrorCode.BAD_REQUEST, f"{len(hashes)} block hashes of {size} tokens do not fit a {prompt_len}-token prompt")
-    for h in hashes:
-        if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < HASH_LIMIT:
-            raise RpcError(ErrorCode.BAD_REQUEST, f"block hash {h!r} is not an unsigned 64-bit int")
-    return hashes, size
 
 
 class Router:
@@ -172,68 +153,59 @@ class Router:
                 self._forget(name)
                 self.forgotten += 1
 
-    def _note_block_size(self, node: str, args: dict[str, Any]) -> None:
-        size = args.get("block_size")
-        if isinstance(size, int) and not isinstance(size, bool):
-            self.kv_block_size[node] = size
+    def _indexed(self, args: KvEventsArgs | KvResyncArgs) -> None:
+        """The index now holds ``args.node``'s cache of ``args.epoch`` (hashed in ``block_size`` blocks)."""
+        self.kv_epochs[args.node] = args.epoch
+        if args.block_size is not None:
+            self.kv_block_size[args.node] = args.block_size
 
-    async def kv_events(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(KvEventsArgs)
+    async def kv_events(self, args: KvEventsArgs) -> dict[str, Any]:
         """Apply one batch of a worker's prefix-cache events; ``{resync: true}`` when the index cannot
         (unknown node past seq 1, a gap, an incomplete batch, or a new epoch whose batch does not
         start at seq 1). A new epoch first drops the node's old cache: a restarted worker's seqs
         start at 1 again and must replace, not be skipped as re-deliveries."""
-        node, cluster, role, epoch = _ident(args)
-        first_seq, events = args.get("first_seq"), args.get("events")
-        if not isinstance(first_seq, int) or isinstance(first_seq, bool) or not isinstance(events, list):
-            raise RpcError(ErrorCode.BAD_REQUEST, "kv_events needs an integer first_seq and a list of events")
+        node = args.node
         known = self.kv_epochs.get(node)
-        if known is not None and known != epoch:
-            log.info("%s restarted (epoch %s -> %s): dropping its indexed cache", node, known, epoch)
+        if known is not None and known != args.epoch:
+            log.info("%s restarted (epoch %s -> %s): dropping its indexed cache", node, known, args.epoch)
             self._forget(node)
         try:
-            ok = self.index.apply(node, cluster, role, first_seq, events, bool(args.get("complete", True)))
-        except (TypeError, ValueError) as e:
+            ok = self.index.apply(node, args.cluster, args.role, args.first_seq, args.events, args.complete)
+        except ValueError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed kv_events batch: {e}") from None
         if not ok:
             return {"resync": True}
-        self.kv_epochs[node] = epoch
-        self._note_block_size(node, args)
+        self._indexed(args)
         return {"ok": True, "seq": self.index.last_seq(node)}
 
-    async def kv_resync(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(KvResyncArgs)
+    async def kv_resync(self, args: KvResyncArgs) -> dict[str, Any]:
         """Receive one part of a worker's cache snapshot; on the ``last`` part, replace the node's
         index with it. Parts must come in order 0, 1, ... with one epoch and seq; otherwise (e.g. the
         router restarted between parts) the partial snapshot is dropped and ``{resync: true}`` asks
-        for a fresh one."""
-        node, cluster, role, epoch = _ident(args)
-        seq, entries, part = args.get("seq"), args.get("entries"), args.get("part", 0)
-        if not (isinstance(seq, int) and isinstance(part, int) and isinstance(entries, list)):
-            raise RpcError(ErrorCode.BAD_REQUEST, "kv_resync needs an integer seq and part and a list of entries")
-        if part == 0:
-            self._pending[node] = _PendingSnapshot(epoch, seq, cluster, role)
+        for a fresh one. A snapshot over ``MAX_SNAPSHOT_ENTRIES`` entries is dropped as ``bad_request``."""
+        node, seq = args.node, args.seq
+        if args.part == 0:
+            self._pending[node] = _PendingSnapshot(args.epoch, seq, args.cluster, args.role)
         pending = self._pending.get(node)
-        if pending is None or (pending.epoch, pending.seq, pending.next_part) != (epoch, seq, part):
+        if pending is None or (pending.epoch, pending.seq, pending.next_part) != (args.epoch, seq, args.part):
             self._pending.pop(node, None)
             return {"resync": True}
-        try:
-            pending.entries += [(h, p) for h, p in entries]
-        except (TypeError, ValueError):
-            self._pending.pop(node, None)
-            raise RpcError(ErrorCode.BAD_REQUEST, "kv_resync entries must be [hash, parent] pairs") from None
+        pending.entries += args.entries
         if len(pending.entries) > MAX_SNAPSHOT_ENTRIES:
             self._pending.pop(node, None)
             raise RpcError(ErrorCode.BAD_REQUEST, f"snapshot of {node} exceeds {MAX_SNAPSHOT_ENTRIES} entries")
         pending.next_part += 1
-        if not args.get("last", True):
+        if not args.last:
             return {"ok": True, "more": True}
         del self._pending[node]
         try:
             self.index.resync(node, pending.cluster, pending.role, seq, pending.entries)
         except ValueError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed kv_resync snapshot: {e}") from None
-        self.kv_epochs[node] = epoch
-        self._note_block_size(node, args)
-        log.info("resynced %s (%s/%s): %d blocks as of seq %d", node, cluster, role, len(pending.entries), seq)
+        self._indexed(args)
+        log.info("resynced %s (%s/%s): %d blocks as of seq %d", node, args.cluster, args.role, len(pending.entries), seq)
         return {"ok": True, "entries": len(pending.entries)}
 
     def _check_block_size(self, size: int) -> None:
@@ -245,44 +217,39 @@ class Router:
                             node, theirs, size)
 
     # -- placement ---------------------------------------------------------------------------
-    async def place(self, args: dict[str, Any]) -> dict[str, Any]:
-        req_id = str(args.get("req_id", ""))
-        try:
-            prompt_len = int(args["prompt_len"])
-        except (KeyError, TypeError, ValueError):
-            raise RpcError(ErrorCode.BAD_REQUEST, "place needs an integer prompt_len") from None
-        prefix = _prefix_args(args, prompt_len)
+    @takes(PlaceArgs)
+    async def place(self, args: PlaceArgs) -> dict[str, Any]:
+        """Place one request (:func:`placement.place_request`), raise the chosen workers' in-flight
+        counts and hold them under ``req_id``'s lease. ``unavailable`` (retry after 1 s) when no
+        worker can take it, ``bad_request`` when its lengths do not fit."""
         if not self.workers or time.monotonic() - self.view_at > 2.0:
             with contextlib.suppress(RpcError, asyncio.TimeoutError, OSError):
                 await self.refresh_view()
+        blocks = None
+        if args.block_hashes is not None:
+            self._check_block_size(args.block_size)
+            blocks = self.index.lookup(args.block_hashes)
         try:
-            blocks = None
-            if prefix is not None:
-                hashes, block_size = prefix
-                self._check_block_size(block_size)
-                blocks = self.index.lookup(hashes)
             p = placement.place_request(
-                prompt_len, self.threshold, self.workers, self.inflight,
-                exclude_decode={str(n) for n in (args.get("exclude_decode") or [])},
-                exclude_prefill={str(n) for n in (args.get("exclude_prefill") or [])},
-                block_size=prefix[1] if prefix else None, prefix_blocks=blocks,
-                bandwidth_plentiful=self.bandwidth_plentiful)
+                args.prompt_len, self.threshold, self.workers, self.inflight,
+                exclude_decode=set(args.exclude_decode), exclude_prefill=set(args.exclude_prefill),
+                block_size=args.block_size, prefix_blocks=blocks, bandwidth_plentiful=self.bandwidth_plentiful)
         except placement.NoWorker as e:
-            excluded = sorted(set(args.get("exclude_decode" if e.role == "decode" else "exclude_prefill") or []))
-            why = f"no alive {e.role} worker is left outside the excluded ones ({', '.join(map(str, excluded))})" if excluded else str(e)
+            excluded = sorted(set(args.exclude_decode if e.role == "decode" else args.exclude_prefill))
+            why = f"no alive {e.role} worker is left outside the excluded ones ({', '.join(excluded)})" if excluded else str(e)
             raise RpcError(ErrorCode.UNAVAILABLE, why, retry_after=1) from None
         except ValueError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
         self.decisions[p.route] += 1
         self.recent_lengths.append(p.incremental_len)
         self.fallbacks += p.fell_back
-        self._count_prefix(prompt_len, p)
+        self._count_prefix(args.prompt_len, p)
         names = [p.prefill["name"], p.decode["name"]]
         for n in names:
             self.inflight[n] += 1
-        if req_id:
-            self.placed[req_id] = (names, time.monotonic())
-        log.info("route=%s req=%s prefill=%s decode=%s %s", p.route, req_id, p.prefill["name"], p.decode["name"], p.reason)
+        if args.req_id:
+            self.placed[args.req_id] = (names, time.monotonic())
+        log.info("route=%s req=%s prefill=%s decode=%s %s", p.route, args.req_id, p.prefill["name"], p.decode["name"], p.reason)
         return {
             "route": p.route,
             "incremental_len": p.incremental_len,
@@ -307,23 +274,21 @@ class Router:
         c["guard_skips"] += bool(p.guard_skips)
         self.hit_tokens[p.prefill["cluster"]] += p.prefill_prefix_tokens
 
-    async def set_bandwidth(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(SetBandwidthArgs)
+    async def set_bandwidth(self, args: SetBandwidthArgs) -> dict[str, Any]:
         """Set the short-timescale prefix rule's regime (paper 3.4.3): ``{plentiful: bool}``. One
         assignment on the event loop, like :meth:`set_threshold`."""
-        v = args.get("plentiful")
-        if not isinstance(v, bool):
-            raise RpcError(ErrorCode.BAD_REQUEST, "plentiful must be a bool")
+        v = args.plentiful
         old, self.bandwidth_plentiful = self.bandwidth_plentiful, v
         if old != v:
             log.info("bandwidth now counts as %s", "plentiful" if v else "scarce")
         return {"plentiful": v, "previous": old}
 
-    async def set_threshold(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(SetThresholdArgs)
+    async def set_threshold(self, args: SetThresholdArgs) -> dict[str, Any]:
         """Replace ``t`` (tokens). One assignment on the event loop: a placement sees the old or the new
         value, never a mix, and no request is dropped."""
-        t = args.get("threshold")
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise RpcError(ErrorCode.BAD_REQUEST, "threshold must be a non-negative integer (tokens)")
+        t = args.threshold
         old, self.threshold = self.threshold, t
         log.info("threshold changed from %d to %d tokens", old, t)
         return {"threshold": t, "previous": old}
@@ -338,15 +303,19 @@ class Router:
                 del self.inflight[n]
         return True
 
-    async def release(self, args: dict[str, Any]) -> dict[str, Any]:
-        return {"released": self._release(str(args.get("req_id", "")))}
+    @takes(ReleaseArgs)
+    async def release(self, args: ReleaseArgs) -> dict[str, Any]:
+        """Request ``req_id`` is done: lower its workers' in-flight counts (``released`` False when
+        the router holds no lease for it, e.g. it expired or the router restarted)."""
+        return {"released": self._release(args.req_id)}
 
-    async def stats(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(StatsArgs)
+    async def stats(self, args: StatsArgs) -> dict[str, Any]:
         """Counters, the threshold in force and the KV index's state; with ``{lengths: true}`` also
         ``recent_lengths``: the incremental prefill lengths (tokens) of the latest placements, oldest
         first, at most ``RECENT_LENGTHS`` (the planner's long loop models the workload with them)."""
         c = self.prefix_counts
-        extra = {"recent_lengths": list(self.recent_lengths)} if args.get("lengths") is True else {}
+        extra = {"recent_lengths": list(self.recent_lengths)} if args.lengths else {}
         return {**extra,
             "route_decisions": dict(self.decisions),
             "route_fallbacks": self.fallbacks,
@@ -362,7 +331,9 @@ class Router:
                          "block_size": dict(sorted(self.kv_block_size.items()))},
         }
 
-    async def health(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(NoArgs)
+    async def health(self, args: NoArgs) -> dict[str, Any]:
+        """Whether the planner answers now, and the worker view."""
         planner_ok = True
         try:
             await self.refresh_view()
