@@ -26,7 +26,7 @@ from common.rpc.errors import RpcError
 from common.rpc.schema import takes
 from common.runtime import service
 from proto.frames import ErrorCode
-from services.planner.loops import LongConfig, LongLoop
+from services.planner.long_loop import LongConfig, LongLoop
 from services.planner.messages import MoveWorkerArgs, NoArgs, RegisterArgs, ReportArgs
 from services.planner.registry import RegistrationError, WorkerRegistry
 from services.planner.roles import RoleMover
