@@ -316,7 +316,7 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
                       "tokens": min(prefix_blocks[best["name"]] * block_size, prompt_len - 1)}
     pf = pick_affine(prefills[CLUSTER_OF_ROUTE[route]], prefix_blocks, inflight)
     dec = pick_affine([w for w in alive if w["role"] == "decode" and w["name"] not in exclude_decode],
-                             prefix_blocks, inflight)
+                      prefix_blocks, inflight)
     if pf is None:  # unreachable: the route's cluster has an alive prefill worker
         raise NoWorker("prefill")
     if dec is None:
@@ -330,9 +330,9 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
     if dec.skipped:
         reason += f" (load guard skipped {', '.join(dec.skipped)})"
     return Placement(route, l, threshold, pf.worker, dec.worker, reason, fell_back, l_pd=l_pd, l_prfaas=l_prfaas,
-                            prefill_prefix_tokens=pf_tokens, decode_prefix_tokens=dec_tokens, prefix_move=move,
-                            guard_skips=pf.skipped + dec.skipped,
-                            prefix_source=source if source and source["tokens"] > pf_tokens else None)
+                     prefill_prefix_tokens=pf_tokens, decode_prefix_tokens=dec_tokens, prefix_move=move,
+                     guard_skips=pf.skipped + dec.skipped,
+                     prefix_source=source if source and source["tokens"] > pf_tokens else None)
 
 
 def place_request(prompt_len: int, threshold: int, workers: list[dict[str, Any]], inflight: dict[str, int], *,
