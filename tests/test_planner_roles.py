@@ -17,7 +17,7 @@ from common.rpc.errors import RpcError
 from common.rpc.server import RpcServer
 from proto.frames import ErrorCode
 from services.planner import throughput as tm
-from services.planner.loops import LongConfig, LongLoop
+from services.planner.long_loop import LongConfig, LongLoop
 from services.planner.roles import RoleMover, pick_worker, switchable
 
 PROFILE = json.loads((Path(__file__).resolve().parent.parent / "services/planner/profiles/h200_table5.json").read_text())
