@@ -39,7 +39,7 @@ from common.model.tokenizer import build_byte_tokenizer
 from common.rpc.core import RpcClient
 from common.rpc.errors import RpcError
 from proto.frames import ErrorCode
-from services.decode.worker import DecodeRequest
+from services.decode.request import DecodeRequest
 
 pytestmark = pytest.mark.timeout(300)
 
