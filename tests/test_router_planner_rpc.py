@@ -5,8 +5,8 @@ it, and good calls answer as before."""
 from __future__ import annotations
 
 import pytest
-from common.rpc.core import RpcClient
 
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from common.rpc.schema import args_type_of
 from proto.frames import ErrorCode

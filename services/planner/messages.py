@@ -1,7 +1,7 @@
 """The planner's RPC arguments as typed messages, checked once by the RPC server.
 
 Each handler of :class:`services.planner.server.Planner` is marked ``@takes(...)`` with one of these
-``msgspec.Struct`` types: :class:`common.rpc.core.RpcServer` converts the request's ``args`` map
+``msgspec.Struct`` types: :class:`common.rpc.server.RpcServer` converts the request's ``args`` map
 before the handler runs and answers ``bad_request`` naming the field on a missing field, a wrong type
 or an unknown role or cluster (e.g. ``"register: Invalid enum value 'moon' - at `$.cluster`"``).
 Unknown fields are ignored. ``Role`` and ``Cluster`` are the vocabulary every service shares.

@@ -1,7 +1,7 @@
 """The router's RPC arguments as typed messages, checked once by the RPC server.
 
 Each handler of :class:`services.router.server.Router` is marked ``@takes(...)`` with one of these
-``msgspec.Struct`` types: :class:`common.rpc.core.RpcServer` converts the request's ``args`` map
+``msgspec.Struct`` types: :class:`common.rpc.server.RpcServer` converts the request's ``args`` map
 before the handler runs and answers ``bad_request`` naming the field on a missing field, a wrong type
 or a value out of bounds (e.g. ``"place: Expected `int`, got `str` - at `$.prompt_len`"``); the
 checks that span fields (block hashes must fit the prompt) run in ``__post_init__`` and are answered
