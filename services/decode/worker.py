@@ -53,9 +53,10 @@ import time
 from collections import deque
 from typing import Any
 
+from common.kv.block_hash import block_hashes
 from common.kv.layout import KvError
 from common.kv.paged_store import PagedSeq, PoolExhausted
-from common.kv.prefix_cache import PrefixCache, block_hashes
+from common.kv.prefix_cache import PrefixCache
 from common.model.backend import Backend
 from common.model.detok import IncrementalDetokenizer
 from common.model.prompt import validate_prompt

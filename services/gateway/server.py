@@ -28,7 +28,7 @@ import orjson
 from aiohttp import web
 
 from common.control.kv_events import block_size_from_env
-from common.kv.prefix_cache import block_hashes
+from common.kv.block_hash import block_hashes
 from common.model.loader import load_model_info
 from common.rpc.core import ClientPool, RpcClient
 from common.rpc.errors import RpcError

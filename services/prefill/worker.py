@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
+from common.kv.block_hash import ROOT_HASH, block_hashes
 from common.kv.paged_store import PagedKvStore, PagedSeq, PoolExhausted
-from common.kv.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
+from common.kv.prefix_cache import PrefixCache
 from common.lab.faults import Faults, FaultsDisabled
 from common.model.backend import Backend
 from common.model.prompt import validate_prompt
