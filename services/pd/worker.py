@@ -55,7 +55,7 @@ from common.model.backend import Backend
 from common.rpc.core import RpcServer, parse_addr
 from common.rpc.errors import RpcError
 from common.runtime import service
-from common.runtime.worker_flags import report_with_publisher, start_kv_publisher
+from common.runtime.bring_up import report_with_publisher, start_kv_publisher
 from proto.frames import ErrorCode
 from services.decode.setup import decode_worker_from_args
 from services.prefill.setup import prefill_worker_from_args
