@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from common.rpc.schema import takes
 from common.runtime.bring_up import load_worker, serve_worker, worker_main
 from common.runtime.worker_flags import (
     add_block_size_flag,
     add_prefill_flags,
     add_worker_flags,
 )
+from services.prefill.messages import HealthArgs
 from services.prefill.setup import prefill_worker_from_args
 
 
@@ -25,7 +27,8 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         stream_handlers={"export_prefix": worker.export_prefix}, closers=[worker.close])
 
 
-async def _health(args: dict) -> dict:
+@takes(HealthArgs)
+async def _health(args: HealthArgs) -> dict:
     return {"ok": True}
 
 

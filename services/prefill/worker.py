@@ -43,10 +43,12 @@ from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, sample_next
 from common.rpc.core import ClientPool, RpcClient
 from common.rpc.errors import RpcError
+from common.rpc.schema import takes
 from common.runtime import service
 from common.transfer.sender import KvLink
 from common.transfer.stream import tensor_ranges
 from proto.frames import ErrorCode
+from services.prefill.messages import ExportPrefixArgs, InjectFaultArgs, PrefillArgs
 
 log = logging.getLogger("prfaas.prefill")
 
@@ -113,31 +115,32 @@ class PrefillWorker:
             await link.close()
         await self._peers.close()
 
-    async def inject_fault(self, args: dict[str, Any]) -> dict[str, Any]:
-        """RPC for tests: see :class:`~common.lab.faults.Faults`. Refused unless injection is enabled."""
+    @takes(InjectFaultArgs)
+    async def inject_fault(self, args: InjectFaultArgs) -> dict[str, Any]:
+        """RPC for tests: see :class:`~common.lab.faults.Faults`. Refused (``bad_request``) unless
+        injection is enabled."""
         try:
-            return self.faults.configure(args)
+            return self.faults.configure({"corrupt_layer": args.corrupt_layer})
         except (FaultsDisabled, ValueError) as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
 
-    async def prefill(self, args: dict[str, Any]) -> dict[str, Any]:
-        """RPC: ``{req_id, input_ids, sampling, kv_addr}`` -> ``{first_token, prompt_len, timings}``."""
+    @takes(PrefillArgs)
+    async def prefill(self, args: PrefillArgs) -> dict[str, Any]:
+        """RPC: :class:`~services.prefill.messages.PrefillArgs` -> ``{first_token, prompt_len, timings}``.
+        Raises :class:`RpcError` ``bad_request`` for a malformed ``sampling``, a prompt outside the
+        vocabulary or the context, or a ``kv_from`` that is not a whole number of blocks below its length."""
+        req_id, kv_addr = args.req_id, args.kv_addr
         try:
-            req_id, kv_addr = str(args["req_id"]), str(args["kv_addr"])
-            sampling = SamplingParams.from_wire(args["sampling"])
+            sampling = SamplingParams.from_wire(args.sampling)
         except (KeyError, TypeError, ValueError) as e:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed prefill request: {e}") from None
-        input_ids = validate_prompt(args.get("input_ids"), self.vocab_size, self.backend.loaded.max_model_len)
-        kv_from = args.get("kv_from", 0)
-        if not isinstance(kv_from, int) or isinstance(kv_from, bool) or not 0 <= kv_from < len(input_ids) \
-                or kv_from % self.block_size:
+        input_ids = validate_prompt(args.input_ids, self.vocab_size, self.backend.loaded.max_model_len)
+        kv_from = args.kv_from
+        if not kv_from < len(input_ids) or kv_from % self.block_size:
             raise RpcError(ErrorCode.BAD_REQUEST, f"kv_from must be a whole number of {self.block_size}-token blocks "
                            f"below the prompt length, got {kv_from!r}")
-        source = args.get("prefix_source")
-        if source and self.prefix_cache is not None:
-            if not isinstance(source, str):
-                raise RpcError(ErrorCode.BAD_REQUEST, "prefix_source must be a host:port string")
-            await self._pull_prefix(source, input_ids)
+        if args.prefix_source and self.prefix_cache is not None:
+            await self._pull_prefix(args.prefix_source, input_ids)
         self.waiting += 1
         try:
             await self._slot.acquire()
@@ -254,20 +257,18 @@ class PrefillWorker:
             hit.unpin()
 
     # -- prefix cache ------------------------------------------------------------------------------
-    async def export_prefix(self, args: dict[str, Any]):
-        """Stream RPC: ``{hashes: [int], from_block: int}`` -> the cached blocks of that chain after
+    @takes(ExportPrefixArgs)
+    async def export_prefix(self, args: ExportPrefixArgs):
+        """Stream RPC: :class:`~services.prefill.messages.ExportPrefixArgs` -> the cached blocks of that chain after
         ``from_block``, one item each: ``{block: j, kv: [[layer, k bytes, v bytes], ...]}`` (each
         ``[H, block_size, d]`` in the arena's dtype), then, for a hybrid model, ``{state: [[layer,
         name, bytes], ...]}``: the linear states checkpointed after the last block. Only a chain that
         ends at a checkpoint is exported for a hybrid model. Nothing when no more is cached.
         Raises :class:`RpcError` ``bad_request``."""
         cache, store = self.prefix_cache, self.kv_store
-        hashes, start = args.get("hashes"), args.get("from_block", 0)
+        hashes, start = args.hashes, args.from_block
         if cache is None:
             raise RpcError(ErrorCode.BAD_REQUEST, f"{self.name} has no prefix cache")
-        if not isinstance(hashes, list) or not all(isinstance(h, int) and 0 <= h < 1 << 64 for h in hashes) \
-                or not isinstance(start, int) or start < 0:
-            raise RpcError(ErrorCode.BAD_REQUEST, "export_prefix needs hashes (unsigned 64-bit ints) and from_block >= 0")
         n, blocks, slot = cache.match(hashes, need_state=bool(store.linear_layers))
         if n <= start:
             return
