@@ -11,8 +11,9 @@ import pytest
 
 from common.control import kv_events
 from common.control.kv_events import KvEventPublisher, block_size_from_env
+from common.kv.block_hash import block_hashes
 from common.kv.block_pool import BlockPool
-from common.kv.prefix_cache import PrefixCache, block_hashes
+from common.kv.prefix_cache import PrefixCache
 from common.lab.cluster import free_port
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError

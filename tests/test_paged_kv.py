@@ -1,6 +1,7 @@
-"""Tests for ``common/kv/paged_store.py``: the decode worker's paged KVCache and its in-place attention.
+"""Tests for ``common/kv/paged_store.py`` (the decode worker's paged KVCache) and
+``common/model/paged_attention.py`` (the decode step and its in-place attention).
 
-Exactness: tokens decoded through :meth:`PagedKvStore.decode_step` (batched, rows of mixed lengths,
+Exactness: tokens decoded through :func:`decode_step` (batched, rows of mixed lengths,
 fragmented block tables, rows joining and leaving) equal ``model.generate`` greedy tokens from a
 separate, untouched reference model (SDPA attention), token for token. The only accepted mismatch is
 a near-tie: at the first differing position of a row, one forward of the reference model on the
@@ -26,16 +27,11 @@ import pytest
 import torch
 
 from common.kv.block_pool import BlockPool
-from common.kv.paged_store import (
-    ATTN_IMPL,
-    PagedKvStore,
-    PagedSeq,
-    PoolExhausted,
-    install_layer_hooks,
-)
+from common.kv.paged_store import PagedKvStore, PagedSeq, PoolExhausted
 from common.lab.reference import reference_greedy, reference_model
 from common.model.backend import TorchBackend
 from common.model.loader import LoadedModel, load_model
+from common.model.paged_attention import ATTN_IMPL, decode_step, install_layer_hooks
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -208,7 +204,7 @@ def step(env: Env, store: PagedKvStore, rows: list[Row], **kw) -> list[Row]:
     for r in live:
         store.grow(r.seq, r.seq.length + 1)
         r.max_runs = max(r.max_runs, len(store.runs(r.seq, r.seq.length + 1)))
-    logits = store.decode_step(env.lm.model, [r.seq for r in live], [r.tokens[-1] for r in live], **kw)
+    logits = decode_step(env.lm.model, store, [r.seq for r in live], [r.tokens[-1] for r in live], **kw)
     assert logits.shape == (len(live), env.lm.model.config.vocab_size) and logits.dtype == torch.float32
     for r, row_logits in zip(live, logits):
         tok = int(row_logits.argmax())
@@ -685,12 +681,12 @@ def test_decode_step_argument_errors(env):
     r = Row("e", prompt(16, seed=7))
     join(env, store, r)
     with pytest.raises(ValueError):
-        store.decode_step(env.lm.model, [r.seq], [])
+        decode_step(env.lm.model, store, [r.seq], [])
     with pytest.raises(ValueError):
-        store.decode_step(env.lm.model, [], [])
+        decode_step(env.lm.model, store, [], [])
     r.seq.length = len(r.seq.blocks) * BS  # no block for the next token
     with pytest.raises(ValueError):
-        store.decode_step(env.lm.model, [r.seq], [1])
+        decode_step(env.lm.model, store, [r.seq], [1])
     store.release(r.seq)
     assert_empty(store)
 

@@ -1,5 +1,5 @@
-"""Tests for common.kv.prefix_cache: chained hashes, exact hits and block ids, shared refcounts, state
-checkpoints, LRU leaf-only eviction, the event log, and a randomized run against a real BlockPool."""
+"""Tests for common.kv.prefix_cache (and block_hash, prefix_entries, prefix_events): chained hashes,
+exact hits and block ids, shared refcounts, state checkpoints, the pure insert planner, LRU leaf-only eviction, the event log, and a randomized run against a real BlockPool."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from collections import Counter
 
 import pytest
 
+from common.kv.block_hash import ROOT_HASH, block_hashes
 from common.kv.block_pool import BlockPool
-from common.kv.prefix_cache import ROOT_HASH, InsertResult, PrefixCache, block_hashes
+from common.kv.prefix_cache import PrefixCache
+from common.kv.prefix_entries import InsertPlan, InsertResult, plan_insert
 
 
 def cached_request(pool: BlockPool, cache: PrefixCache, tokens: list[int], slots: dict[int, int] | None = None):
@@ -509,3 +511,21 @@ def test_randomized_requests_under_a_small_pool(seed):
     assert len(cache) == 0 and pool.used_pages == 0
     mirror.poll()
     assert mirror.hashes == set()
+
+
+def test_plan_insert_is_pure_and_exact():
+    """The planner reports what insert will do and changes nothing; its refusals come before any change."""
+    pool = BlockPool(16, block_size=1, slot_pages=1, page_bytes=1)
+    cache = PrefixCache(pool)
+    a = block_hashes([1, 2, 3], 1)
+    blocks, _ = pool.allocate(3)
+    cache.insert(a[:1], blocks[:1])
+    before = (dict(cache._entries), cache.stats(), cache.seq)
+    plan = plan_insert(cache._entries, cache._by_block, cache._slots, pool.num_slots, a, blocks, {2: 0}, ROOT_HASH)
+    assert plan == InsertPlan(new=[1, 2], new_blocks=[blocks[1], blocks[2]], adopt=frozenset({2}), touched=3)
+    assert (dict(cache._entries), cache.stats(), cache.seq) == before
+    # under a parent that is not cached: nothing is planned
+    assert plan_insert(cache._entries, cache._by_block, cache._slots, pool.num_slots, a[1:], blocks[1:], {}, 12345) == \
+        InsertPlan([], [], frozenset(), 0)
+    with pytest.raises(ValueError, match="already cached under another hash"):
+        plan_insert(cache._entries, cache._by_block, cache._slots, pool.num_slots, a[1:2], blocks[:1], {}, a[0])

@@ -120,7 +120,7 @@ async def test_prefix_moves_to_the_chosen_cluster_first(plentiful):
 
 
 def hashes_of(tokens: list[int]) -> list[int]:
-    from common.kv.prefix_cache import block_hashes
+    from common.kv.block_hash import block_hashes
 
     return block_hashes(tokens, BS)
 

@@ -14,8 +14,9 @@ This is pure bookkeeping (ints, lists, dicts, a heap; no torch, no I/O, no async
 the tensors behind the block and slot ids.
 
 Keys
-    Block ``i`` of a token sequence is keyed by a chained 64-bit hash (:func:`block_hashes`) that
-    covers block ``i - 1``'s hash and block ``i``'s token ids, so equal hashes mean equal prefixes.
+    Block ``i`` of a token sequence is keyed by a chained 64-bit hash
+    (:func:`common.kv.block_hash.block_hashes`) that covers block ``i - 1``'s hash and block ``i``'s
+    token ids, so equal hashes mean equal prefixes.
     The cache is a forest: every entry's parent is another entry or :data:`ROOT_HASH`. It is
     prefix-closed at all times: an entry is added only under a cached parent and evicted only as a
     leaf (no cached children).
@@ -43,102 +44,15 @@ call costs O((evicted + skipped in-use leaves) * log n), never a scan of the who
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import struct
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
+from common.kv.block_hash import ROOT_HASH
 from common.kv.block_pool import BlockPool
+from common.kv.prefix_entries import CachedBlock, InsertResult, plan_insert
+from common.kv.prefix_events import Event, EventLog
 
-__all__ = ["ROOT_HASH", "block_hashes", "CachedBlock", "InsertResult", "PrefixCache"]
+__all__ = ["PrefixCache"]
 
-ROOT_HASH = 0
-"""Parent hash of a sequence's first block (8 zero bytes fed to the hash)."""
-
-_U64 = 1 << 64
-_U32 = 1 << 32
-
-
-def block_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
-    """Chained hashes of the full blocks of ``tokens``; a trailing partial block gets none.
-
-    ``h[i] = blake2b(digest_size=8)(le_u64(h[i - 1]) + le_u32(block i's token ids))`` read as an
-    unsigned little-endian 64-bit int, with ``h[-1] = parent``. Deterministic across processes and
-    machines (never Python's ``hash()``). Pass ``parent = h[k - 1]`` to hash the blocks after the
-    first ``k`` incrementally.
-
-    Args:
-        tokens: token ids, each in ``[0, 2**32)``.
-        block_size: tokens per block; at least 1.
-        parent: hash the first block chains from, in ``[0, 2**64)``.
-
-    Returns:
-        ``len(tokens) // block_size`` hashes, in block order.
-
-    Raises:
-        ValueError: ``block_size < 1``, ``parent`` out of range, or a token id that is not an int
-            in ``[0, 2**32)`` (all tokens are checked, the partial tail included).
-    """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if not 0 <= parent < _U64:
-        raise ValueError(f"parent hash {parent} out of range [0, 2**64)")
-    try:
-        in_range = not len(tokens) or (0 <= min(tokens) and max(tokens) < _U32)
-    except TypeError as e:
-        raise ValueError(f"token ids must be ints: {e}") from None
-    if not in_range:
-        raise ValueError(f"token ids must be in [0, 2**32), got min {min(tokens)} max {max(tokens)}")
-    fmt = struct.Struct(f"<{block_size}I")
-    out: list[int] = []
-    h = parent
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        try:
-            packed = fmt.pack(*tokens[start:start + block_size])
-        except struct.error as e:
-            raise ValueError(f"token ids in block {start // block_size} are not ints: {e}") from None
-        digest = hashlib.blake2b(h.to_bytes(8, "little") + packed, digest_size=8).digest()
-        h = int.from_bytes(digest, "little")
-        out.append(h)
-    return out
-
-
-@dataclass(slots=True)
-class CachedBlock:
-    """One cached full block.
-
-    Attributes:
-        hash: chained hash of the prefix ending with this block.
-        parent: hash of the previous block, or :data:`ROOT_HASH` for a first block.
-        block_id: pool block id (the cache holds one reference on it).
-        slot: pool slot id holding the linear/conv states after this block, owned by the cache,
-            or None when no checkpoint was taken here.
-        last_used: logical clock of the last insert or match that touched this entry.
-        children: number of cached entries whose parent is this one.
-    """
-
-    hash: int
-    parent: int
-    block_id: int
-    slot: int | None
-    last_used: int
-    children: int = 0
-
-
-class InsertResult(NamedTuple):
-    """What :meth:`PrefixCache.insert` did.
-
-    Attributes:
-        new: entries added (blocks the cache took a reference on).
-        adopted: indices ``i`` of the ``slots`` argument whose slot the cache took over; it frees
-            them on eviction. Every other slot offered stays the caller's to free.
-    """
-
-    new: int
-    adopted: frozenset[int]
 
 
 class PrefixCache:
@@ -161,8 +75,6 @@ class PrefixCache:
         Raises:
             ValueError: ``max_events < 1``.
         """
-        if max_events < 1:
-            raise ValueError(f"max_events must be >= 1, got {max_events}")
         self.pool = pool
         self.node = node
         self._entries: dict[int, CachedBlock] = {}  # insertion order is parents before children
@@ -170,8 +82,7 @@ class PrefixCache:
         self._slots: dict[int, int] = {}  # slot id -> hash
         self._heap: list[tuple[int, int]] = []  # (last_used, hash) of leaves, lazily invalidated
         self._clock = 0
-        self._seq = 0
-        self._events: deque[tuple[int, str, int, int | None]] = deque(maxlen=max_events)
+        self._events = EventLog(max_events)
         self._lookups = self._lookup_blocks = self._hit_blocks = 0
         self._evictions = self._inserted = 0
 
@@ -268,56 +179,14 @@ class PrefixCache:
                 already owned by the cache, a block id repeated among the new entries, already cached under
                 another hash, or not allocated in the pool. Nothing changes.
         """
-        if len(hashes) != len(block_ids):
-            raise ValueError(f"{len(hashes)} hashes but {len(block_ids)} block ids")
         slots = slots or {}
-        for i, s in slots.items():
-            if not 0 <= i < len(hashes):
-                raise ValueError(f"slot index {i} out of range [0, {len(hashes)})")
-            if not (isinstance(s, int) and 0 <= s < self.pool.num_slots):
-                raise ValueError(f"slot id {s!r} out of range [0, {self.pool.num_slots})")
-            if s in self._slots:
-                raise ValueError(f"slot {s} is already owned by the prefix cache")
-        if len(set(slots.values())) != len(slots):
-            raise ValueError(f"duplicate slot ids in {slots}")
-        # Plan without changing anything: entries to create and slots to adopt.
-        new: list[int] = []
-        adopt: list[int] = []
-        if parent == ROOT_HASH or parent in self._entries:
-            prev = parent
-            planned: set[int] = set()
-            for i, h in enumerate(hashes):
-                e = self._entries.get(h)
-                if e is not None:
-                    if e.parent != prev:
-                        break
-                    if i in slots and e.slot is None:
-                        adopt.append(i)
-                elif h in planned:
-                    break
-                else:
-                    new.append(i)
-                    planned.add(h)
-                    if i in slots:
-                        adopt.append(i)
-                prev = h
-            else:
-                i = len(hashes)
-            touched = i
-        else:
-            touched = 0
-        new_blocks = [block_ids[i] for i in new]
-        if len(set(new_blocks)) != len(new_blocks):
-            raise ValueError(f"a block id is repeated among the new entries {new_blocks}")
-        for b in new_blocks:
-            if b in self._by_block:
-                raise ValueError(f"block {b} is already cached under another hash")
-        self.pool.incref(new_blocks)  # validates: raises ValueError before any change
+        plan = plan_insert(self._entries, self._by_block, self._slots, self.pool.num_slots, hashes, block_ids, slots, parent)
+        self.pool.incref(plan.new_blocks)  # validates: raises ValueError before any change
         # Apply.
         self._clock += 1
-        adopted = set(adopt)
+        adopted = plan.adopt
         prev = parent
-        for i in range(touched):
+        for i in range(plan.touched):
             h = hashes[i]
             e = self._entries.get(h)
             if e is None:
@@ -327,15 +196,15 @@ class PrefixCache:
                 if prev != ROOT_HASH:
                     self._entries[prev].children += 1
                 self._inserted += 1
-                self._log("stored", h, prev)
+                self._events.append("stored", h, prev)
             if i in adopted:
                 e.slot = slots[i]
                 self._slots[e.slot] = h
             e.last_used = self._clock
             prev = h
-        if touched:  # the last touched entry may be a leaf; its ancestors are not
-            self._touch(self._entries[hashes[touched - 1]])
-        return InsertResult(len(new), frozenset(adopted))
+        if plan.touched:  # the last touched entry may be a leaf; its ancestors are not
+            self._touch(self._entries[hashes[plan.touched - 1]])
+        return InsertResult(len(plan.new), adopted)
 
     # ----- eviction -----------------------------------------------------------------------------
 
@@ -388,7 +257,7 @@ class PrefixCache:
             if p.children == 0:
                 self._push(p)
         self._evictions += 1
-        self._log("evicted", e.hash, None)
+        self._events.append("evicted", e.hash, None)
         return freed
 
     def ensure_free(self, pages: int) -> bool:
@@ -413,41 +282,25 @@ class PrefixCache:
 
     # ----- events -------------------------------------------------------------------------------
 
-    def _log(self, kind: str, h: int, parent: int | None) -> None:
-        self._seq += 1
-        self._events.append((self._seq, kind, h, parent))
-
     @property
     def seq(self) -> int:
         """Sequence number of the latest event (0 before any)."""
-        return self._seq
+        return self._events.seq
 
-    def events_since(self, seq: int) -> tuple[list[tuple[int, str, int, int | None]], bool]:
+    def events_since(self, seq: int) -> tuple[list[Event], bool]:
         """Events after ``seq``: ``(seq, "stored", hash, parent)`` or ``(seq, "evicted", hash, None)``.
 
-        Returns:
-            ``(events, complete)``, events in increasing seq order. ``complete`` is False when the
-            bounded log no longer holds event ``seq + 1``, or ``seq`` is ahead of this cache (a
-            consumer of an earlier incarnation); the consumer must then resync from
-            :meth:`snapshot`. The events returned are still those held with a larger seq.
-
-        Raises:
-            ValueError: ``seq < 0``.
+        See :meth:`common.kv.prefix_events.EventLog.since` (``complete`` False: resync from
+        :meth:`snapshot`). Raises ``ValueError`` when ``seq < 0``.
         """
-        if seq < 0:
-            raise ValueError(f"seq must be >= 0, got {seq}")
-        if seq > self._seq:
-            return [], False
-        oldest = self._events[0][0] if self._events else self._seq + 1
-        events = [ev for ev in self._events if ev[0] > seq] if seq >= oldest - 1 else list(self._events)
-        return events, seq >= oldest - 1
+        return self._events.since(seq)
 
     def snapshot(self) -> tuple[int, list[tuple[int, int]]]:
         """``(seq, [(hash, parent), ...])``: every cached entry, parents before children.
 
         Applying :meth:`events_since` ``(seq)`` to it later reproduces the cache's hash set.
         """
-        return self._seq, [(e.hash, e.parent) for e in self._entries.values()]
+        return self._events.seq, [(e.hash, e.parent) for e in self._entries.values()]
 
     # ----- reporting ----------------------------------------------------------------------------
 
@@ -519,6 +372,5 @@ class PrefixCache:
                 fail(f"leaf {e.hash:#x} has no eviction record")
         if self.pool.blocks_in_use < len(self._entries) or self.pool.slots_in_use < len(self._slots):
             fail("the pool holds fewer blocks or slots than the cache")
-        seqs = [ev[0] for ev in self._events]
-        if seqs != list(range(self._seq - len(seqs) + 1, self._seq + 1)):
+        if not self._events.consecutive():
             fail("event seqs are not consecutive up to seq")

@@ -20,15 +20,13 @@ import functools
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
 
+from common.kv.paged_store import PagedKvStore
 from common.model.loader import LoadedModel
-
-if TYPE_CHECKING:
-    from common.kv.paged_store import PagedKvStore
+from common.model.paged_attention import ATTN_IMPL, decode_step, install_layer_hooks
 
 LayerState = dict[str, torch.Tensor]
 OnLayer = Callable[[int, LayerState, "int | None"], None]
@@ -60,18 +58,18 @@ class Backend(ABC):
 
     @abstractmethod
     def layer_layouts(self, prompt_len: int) -> list[dict]:
-        """Every layer's KVCache layout for ``prompt_len`` tokens (see ``common/transfer/stream.py``)."""
+        """Every layer's KVCache layout for ``prompt_len`` tokens (see ``common/kv/layout.py``)."""
 
     def kv_bytes(self, prompt_len: int) -> int:
         """Bytes of KVCache a prompt of ``prompt_len`` tokens produces (all layers)."""
         return sum(lay["total"] for lay in self.layer_layouts(prompt_len))
 
     @abstractmethod
-    def paged_store(self, capacity_bytes: int, block_size: int = 16) -> "PagedKvStore":
+    def paged_store(self, capacity_bytes: int, block_size: int = 16) -> PagedKvStore:
         """The decode-side KVCache pool for this model (see ``common/kv/paged_store.py``)."""
 
     @abstractmethod
-    def paged_step(self, store: "PagedKvStore", seqs: list, tokens: list[int],
+    def paged_step(self, store: PagedKvStore, seqs: list, tokens: list[int],
                    wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Feed ``tokens[r]`` to ``seqs[r]`` (``PagedSeq``); returns float32 logits ``[rows, vocab]``."""
 
@@ -186,7 +184,7 @@ class TorchBackend(Backend):
         return cache
 
     def layer_layouts(self, prompt_len: int) -> list[dict]:
-        """Every layer's KVCache layout for a prompt of ``prompt_len`` tokens (see ``common/transfer/stream.py``)."""
+        """Every layer's KVCache layout for a prompt of ``prompt_len`` tokens (see ``common/kv/layout.py``)."""
         from common.kv.layout import make_layout
 
         return [make_layout([(name, dtype, [d if d != -1 else prompt_len for d in shape]) for name, (dtype, shape) in spec.items()])
@@ -212,21 +210,19 @@ class TorchBackend(Backend):
         return base.layers
 
     # -- decode -------------------------------------------------------------------------------
-    def paged_store(self, capacity_bytes: int, block_size: int = 16) -> "PagedKvStore":
+    def paged_store(self, capacity_bytes: int, block_size: int = 16) -> PagedKvStore:
         """A paged KVCache pool of ``capacity_bytes`` for this model, and the model switched to paged
         decode (the attention falls back to SDPA outside a paged step, so prefill is unchanged)."""
-        from common.kv.paged_store import ATTN_IMPL, PagedKvStore, install_layer_hooks
-
         store = PagedKvStore(self.state_specs, capacity_bytes, block_size)
         self.model.set_attn_implementation(ATTN_IMPL)
         install_layer_hooks(self._decoder_layers())
         return store
 
-    def paged_step(self, store: "PagedKvStore", seqs: list, tokens: list[int],
+    def paged_step(self, store: PagedKvStore, seqs: list, tokens: list[int],
                    wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """One decode step from the pool (see :meth:`PagedKvStore.decode_step`); float32 ``[rows, vocab]``."""
+        """One decode step from the pool (see :func:`common.model.paged_attention.decode_step`); float32 ``[rows, vocab]``."""
         with self._lock:
-            return store.decode_step(self.model, seqs, tokens, wait_layer)
+            return decode_step(self.model, store, seqs, tokens, wait_layer)
 
 
 BACKENDS: dict[str, Callable[..., Backend]] = {"torch": TorchBackend}

@@ -1,7 +1,8 @@
 """One retry/backoff policy for every loop that asks a peer again: exponential delays with a cap and a deadline.
 
-Used wherever a service retries a peer (the gateway's placement, the KV sender after ``KV_REFUSE``,
-a worker re-binding its KV listener, the planner agent and the KV event publisher). Pure arithmetic:
+Used wherever a service retries a peer with growing delays: the gateway's placement while the router
+is away, an RPC client or KV link dialling its peer, a PD worker re-binding its KV listener. (A wait
+whose length the peer dictates, such as ``KV_REFUSE``'s ``retry_after``, is not backoff.) Pure arithmetic:
 :meth:`Backoff.next_delay` says how long to wait or that the deadline forbids another try; the
 caller owns the sleep (or :meth:`Backoff.sleep` does it on the event loop).
 """

@@ -1,16 +1,14 @@
-"""Start-up shared by the worker processes (prefill, decode, and the PD worker that hosts either role):
-flags, model, backend, the role objects built from the flags, planner and router links."""
+"""Command-line flags shared by the worker processes (prefill, decode, and the PD worker that hosts
+either role), each defaulting from the environment, and the TLS contexts built from them. The
+bring-up sequence that uses them is :mod:`common.runtime.bring_up`."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 from common.model.backend import BACKENDS
 from common.runtime import service
-
-log = logging.getLogger("prfaas.worker")
 
 
 def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
@@ -101,45 +99,3 @@ def tls_client_context(args: argparse.Namespace):
     from common.rpc.auth import client_context
 
     return client_context(args.tls_ca) if args.tls_ca else None
-
-
-def load_backend(args: argparse.Namespace):
-    """Load the model named by ``args.model`` and wrap it in the chosen backend."""
-    from common.model.backend import make_backend
-    from common.model.loader import load_model
-
-    loaded = load_model(args.model, served_name=args.served_model_name)
-    return make_backend(args.backend, loaded, threads=args.threads or None)
-
-
-def stats_handler(stats):
-    """An RPC handler answering ``stats()`` (a worker's load report) whatever the arguments."""
-    async def handler(args: dict) -> dict:
-        return stats()
-    return handler
-
-
-def start_kv_publisher(args: argparse.Namespace, worker, role: str, cluster: str):
-    """Start publishing ``worker.prefix_cache``'s events to ``--router``; return the publisher to
-    close on shutdown, or None when the worker has no prefix cache or no router is configured."""
-    from common.control.kv_events import KvEventPublisher
-
-    cache = getattr(worker, "prefix_cache", None)
-    if cache is None:
-        log.info("no prefix cache on %s: nothing to publish to the router", args.name)
-        return None
-    if not args.router:
-        log.warning("no --router (PRFAAS_ROUTER_ADDR): %s's prefix cache is not published, so placement cannot "
-                    "prefer it", args.name)
-        return None
-    publisher = KvEventPublisher(args.router, args.name, cluster, role, cache)
-    publisher.start()
-    log.info("publishing %s's prefix-cache events to the router at %s (epoch %s)", args.name, args.router, publisher.epoch)
-    return publisher
-
-
-def report_with_publisher(stats, publisher):
-    """The worker's ``stats`` function, plus ``kv_events`` (the publisher's counters) when one runs."""
-    if publisher is None:
-        return stats
-    return lambda: {**stats(), "kv_events": publisher.stats()}

@@ -16,9 +16,10 @@ import logging
 import time
 from collections.abc import Callable
 
+from common.kv.block_hash import block_hashes
 from common.kv.layout import KvError
 from common.kv.paged_store import PagedKvStore, PoolExhausted
-from common.kv.prefix_cache import PrefixCache, block_hashes
+from common.kv.prefix_cache import PrefixCache
 from common.model.backend import Backend
 from common.model.sampling import sample_batch
 from common.runtime import service

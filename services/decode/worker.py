@@ -60,9 +60,10 @@ import logging
 import time
 from typing import Any
 
+from common.kv.block_hash import block_hashes
 from common.kv.layout import KvError
 from common.kv.paged_store import PagedSeq, PoolExhausted
-from common.kv.prefix_cache import PrefixCache, block_hashes
+from common.kv.prefix_cache import PrefixCache
 from common.model.backend import Backend
 from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, shifted_seed

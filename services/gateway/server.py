@@ -30,7 +30,7 @@ from aiohttp import web
 from prometheus_client.exposition import generate_latest
 
 from common.control.kv_events import block_size_from_env
-from common.kv.prefix_cache import block_hashes
+from common.kv.block_hash import block_hashes
 from common.model.loader import load_model_info
 from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError

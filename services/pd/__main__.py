@@ -7,27 +7,27 @@ import argparse
 import asyncio
 
 from common.runtime import service
+from common.runtime.bring_up import (
+    load_worker,
+    ready_line,
+    serve_until_stopped,
+    worker_main,
+)
 from common.runtime.worker_flags import (
     add_block_size_flag,
     add_decode_flags,
     add_prefill_flags,
     add_worker_flags,
-    load_backend,
 )
 from services.pd.worker import ROLES, PdWorker
 
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    listen = service.require(args, "listen", "PRFAAS_PD_ADDR")
-    kv_listen = service.require(args, "kv_listen", "PRFAAS_PD_KV_ADDR")
-    planner = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
-    backend = await asyncio.to_thread(load_backend, args)
-    worker = PdWorker(backend, args, listen, kv_listen, planner)
+    addrs, backend = await load_worker(args, "PRFAAS_PD_ADDR", "PRFAAS_PD_KV_ADDR")
+    worker = PdWorker(backend, args, addrs.listen, addrs.kv_listen, addrs.planner)
     await worker.start()
-    print(f"READY pd {args.name} role={worker.role} listening on {listen} kv={kv_listen} model={backend.loaded.model_id} "
-          f"weights={backend.loaded.weight_hash}", flush=True)
-    await stop.wait()
-    await worker.close()
+    await serve_until_stopped(stop, ready_line(f"pd {args.name} role={worker.role} listening on {addrs.listen} "
+                                               f"kv={addrs.kv_listen}", backend), [worker.close])
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -46,9 +46,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = make_parser().parse_args()
-    service.setup_logging("pd")
-    service.run(lambda stop: amain(args, stop))
+    worker_main(make_parser(), "pd", amain)
 
 
 if __name__ == "__main__":

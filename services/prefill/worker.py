@@ -27,25 +27,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 from typing import Any
 
-import torch
-
-from common.kv.paged_store import PagedKvStore, PagedSeq, PoolExhausted
-from common.kv.prefix_cache import ROOT_HASH, PrefixCache, block_hashes
+from common.kv.prefix_cache import PrefixCache
 from common.lab.faults import Faults, FaultsDisabled
 from common.model.backend import Backend
 from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, sample_next
-from common.rpc.client import ClientPool, RpcClient
+from common.rpc.client import ClientPool
 from common.rpc.errors import RpcError
+from common.rpc.schema import takes
 from common.runtime import service
 from common.transfer.ranges import tensor_ranges
 from common.transfer.sender import KvLink
 from proto.frames import ErrorCode
+from services.prefill.messages import ExportPrefixArgs, InjectFaultArgs, PrefillArgs
+from services.prefill.prefix import Hit, PrefillPrefix
 
 log = logging.getLogger("prfaas.prefill")
 
@@ -78,12 +77,10 @@ class PrefillWorker:
         self.prefix_pulled_tokens = 0
         self._peers = ClientPool(service="prefill", name=name, connect_timeout=5.0)
         self.block_size = block_size
-        self.checkpoint_every = max(1, checkpoint_every)
-        self.kv_store: PagedKvStore | None = None
-        self.prefix_cache: PrefixCache | None = None
+        self.prefix: PrefillPrefix | None = None
         if prefix_cache_bytes > 0:
-            self.kv_store = PagedKvStore(backend.state_specs, prefix_cache_bytes, block_size)
-            self.prefix_cache = PrefixCache(self.kv_store.pool, node=name)
+            self.prefix = PrefillPrefix(backend.state_specs, prefix_cache_bytes, block_size, checkpoint_every, name)
+        self.prefix_cache: PrefixCache | None = self.prefix.cache if self.prefix is not None else None
 
     def stats(self) -> dict[str, Any]:
         """Load report for the planner (counts; bytes)."""
@@ -112,31 +109,33 @@ class PrefillWorker:
             await link.close()
         await self._peers.close()
 
-    async def inject_fault(self, args: dict[str, Any]) -> dict[str, Any]:
-        """RPC for tests: see :class:`~common.lab.faults.Faults`. Refused unless injection is enabled."""
+    @takes(InjectFaultArgs)
+    async def inject_fault(self, args: InjectFaultArgs) -> dict[str, Any]:
+        """RPC for tests: see :class:`~common.lab.faults.Faults`. Refused (``bad_request``) unless
+        injection is enabled."""
         try:
-            return self.faults.configure(args)
+            return self.faults.configure({"corrupt_layer": args.corrupt_layer})
         except (FaultsDisabled, ValueError) as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
 
-    async def prefill(self, args: dict[str, Any]) -> dict[str, Any]:
-        """RPC: ``{req_id, input_ids, sampling, kv_addr}`` -> ``{first_token, prompt_len, timings}``."""
+    @takes(PrefillArgs)
+    async def prefill(self, args: PrefillArgs) -> dict[str, Any]:
+        """RPC: :class:`~services.prefill.messages.PrefillArgs` -> ``{first_token, prompt_len, timings}``.
+        Raises :class:`RpcError` ``bad_request`` for a malformed ``sampling``, a prompt outside the
+        vocabulary or the context, or a ``kv_from`` that is not a whole number of blocks below its length."""
+        req_id, kv_addr = args.req_id, args.kv_addr
         try:
-            req_id, kv_addr = str(args["req_id"]), str(args["kv_addr"])
-            sampling = SamplingParams.from_wire(args["sampling"])
+            sampling = SamplingParams.from_wire(args.sampling)
         except (KeyError, TypeError, ValueError) as e:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed prefill request: {e}") from None
-        input_ids = validate_prompt(args.get("input_ids"), self.vocab_size, self.backend.loaded.max_model_len)
-        kv_from = args.get("kv_from", 0)
-        if not isinstance(kv_from, int) or isinstance(kv_from, bool) or not 0 <= kv_from < len(input_ids) \
-                or kv_from % self.block_size:
+        input_ids = validate_prompt(args.input_ids, self.vocab_size, self.backend.loaded.max_model_len)
+        kv_from = args.kv_from
+        if not kv_from < len(input_ids) or kv_from % self.block_size:
             raise RpcError(ErrorCode.BAD_REQUEST, f"kv_from must be a whole number of {self.block_size}-token blocks "
                            f"below the prompt length, got {kv_from!r}")
-        source = args.get("prefix_source")
-        if source and self.prefix_cache is not None:
-            if not isinstance(source, str):
-                raise RpcError(ErrorCode.BAD_REQUEST, "prefix_source must be a host:port string")
-            await self._pull_prefix(source, input_ids)
+        if args.prefix_source and self.prefix is not None:
+            self.prefix_pulled_tokens += await self.prefix.pull(self._peers.get(args.prefix_source), args.prefix_source,
+                                                                input_ids)
         self.waiting += 1
         try:
             await self._slot.acquire()
@@ -175,7 +174,7 @@ class PrefillWorker:
         computed_at: list[float] = []
         prompt_len = len(input_ids)
         layouts = self.backend.layer_layouts(prompt_len - kv_from)  # only [kv_from, len) crosses the link
-        hit = self._match(input_ids)
+        hit = self.prefix.match(input_ids) if self.prefix is not None else Hit()
         checkpoints: dict[int, dict] = {}
         final_kv: dict[int, dict] = {}  # attention layers' last export: K/V of tokens [0, len)
 
@@ -240,7 +239,8 @@ class PrefillWorker:
             await link.finish(transfer, {"first_token": first, "prompt_len": prompt_len, "timings": timings})
             timings["acked_at"] = time.monotonic()
             self.prefix_hit_tokens += hit.tokens
-            self._store(input_ids, hit, final_kv, checkpoints)
+            if self.prefix is not None:
+                self.prefix.store_prompt(hit, final_kv, checkpoints)
             return {"first_token": first, "prompt_len": prompt_len, "timings": timings}
         except BaseException as e:
             stop.set()
@@ -253,163 +253,13 @@ class PrefillWorker:
             hit.unpin()
 
     # -- prefix cache ------------------------------------------------------------------------------
-    async def export_prefix(self, args: dict[str, Any]):
-        """Stream RPC: ``{hashes: [int], from_block: int}`` -> the cached blocks of that chain after
-        ``from_block``, one item each: ``{block: j, kv: [[layer, k bytes, v bytes], ...]}`` (each
-        ``[H, block_size, d]`` in the arena's dtype), then, for a hybrid model, ``{state: [[layer,
-        name, bytes], ...]}``: the linear states checkpointed after the last block. Only a chain that
-        ends at a checkpoint is exported for a hybrid model. Nothing when no more is cached.
-        Raises :class:`RpcError` ``bad_request``."""
-        cache, store = self.prefix_cache, self.kv_store
-        hashes, start = args.get("hashes"), args.get("from_block", 0)
-        if cache is None:
+    @takes(ExportPrefixArgs)
+    async def export_prefix(self, args: ExportPrefixArgs):
+        """Stream RPC: :class:`~services.prefill.messages.ExportPrefixArgs` -> the cached blocks of that
+        chain after ``from_block`` (items as :meth:`services.prefill.prefix.PrefillPrefix.export`).
+        Raises :class:`RpcError` ``bad_request`` when this worker has no prefix cache."""
+        if self.prefix is None:
             raise RpcError(ErrorCode.BAD_REQUEST, f"{self.name} has no prefix cache")
-        if not isinstance(hashes, list) or not all(isinstance(h, int) and 0 <= h < 1 << 64 for h in hashes) \
-                or not isinstance(start, int) or start < 0:
-            raise RpcError(ErrorCode.BAD_REQUEST, "export_prefix needs hashes (unsigned 64-bit ints) and from_block >= 0")
-        n, blocks, slot = cache.match(hashes, need_state=bool(store.linear_layers))
-        if n <= start:
-            return
-        pinned = blocks[:n]
-        store.pool.incref(pinned)  # eviction cannot take them while we stream
-        try:
-            for j in range(start, n):
-                b = pinned[j]
-                yield {"block": j, "kv": [[i, _tensor_bytes(store.k[i][:, b]), _tensor_bytes(store.v[i][:, b])]
-                                          for i in store.attn_layers]}
-            if store.linear_layers:
-                yield {"state": [[i, name, _tensor_bytes(t[slot])] for i in store.linear_layers
-                                 for name, t in store.states[i].items()]}
-        finally:
-            store.pool.free(pinned)
-
-    async def _pull_prefix(self, source: str, input_ids: list[int], timeout: float = 30.0) -> int:
-        """Copy into this worker's cache the blocks of ``input_ids``'s prefix that the prefill worker at
-        ``source`` holds beyond ours (the router names it when bandwidth is plentiful and the longer
-        prefix sits in the other cluster: the cache moves first, then prefill starts from there).
-        Best effort: a failure is logged and the prefill simply computes more. Returns tokens pulled."""
-        cache, store = self.prefix_cache, self.kv_store
-        bs = self.block_size
-        hashes = block_hashes(input_ids, bs)[: (len(input_ids) - 1) // bs]
-        linear = bool(store.linear_layers)
-        have, _, _ = cache.match(hashes, need_state=linear)
-        items: list[dict] = []
-        try:
-            async with asyncio.timeout(timeout):
-                async for item in self._peer(source).stream("export_prefix", {"hashes": hashes, "from_block": have}):
-                    items.append(item)
-        except (RpcError, OSError, asyncio.TimeoutError) as e:
-            log.warning("pulling a cached prefix from %s failed: %s", source, e)
-            return 0
-        got = [it for it in items if "block" in it]
-        state = next((it["state"] for it in items if "state" in it), None)
-        if not got or (linear and state is None) or [it["block"] for it in got] != list(range(have, have + len(got))):
-            return 0
-        pool = store.pool
-        need = pool.pages_for(len(got), 1 if linear else 0)
-        if not cache.ensure_free(need):
-            return 0
-        try:
-            blocks, slots = pool.allocate(len(got), 1 if linear else 0)
-        except PoolExhausted:
-            return 0
-        shape = (store.kv_heads, bs, store.head_dim)
-        for b, it in zip(blocks, got):
-            for i, kb, vb in it["kv"]:
-                store.k[i][:, b].copy_(_tensor_of(kb, store.dtype, shape))
-                store.v[i][:, b].copy_(_tensor_of(vb, store.dtype, shape))
-        for i, name, data in state or []:
-            dst = store.states[i][name][slots[0]]
-            dst.copy_(_tensor_of(data, dst.dtype, tuple(dst.shape)))
-        result = cache.insert(hashes[have : have + len(got)], blocks, {len(got) - 1: slots[0]} if linear else None,
-                              parent=hashes[have - 1] if have else ROOT_HASH)
-        pool.free(blocks, [s for s in slots if len(got) - 1 not in result.adopted])
-        self.prefix_pulled_tokens += len(got) * bs
-        log.info("pulled %d cached tokens from %s", len(got) * bs, source)
-        return len(got) * bs
-
-    def _peer(self, addr: str) -> RpcClient:
-        return self._peers.get(addr)
-
-    def _match(self, input_ids: list[int]) -> "_Hit":
-        """The longest cached prefix this worker can resume from (pinned until :meth:`_Hit.unpin`), and
-        where this prefill should checkpoint linear states for later hits."""
-        hit = _Hit(self)
-        cache, store = self.prefix_cache, self.kv_store
-        if cache is None:
-            return hit
-        bs = self.block_size
-        hit.hashes = block_hashes(input_ids, bs)
-        n, blocks, slot = cache.match(hit.hashes[: (len(input_ids) - 1) // bs], need_state=bool(store.linear_layers))
-        if n:
-            store.pool.incref(blocks)  # pinned: eviction cannot take them while we read
-            hit.blocks, hit.tokens = blocks[:n], n * bs
-            seq = PagedSeq("prefix", blocks=hit.blocks, length=hit.tokens)
-            hit.prefix = [store.read_layer(seq, i) if i in store.k else
-                          {name: t[slot].unsqueeze(0).clone() for name, t in store.states[i].items()}
-                          for i in range(len(store.specs))]
-        if store.linear_layers:
-            full = len(hit.hashes)
-            hit.checkpoints = sorted({k * bs for k in range(n + 1, full + 1) if k % self.checkpoint_every == 0} |
-                                     ({full * bs} if full > n else set()))
-        return hit
-
-    def _store(self, input_ids: list[int], hit: "_Hit", final_kv: dict[int, dict], checkpoints: dict[int, dict]) -> None:
-        """Copy the prompt's new full blocks (and checkpointed linear states) into the prefix cache;
-        best effort: skipped when the pool cannot make room by eviction."""
-        cache, store = self.prefix_cache, self.kv_store
-        if cache is None or not hit.hashes:
-            return
-        bs = self.block_size
-        first, full = hit.tokens // bs, len(hit.hashes)
-        if full <= first or len(final_kv) != len(store.attn_layers):
-            return
-        slot_at = {pos // bs - 1 - first: states for pos, states in checkpoints.items()}
-        pool = store.pool
-        need = pool.pages_for(full - first, len(slot_at) if store.linear_layers else 0)
-        if not cache.ensure_free(need):
-            return
-        try:
-            blocks, slots = pool.allocate(full - first, len(slot_at) if store.linear_layers else 0)
-        except PoolExhausted:
-            return
-        seq = PagedSeq("store", blocks=blocks)
-        for i, st in final_kv.items():
-            store.write_layer(seq, i, {name: t[:, :, first * bs : full * bs] for name, t in st.items()})
-        slot_of = dict(zip(sorted(slot_at), slots))
-        for j, slot in slot_of.items():
-            for i, states in slot_at[j].items():
-                for name, t in states.items():
-                    store.states[i][name][slot].copy_(t[0])
-        result = cache.insert(hit.hashes[first:full], blocks, slot_of, parent=hit.hashes[first - 1] if first else ROOT_HASH)
-        pool.free(blocks, [slot for j, slot in slot_of.items() if j not in result.adopted])
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def _tensor_of(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor view of ``data`` (bytes from :func:`_tensor_bytes`). Raises ``ValueError`` on a size mismatch."""
-    t = torch.frombuffer(bytearray(data), dtype=dtype)
-    if t.numel() != math.prod(shape):
-        raise ValueError(f"{len(data)} bytes do not make a {dtype} tensor of shape {shape}")
-    return t.view(shape)
-
-
-class _Hit:
-    """A prefix-cache hit of one prefill: ``tokens`` cached tokens, their ``prefix`` states (copies),
-    the pinned ``blocks``; ``hashes`` of every full block; ``checkpoints`` to take (token positions)."""
-
-    def __init__(self, worker: PrefillWorker):
-        self.worker = worker
-        self.hashes: list[int] = []
-        self.blocks: list[int] = []
-        self.tokens = 0
-        self.prefix: list[dict] | None = None
-        self.checkpoints: list[int] = []
-
-    def unpin(self) -> None:
-        if self.blocks:
-            self.worker.kv_store.pool.free(self.blocks)
-            self.blocks = []
+        async with contextlib.aclosing(self.prefix.export(args.hashes, args.from_block)) as items:
+            async for item in items:
+                yield item

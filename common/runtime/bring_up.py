@@ -1,0 +1,146 @@
+"""Worker bring-up and teardown, written once for the prefill worker, the decode worker and the PD
+worker (which hosts either role).
+
+Order of a worker process (:func:`load_worker`, then :func:`serve_worker`):
+
+1. check the addresses (``--listen``, ``--kv-listen`` for a decode role, ``--planner``: a missing one
+   exits naming the flag and its environment variable), load the model and backend in a thread;
+2. the ``__main__`` builds its role's worker over the backend;
+3. start the prefix-cache event publisher (when the worker has a cache and ``--router`` is set), wrap
+   the worker's stats with the publisher's counters;
+4. start the RPC server (the role's methods plus ``stats``), then the role's own listeners and loops;
+5. register with the planner (:class:`~common.control.planner_agent.PlannerAgent`) and report;
+6. print the ``READY`` line (tests and the process manager wait for it), wait for the stop signal;
+7. close in order: publisher, planner agent, RPC server, then the role's own parts.
+
+Ownership: :func:`serve_worker` owns and closes the publisher, the agent and the RPC server it
+starts; the role's parts (worker, KV receiver) are closed by the ``closers`` the caller hands it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple
+
+from common.control.kv_events import KvEventPublisher
+from common.control.planner_agent import PlannerAgent
+from common.model.backend import Backend, make_backend
+from common.model.loader import load_model
+from common.rpc.handshake import parse_addr
+from common.rpc.server import RpcServer
+from common.runtime import service
+
+log = logging.getLogger("prfaas.worker")
+
+Closer = Callable[[], Awaitable[None]]
+
+
+class WorkerAddrs(NamedTuple):
+    """A worker's addresses, each ``host:port``: RPC ``listen``, KV ``kv_listen`` (None for a role
+    without a KV listener) and the ``planner``'s."""
+
+    listen: str
+    kv_listen: str | None
+    planner: str
+
+
+def load_backend(args: argparse.Namespace) -> Backend:
+    """Load the model named by ``args.model`` and wrap it in the chosen backend (blocking: seconds).
+    Raises ``ModelLoadError`` for an unknown model, ``ValueError`` for an unknown backend."""
+    loaded = load_model(args.model, served_name=args.served_model_name)
+    return make_backend(args.backend, loaded, threads=args.threads or None)
+
+
+async def load_worker(args: argparse.Namespace, listen_var: str,
+                      kv_listen_var: str | None = None) -> tuple[WorkerAddrs, Backend]:
+    """Steps 1 of the module docstring: the addresses (``listen_var``/``kv_listen_var`` name the
+    environment variables of ``--listen``/``--kv-listen``; exits when one is unset) and the backend,
+    loaded in a thread so the event loop stays free."""
+    listen = service.require(args, "listen", listen_var)
+    kv_listen = service.require(args, "kv_listen", kv_listen_var) if kv_listen_var else None
+    planner = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
+    backend = await asyncio.to_thread(load_backend, args)
+    return WorkerAddrs(listen, kv_listen, planner), backend
+
+
+def stats_handler(stats: Callable[[], dict[str, Any]]):
+    """An RPC handler answering ``stats()`` (a worker's load report) whatever the arguments."""
+    async def handler(args: dict) -> dict:
+        return stats()
+    return handler
+
+
+def start_kv_publisher(args: argparse.Namespace, worker, role: str, cluster: str) -> KvEventPublisher | None:
+    """Start publishing ``worker.prefix_cache``'s events to ``--router``; return the publisher to
+    close on shutdown, or None when the worker has no prefix cache or no router is configured."""
+    cache = getattr(worker, "prefix_cache", None)
+    if cache is None:
+        log.info("no prefix cache on %s: nothing to publish to the router", args.name)
+        return None
+    if not args.router:
+        log.warning("no --router (PRFAAS_ROUTER_ADDR): %s's prefix cache is not published, so placement cannot "
+                    "prefer it", args.name)
+        return None
+    publisher = KvEventPublisher(args.router, args.name, cluster, role, cache)
+    publisher.start()
+    log.info("publishing %s's prefix-cache events to the router at %s (epoch %s)", args.name, args.router, publisher.epoch)
+    return publisher
+
+
+def report_with_publisher(stats: Callable[[], dict[str, Any]], publisher: KvEventPublisher | None):
+    """The worker's ``stats`` function, plus ``kv_events`` (the publisher's counters) when one runs."""
+    if publisher is None:
+        return stats
+    return lambda: {**stats(), "kv_events": publisher.stats()}
+
+
+def ready_line(what: str, backend: Backend) -> str:
+    """The ``READY`` line a worker prints once it serves: ``READY <what> model=<id> weights=<hash>``."""
+    return f"READY {what} model={backend.loaded.model_id} weights={backend.loaded.weight_hash}"
+
+
+async def serve_until_stopped(stop: asyncio.Event, ready: str, closers: Sequence[Closer]) -> None:
+    """Print ``ready`` (flushed), wait for ``stop``, then await each closer in order."""
+    print(ready, flush=True)
+    await stop.wait()
+    for close in closers:
+        await close()
+
+
+async def serve_worker(args: argparse.Namespace, stop: asyncio.Event, backend: Backend, worker, *, role: str,
+                       cluster: str, addrs: WorkerAddrs, info: dict[str, Any], ready: str,
+                       handlers: dict[str, Callable] | None = None, stream_handlers: dict[str, Callable] | None = None,
+                       start: Closer | None = None, closers: Sequence[Closer] = ()) -> None:
+    """Steps 3-7 of the module docstring for ``worker`` (its ``stats()`` is the load report).
+
+    ``role``/``cluster``: as registered (``info`` adds to them the name, addresses and fingerprint);
+    ``handlers``/``stream_handlers``: the role's RPC methods (``stats`` is added); ``start``: awaited
+    after the RPC server listens (the role's own listeners and loops); ``closers``: awaited, in
+    order, after the RPC server closes. ``ready``: the text after ``READY`` (see :func:`ready_line`).
+    Raises ``OSError`` when the RPC listener cannot bind.
+    """
+    publisher = start_kv_publisher(args, worker, role, cluster)
+    report = report_with_publisher(worker.stats, publisher)
+    server = RpcServer(role, args.name, stream_handlers=stream_handlers or {},
+                       handlers={**(handlers or {}), "stats": stats_handler(report)})
+    host, port = parse_addr(addrs.listen)
+    await server.start(host, port)
+    if start is not None:
+        await start()
+    agent = PlannerAgent(addrs.planner, {"name": args.name, "role": role, "cluster": cluster, **info,
+                                         "fingerprint": backend.loaded.fingerprint}, report, args.report_interval)
+    agent.start()
+    own = [publisher.close] if publisher is not None else []
+    await serve_until_stopped(stop, ready_line(ready, backend), [*own, agent.close, server.close, *closers])
+
+
+def worker_main(parser: argparse.ArgumentParser, name: str,
+                amain: Callable[[argparse.Namespace, asyncio.Event], Awaitable[None]]) -> None:
+    """A worker process's ``main``: parse ``parser``'s flags, log as ``prfaas.<name>``, run
+    ``amain(args, stop)`` until SIGINT/SIGTERM (see :func:`common.runtime.service.run`)."""
+    args = parser.parse_args()
+    service.setup_logging(name)
+    service.run(lambda stop: amain(args, stop))

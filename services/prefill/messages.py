@@ -1,0 +1,51 @@
+"""Typed arguments of the prefill worker's RPC methods (``proto/PROTOCOL.md``), checked by
+:class:`common.rpc.server.RpcServer` before a handler runs: a missing field, a wrong type or a value
+outside its bound is answered ``bad_request`` naming the field (see :mod:`common.rpc.schema`).
+
+Bounds that depend on the worker (the model's vocabulary and context length, the block size) are
+checked by the handlers themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+"""An unsigned 64-bit int: msgpack carries no int above 2**64 - 1, and msgspec takes no upper bound that large,
+so only the lower bound is stated."""
+
+
+class PrefillArgs(msgspec.Struct):
+    """``prefill``: compute ``input_ids`` (token ids, at least one) and stream tokens ``[kv_from,
+    len)`` of its KVCache to the decode worker at ``kv_addr`` (host:port). ``sampling``: a
+    :meth:`~common.model.sampling.SamplingParams.to_wire` map for the first token. ``kv_from``:
+    tokens the decode worker already holds (a whole number of blocks, below the prompt length).
+    ``prefix_source``: host:port of a prefill worker to pull a longer cached prefix from first."""
+
+    req_id: str
+    kv_addr: str
+    sampling: dict[str, Any]
+    input_ids: Annotated[list[int], msgspec.Meta(min_length=1)]
+    kv_from: Annotated[int, msgspec.Meta(ge=0)] = 0
+    prefix_source: str | None = None
+
+
+class ExportPrefixArgs(msgspec.Struct):
+    """``export_prefix`` (stream): the cached blocks of the chain ``hashes`` (chained block hashes,
+    unsigned 64-bit) after block index ``from_block``."""
+
+    hashes: list[U64]
+    from_block: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class InjectFaultArgs(msgspec.Struct):
+    """``inject_fault`` (tests, chaos runs): ``corrupt_layer``, the layer whose KVCache is damaged
+    before it is sent, or None to stop."""
+
+    corrupt_layer: int | None = None
+
+
+class HealthArgs(msgspec.Struct):
+    """``health``: no arguments (extra fields are ignored)."""

@@ -1,0 +1,195 @@
+"""The prefill worker's prefix cache: its KV memory, the index over it, and moving cached prefixes
+between prefill workers (pull from a peer, export to one).
+
+:class:`PrefillPrefix` owns a :class:`~common.kv.paged_store.PagedKvStore` (the tensors of cached
+blocks and linear-state checkpoints) and the :class:`~common.kv.prefix_cache.PrefixCache` over its
+pool. A prefill that resumes from a hit holds a :class:`Hit`, which pins the hit's blocks (one pool
+reference each) until :meth:`Hit.unpin`; an export pins the blocks it streams until it ends. Blocks
+and slots taken to store a prompt or a pulled prefix are handed to the cache (``insert``), and the
+references the cache did not adopt are freed at once. Everything here runs on the event loop, never
+in the compute thread (the cache must be mutated on one loop, see :mod:`common.control.kv_events`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from common.kv.block_hash import ROOT_HASH, block_hashes
+from common.kv.paged_store import PagedKvStore, PagedSeq, PoolExhausted
+from common.kv.prefix_cache import PrefixCache
+from common.rpc.client import RpcClient
+from common.rpc.errors import RpcError
+
+log = logging.getLogger("prfaas.prefill")
+
+
+class Hit:
+    """A prefix-cache hit of one prefill: ``tokens`` cached tokens, their ``prefix`` states (copies,
+    one per layer, see :meth:`common.model.backend.TorchBackend.prefill`), the pinned ``blocks``;
+    ``hashes`` of every full block of the prompt; ``checkpoints`` to take (token positions)."""
+
+    def __init__(self, store: PagedKvStore | None = None):
+        self.store = store
+        self.hashes: list[int] = []
+        self.blocks: list[int] = []
+        self.tokens = 0
+        self.prefix: list[dict] | None = None
+        self.checkpoints: list[int] = []
+
+    def unpin(self) -> None:
+        """Drop the pins on the hit's blocks (once; later calls do nothing)."""
+        if self.blocks:
+            self.store.pool.free(self.blocks)
+            self.blocks = []
+
+
+class PrefillPrefix:
+    """A prefill worker's prefix cache of ``capacity_bytes`` (KV blocks and linear-state checkpoints)
+    for a model whose layer states are ``specs`` (:attr:`common.model.backend.TorchBackend.state_specs`);
+    ``block_size`` tokens per block; hybrid models checkpoint linear states every ``checkpoint_every``
+    blocks and at each prompt's last full block. ``name``: the worker's, for the cache's events.
+    Raises ``ValueError`` when the budget holds no block."""
+
+    def __init__(self, specs: list[dict], capacity_bytes: int, block_size: int, checkpoint_every: int, name: str):
+        self.store = PagedKvStore(specs, capacity_bytes, block_size)
+        self.cache = PrefixCache(self.store.pool, node=name)
+        self.block_size = block_size
+        self.checkpoint_every = max(1, checkpoint_every)
+
+    async def export(self, hashes: list[int], start: int) -> AsyncIterator[dict[str, Any]]:
+        """The cached blocks of the chain ``hashes`` after block ``start``, one item each: ``{block: j,
+        kv: [[layer, k bytes, v bytes], ...]}`` (each ``[H, block_size, d]`` in the arena's dtype), then,
+        for a hybrid model, ``{state: [[layer, name, bytes], ...]}``: the linear states checkpointed
+        after the last block. Only a chain that ends at a checkpoint is exported for a hybrid model.
+        Nothing when no more is cached. The blocks stay pinned until the generator ends or is closed."""
+        cache, store = self.cache, self.store
+        n, blocks, slot = cache.match(hashes, need_state=bool(store.linear_layers))
+        if n <= start:
+            return
+        pinned = blocks[:n]
+        store.pool.incref(pinned)  # eviction cannot take them while we stream
+        try:
+            for j in range(start, n):
+                b = pinned[j]
+                yield {"block": j, "kv": [[i, _tensor_bytes(store.k[i][:, b]), _tensor_bytes(store.v[i][:, b])]
+                                          for i in store.attn_layers]}
+            if store.linear_layers:
+                yield {"state": [[i, name, _tensor_bytes(t[slot])] for i in store.linear_layers
+                                 for name, t in store.states[i].items()]}
+        finally:
+            store.pool.free(pinned)
+
+    async def pull(self, peer: RpcClient, source: str, input_ids: list[int], timeout: float = 30.0) -> int:
+        """Copy into this cache the blocks of ``input_ids``'s prefix that the prefill worker at
+        ``source`` (reached through ``peer``) holds beyond ours (the router names it when bandwidth is
+        plentiful and the longer prefix sits in the other cluster: the cache moves first, then prefill
+        starts from there). Best effort: a failure is logged and the prefill simply computes more.
+        Returns tokens pulled (0 within ``timeout`` seconds on any failure)."""
+        cache, store = self.cache, self.store
+        bs = self.block_size
+        hashes = block_hashes(input_ids, bs)[: (len(input_ids) - 1) // bs]
+        linear = bool(store.linear_layers)
+        have, _, _ = cache.match(hashes, need_state=linear)
+        items: list[dict] = []
+        try:
+            async with asyncio.timeout(timeout):
+                async for item in peer.stream("export_prefix", {"hashes": hashes, "from_block": have}):
+                    items.append(item)
+        except (RpcError, OSError, asyncio.TimeoutError) as e:
+            log.warning("pulling a cached prefix from %s failed: %s", source, e)
+            return 0
+        got = [it for it in items if "block" in it]
+        state = next((it["state"] for it in items if "state" in it), None)
+        if not got or (linear and state is None) or [it["block"] for it in got] != list(range(have, have + len(got))):
+            return 0
+        pool = store.pool
+        need = pool.pages_for(len(got), 1 if linear else 0)
+        if not cache.ensure_free(need):
+            return 0
+        try:
+            blocks, slots = pool.allocate(len(got), 1 if linear else 0)
+        except PoolExhausted:
+            return 0
+        shape = (store.kv_heads, bs, store.head_dim)
+        for b, it in zip(blocks, got):
+            for i, kb, vb in it["kv"]:
+                store.k[i][:, b].copy_(_tensor_of(kb, store.dtype, shape))
+                store.v[i][:, b].copy_(_tensor_of(vb, store.dtype, shape))
+        for i, name, data in state or []:
+            dst = store.states[i][name][slots[0]]
+            dst.copy_(_tensor_of(data, dst.dtype, tuple(dst.shape)))
+        result = cache.insert(hashes[have : have + len(got)], blocks, {len(got) - 1: slots[0]} if linear else None,
+                              parent=hashes[have - 1] if have else ROOT_HASH)
+        pool.free(blocks, [s for s in slots if len(got) - 1 not in result.adopted])
+        log.info("pulled %d cached tokens from %s", len(got) * bs, source)
+        return len(got) * bs
+
+    def match(self, input_ids: list[int]) -> Hit:
+        """The longest cached prefix this worker can resume from (pinned until :meth:`Hit.unpin`), and
+        where this prefill should checkpoint linear states for later hits."""
+        cache, store = self.cache, self.store
+        hit = Hit(store)
+        bs = self.block_size
+        hit.hashes = block_hashes(input_ids, bs)
+        n, blocks, slot = cache.match(hit.hashes[: (len(input_ids) - 1) // bs], need_state=bool(store.linear_layers))
+        if n:
+            store.pool.incref(blocks)  # pinned: eviction cannot take them while we read
+            hit.blocks, hit.tokens = blocks[:n], n * bs
+            seq = PagedSeq("prefix", blocks=hit.blocks, length=hit.tokens)
+            hit.prefix = [store.read_layer(seq, i) if i in store.k else
+                          {name: t[slot].unsqueeze(0).clone() for name, t in store.states[i].items()}
+                          for i in range(len(store.specs))]
+        if store.linear_layers:
+            full = len(hit.hashes)
+            hit.checkpoints = sorted({k * bs for k in range(n + 1, full + 1) if k % self.checkpoint_every == 0} |
+                                     ({full * bs} if full > n else set()))
+        return hit
+
+    def store_prompt(self, hit: Hit, final_kv: dict[int, dict], checkpoints: dict[int, dict]) -> None:
+        """Copy the prompt's new full blocks (attention K/V of tokens ``[0, len)`` per layer in
+        ``final_kv``, and the linear states in ``checkpoints``, keyed by token position) into the
+        cache; best effort: skipped when the pool cannot make room by eviction."""
+        cache, store = self.cache, self.store
+        if not hit.hashes:
+            return
+        bs = self.block_size
+        first, full = hit.tokens // bs, len(hit.hashes)
+        if full <= first or len(final_kv) != len(store.attn_layers):
+            return
+        slot_at = {pos // bs - 1 - first: states for pos, states in checkpoints.items()}
+        pool = store.pool
+        need = pool.pages_for(full - first, len(slot_at) if store.linear_layers else 0)
+        if not cache.ensure_free(need):
+            return
+        try:
+            blocks, slots = pool.allocate(full - first, len(slot_at) if store.linear_layers else 0)
+        except PoolExhausted:
+            return
+        seq = PagedSeq("store", blocks=blocks)
+        for i, st in final_kv.items():
+            store.write_layer(seq, i, {name: t[:, :, first * bs : full * bs] for name, t in st.items()})
+        slot_of = dict(zip(sorted(slot_at), slots))
+        for j, slot in slot_of.items():
+            for i, states in slot_at[j].items():
+                for name, t in states.items():
+                    store.states[i][name][slot].copy_(t[0])
+        result = cache.insert(hit.hashes[first:full], blocks, slot_of, parent=hit.hashes[first - 1] if first else ROOT_HASH)
+        pool.free(blocks, [slot for j, slot in slot_of.items() if j not in result.adopted])
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _tensor_of(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor view of ``data`` (bytes from :func:`_tensor_bytes`). Raises ``ValueError`` on a size mismatch."""
+    t = torch.frombuffer(bytearray(data), dtype=dtype)
+    if t.numel() != math.prod(shape):
+        raise ValueError(f"{len(data)} bytes do not make a {dtype} tensor of shape {shape}")
+    return t.view(shape)
