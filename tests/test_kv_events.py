@@ -16,7 +16,7 @@ from common.kv.prefix_cache import PrefixCache, block_hashes
 from common.lab.cluster import free_port
 from common.rpc.core import RpcClient
 from common.rpc.errors import RpcError
-from services.gateway.server import _prefix_metrics, _worker_prefix_metrics
+from services.gateway.metrics import _prefix_metrics, _worker_prefix_metrics
 from services.planner.server import Planner
 from services.router.server import Router
 

@@ -213,7 +213,7 @@ async def test_router_refuses_a_malformed_bandwidth_flag(env):
 
 
 async def test_planner_state_renders_as_metrics_and_status_text(env):
-    from services.gateway.server import planner_lines
+    from services.gateway.metrics import planner_lines
     from services.planner.status import render
 
     ctl = Controller(PROFILE, DIST, 100.0, 1024, env.client)
