@@ -27,6 +27,7 @@ import logging
 from typing import Any
 
 import orjson
+import prometheus_client
 from aiohttp import web
 
 from common.model.loader import load_model_info
@@ -211,7 +212,8 @@ class Gateway:
 
     async def metrics(self, request: web.Request) -> web.Response:
         """Prometheus text: gateway counters, and the router's, planner's and workers' state relayed."""
-        return web.Response(text=await self.stats.scrape(self.router, self.planner), content_type="text/plain")
+        return web.Response(body=await self.stats.scrape(self.router, self.planner), content_type="text/plain",
+                            charset="utf-8")
 
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
@@ -245,6 +247,7 @@ def main() -> None:
                    help="seconds to keep asking an unreachable router (or one with no alive worker) for a placement")
     args = p.parse_args()
     service.setup_logging("gateway")
+    prometheus_client.disable_created_metrics()  # /metrics shows each counter's *_total only, no *_created series
     service.run(lambda stop: amain(args, stop))
 
 
