@@ -9,9 +9,9 @@ import pytest
 
 from common.rpc.errors import RpcError, Unavailable
 from proto.frames import ErrorCode
-from services.gateway import openai_api as oa
 from services.gateway.dispatch import RETRY_REASONS, Dispatcher, retry_reason
 from services.gateway.metrics import GatewayMetrics, render_families, sample_value
+from services.gateway.openai.request import GenerateRequest, OpenAIError
 
 
 @pytest.mark.parametrize("code,started,retries,excluded,want", [
@@ -48,9 +48,9 @@ class ScriptedRouter:
         return answer
 
 
-def request() -> oa.GenerateRequest:
+def request() -> GenerateRequest:
     from common.model.sampling import SamplingParams
-    return oa.GenerateRequest(kind="completion", prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4), stream=False,
+    return GenerateRequest(kind="completion", prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4), stream=False,
                               include_usage=False, model="m", request_id="cmpl-1")
 
 
@@ -79,7 +79,7 @@ async def test_place_asks_an_unavailable_router_again_with_backoff():
 async def test_place_gives_up_when_the_next_delay_passes_its_budget():
     router = ScriptedRouter(Unavailable("no worker"), Unavailable("no worker"), Unavailable("no worker"))
     d, metrics = dispatcher(router, place_retry_s=0.25)  # 0.1 s fits, then 0.1 + 0.2 s does not
-    with pytest.raises(oa.OpenAIError) as e:
+    with pytest.raises(OpenAIError) as e:
         await d.place(request(), [], None)
     assert (e.value.status, e.value.code) == (503, "unavailable")
     assert len(router.calls) == 2
@@ -89,7 +89,7 @@ async def test_place_gives_up_when_the_next_delay_passes_its_budget():
 async def test_place_reports_the_last_refusal_when_no_decode_worker_is_left():
     refusal = RpcError(ErrorCode.OVERLOADED, "kv pool full")
     d, _ = dispatcher(ScriptedRouter(Unavailable("no decode worker left")))
-    with pytest.raises(oa.OpenAIError) as e:
+    with pytest.raises(OpenAIError) as e:
         await d.place(request(), ["d-0"], refusal)
     assert (e.value.status, e.value.code, e.value.message, e.value.type) == (429, "overloaded", "kv pool full",
                                                                              "rate_limit_error")
@@ -109,7 +109,7 @@ def test_admission_bound():
     d, metrics = dispatcher(ScriptedRouter(), max_inflight=1)
     with d.admission():
         assert d.inflight == 1
-        with pytest.raises(oa.OpenAIError) as e, d.admission():
+        with pytest.raises(OpenAIError) as e, d.admission():
             pass
         assert (e.value.status, e.value.code) == (429, "overloaded")
     assert d.inflight == 0

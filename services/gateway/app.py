@@ -1,7 +1,7 @@
 """Gateway: the OpenAI-compatible HTTP front door (aiohttp), port 8000 by default like vLLM.
 
 Request lifecycle (who frees what):
-1. Parse and validate the body (``openai_api``); bad input is a 4xx OpenAI error body, nothing else runs.
+1. Parse and validate the body (``services.gateway.openai``); bad input is a 4xx OpenAI error body, nothing else runs.
 2. ``place`` at the router with the prompt's chained full-block hashes (``PRFAAS_BLOCK_SIZE`` tokens
    per block): a prefill worker (PrfaaS or PD-P by the cached-prefix threshold rule) and a decode
    worker, each preferring the one that caches the longest prefix of the prompt.
@@ -34,9 +34,12 @@ from common.model.loader import load_model_info
 from common.rpc.core import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
-from services.gateway import openai_api as oa
 from services.gateway.dispatch import RETRY_REASONS, Dispatcher
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai import response
+from services.gateway.openai.chat import parse_chat
+from services.gateway.openai.completions import parse_completion
+from services.gateway.openai.request import GenerateRequest, ModelContext, OpenAIError
 
 log = logging.getLogger("prfaas.gateway")
 
@@ -45,7 +48,7 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
-def _error_response(err: oa.OpenAIError, headers: dict[str, str] | None = None) -> web.Response:
+def _error_response(err: OpenAIError, headers: dict[str, str] | None = None) -> web.Response:
     return _json(err.body(), err.status, headers)
 
 
@@ -58,7 +61,7 @@ async def _json_http_errors(request: web.Request, handler):
         if e.status < 400:
             raise
         etype = "invalid_request_error" if e.status < 500 else "server_error"
-        err = oa.OpenAIError(status=e.status, message=f"{e.reason}: {request.method} {request.path}", type=etype, param=None,
+        err = OpenAIError(status=e.status, message=f"{e.reason}: {request.method} {request.path}", type=etype, param=None,
                              code=None)
         return _error_response(err)
 
@@ -67,7 +70,7 @@ class Gateway:
     """The HTTP app and its clients: one to the router, one to the planner, one per decode worker address
     (the decode pool and the router client are shared with its :class:`Dispatcher`)."""
 
-    def __init__(self, ctx: oa.ModelContext, router_addr: str, planner_addr: str, name: str = "gateway",
+    def __init__(self, ctx: ModelContext, router_addr: str, planner_addr: str, name: str = "gateway",
                  request_timeout: float = 600.0, block_size: int | None = None, max_inflight: int = 256,
                  place_retry_s: float = 15.0):
         self.ctx = ctx
@@ -96,13 +99,13 @@ class Gateway:
 
     # -- OpenAI endpoints -------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
-        return _json(oa.models_response(self.ctx.model_id, self.ctx.max_model_len))
+        return _json(response.models_response(self.ctx.model_id, self.ctx.max_model_len))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "completions", oa.parse_completion)
+        return await self._handle(request, "completions", parse_completion)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, "chat", oa.parse_chat)
+        return await self._handle(request, "chat", parse_chat)
 
     async def _handle(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
         status = 200
@@ -113,7 +116,7 @@ class Gateway:
                 resp = await (self._stream(request, req) if req.stream else self._unary(req))
                 status = resp.status
                 return resp
-        except oa.OpenAIError as e:
+        except OpenAIError as e:
             status = e.status
             headers = {"Retry-After": "1"} if e.status in (429, 503) else None
             return _error_response(e, headers)
@@ -127,7 +130,7 @@ class Gateway:
         finally:
             self.stats.count_request(endpoint, status)
 
-    async def _unary(self, req: oa.GenerateRequest) -> web.Response:
+    async def _unary(self, req: GenerateRequest) -> web.Response:
         text, ids, reason, usage = [], [], None, None
         async for item in self.dispatch.generate(req):
             text.append(item["text"])
@@ -136,13 +139,13 @@ class Gateway:
             usage = item.get("usage") or usage
         prompt_tokens = usage["prompt_tokens"] if usage else len(req.prompt_ids)
         completion_tokens = usage["completion_tokens"] if usage else 0
-        build = oa.completion_response if req.kind == "completion" else oa.chat_response
+        build = response.completion_response if req.kind == "completion" else response.chat_response
         body = build(req, "".join(text), reason or "stop", prompt_tokens, completion_tokens)
         if req.return_token_ids:
             body["choices"][0]["token_ids"] = ids
         return _json(body)
 
-    async def _stream(self, request: web.Request, req: oa.GenerateRequest) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, req: GenerateRequest) -> web.StreamResponse:
         gen = self.dispatch.generate(req)
         try:
             first = await gen.__anext__()  # errors before the first token are still plain HTTP errors
@@ -157,7 +160,7 @@ class Gateway:
         try:
             await resp.prepare(request)  # inside the try: a client already gone must still close gen
             if req.kind == "chat":
-                await send(oa.chat_role_chunk(req))
+                await send(response.chat_role_chunk(req))
             item, held_ids = first, []
             while item is not None:
                 usage = item.get("usage") or usage
@@ -166,10 +169,10 @@ class Gateway:
                     pass  # nothing to show yet (e.g. half of a UTF-8 character is held back)
                 else:
                     if req.kind == "completion":
-                        chunk = oa.completion_chunk(req, item["text"], item["finish_reason"])
+                        chunk = response.completion_chunk(req, item["text"], item["finish_reason"])
                     else:
                         delta = {"content": item["text"]} if item["text"] or not item["finish_reason"] else {}
-                        chunk = oa.chat_chunk(req, delta, item["finish_reason"])
+                        chunk = response.chat_chunk(req, delta, item["finish_reason"])
                     if req.return_token_ids:
                         chunk["choices"][0]["token_ids"], held_ids = held_ids, []
                     await send(chunk)
@@ -180,8 +183,8 @@ class Gateway:
             if req.include_usage:
                 p = usage["prompt_tokens"] if usage else len(req.prompt_ids)
                 c = usage["completion_tokens"] if usage else 0
-                await send(oa.usage_chunk(req, p, c))
-        except oa.OpenAIError as e:
+                await send(response.usage_chunk(req, p, c))
+        except OpenAIError as e:
             await send(e.body())  # mid-stream failure: an SSE error event, then [DONE]
         finally:
             await gen.aclose()
@@ -218,7 +221,7 @@ class Gateway:
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     info = await asyncio.to_thread(load_model_info, args.model, served_name=args.served_model_name)
-    ctx = oa.ModelContext(model_id=info.model_id, tokenizer=info.tokenizer, max_model_len=info.max_model_len,
+    ctx = ModelContext(model_id=info.model_id, tokenizer=info.tokenizer, max_model_len=info.max_model_len,
                           eos_token_ids=info.eos_token_ids)
     gw = Gateway(ctx, service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service.require(args, "planner", "PRFAAS_PLANNER_ADDR"),
                  request_timeout=args.request_timeout, max_inflight=args.max_inflight, place_retry_s=args.place_retry_s)

@@ -23,8 +23,8 @@ from common.rpc.core import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime.backoff import Backoff
 from proto.frames import ErrorCode
-from services.gateway import openai_api as oa
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai.request import GenerateRequest, OpenAIError
 
 log = logging.getLogger("prfaas.gateway")
 
@@ -41,11 +41,11 @@ HTTP_STATUS = {
 RETRY_REASONS = ("decode_overloaded", "decode_unavailable", "decode_resumed", "prefill_failed")
 
 
-def service_error(e: RpcError) -> oa.OpenAIError:
+def service_error(e: RpcError) -> OpenAIError:
     """The OpenAI error a client sees for a service's error ``e`` (status from :data:`HTTP_STATUS`, else 500)."""
     status = HTTP_STATUS.get(e.code, 500)
     etype = "invalid_request_error" if status == 400 else ("server_error" if status >= 500 else "rate_limit_error")
-    return oa.OpenAIError(status=status, message=str(e.message), type=etype, param=None, code=e.code.value)
+    return OpenAIError(status=status, message=str(e.message), type=etype, param=None, code=e.code.value)
 
 
 def retry_reason(code: ErrorCode, started: bool, retries: int, decode_excluded: int, max_retries: int,
@@ -87,10 +87,10 @@ class Dispatcher:
     @contextlib.contextmanager
     def admission(self) -> Iterator[None]:
         """Hold one of the ``max_inflight`` places for the body of the ``with``. Raises
-        :class:`oa.OpenAIError` 429 (``overloaded``) at once when all are taken."""
+        :class:`OpenAIError` 429 (``overloaded``) at once when all are taken."""
         if self.inflight >= self.max_inflight:
             self.metrics.count_rejected()
-            raise oa.OpenAIError(status=429, message=f"{self.inflight} requests are in flight (the gateway's limit); "
+            raise OpenAIError(status=429, message=f"{self.inflight} requests are in flight (the gateway's limit); "
                                  "retry after the Retry-After header's seconds", type="rate_limit_error", param=None,
                                  code="overloaded")
         self.inflight += 1
@@ -99,7 +99,7 @@ class Dispatcher:
         finally:
             self.inflight -= 1
 
-    async def generate(self, req: oa.GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         """Yield decode stream items for ``req``; places it first and releases it at the end.
 
         Failures the client should see only as a delay are retried, at most ``max_retries`` times
@@ -120,7 +120,7 @@ class Dispatcher:
           and for seeded sampling (per-position seeds, ``common.model.sampling.shifted_seed``).
 
         Anything else, or a retry past the budget or the deadline, raises
-        :class:`oa.OpenAIError` (a stream already started turns it into an SSE error event)."""
+        :class:`OpenAIError` (a stream already started turns it into an SSE error event)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout
         excluded_decode: list[str] = []
@@ -174,12 +174,12 @@ class Dispatcher:
                             e, placement["prefill" if why == "prefill_failed" else "decode"]["name"], why, len(generated))
                 continue
             except asyncio.TimeoutError:
-                raise oa.OpenAIError(status=504, message=f"request exceeded {self.request_timeout}s", type="server_error", param=None, code="timeout") from None
+                raise OpenAIError(status=504, message=f"request exceeded {self.request_timeout}s", type="server_error", param=None, code="timeout") from None
             finally:
                 self.active -= 1
                 await self._release(req)
 
-    async def _release(self, req: oa.GenerateRequest) -> None:
+    async def _release(self, req: GenerateRequest) -> None:
         """``release`` at the router, shielded from cancellation; a failure is ignored (the lease expires)."""
         with contextlib.suppress(Exception):
             await asyncio.shield(self.router.call("release", {"req_id": req.request_id}, timeout=2.0))
@@ -195,7 +195,7 @@ class Dispatcher:
             log.warning("prompt not hashed for prefix routing: %s", e)
             return None
 
-    async def place(self, req: oa.GenerateRequest, excluded: list[str], refusal: RpcError | None,
+    async def place(self, req: GenerateRequest, excluded: list[str], refusal: RpcError | None,
                     hashes: list[int] | None = None, excluded_prefill: list[str] | None = None,
                     input_ids: list[int] | None = None, deadline: float | None = None) -> dict[str, Any]:
         """Ask the router for a placement of ``input_ids`` (default: the prompt) avoiding the decode
@@ -207,7 +207,7 @@ class Dispatcher:
         ``place_retry_s`` seconds (and never past ``deadline``, event-loop time): the client sees a
         delay. When the exclusions leave no prefill worker, they are dropped (in place: the caller's
         list is cleared) and the router asked again, since the fault may have passed. Raises
-        :class:`oa.OpenAIError` after that, or at once when the router rejects the request, or when no
+        :class:`OpenAIError` after that, or at once when the router rejects the request, or when no
         decode worker is left outside the exclusions."""
         ids = req.prompt_ids if input_ids is None else input_ids
         args: dict[str, Any] = {"req_id": req.request_id, "prompt_len": len(ids), "exclude_decode": excluded,
@@ -246,7 +246,7 @@ class Dispatcher:
                     raise
                 delay = backoff.next_delay()
                 if delay is None:
-                    raise oa.OpenAIError(status=503, message="router did not answer in time", type="server_error", param=None,
+                    raise OpenAIError(status=503, message="router did not answer in time", type="server_error", param=None,
                                          code="unavailable") from None
                 self.metrics.count_place_retry()
             await asyncio.sleep(delay)
