@@ -62,7 +62,7 @@ async def _json_http_errors(request: web.Request, handler):
             raise
         etype = "invalid_request_error" if e.status < 500 else "server_error"
         err = OpenAIError(status=e.status, message=f"{e.reason}: {request.method} {request.path}", type=etype, param=None,
-                             code=None)
+                          code=None)
         return _error_response(err)
 
 

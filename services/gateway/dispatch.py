@@ -91,8 +91,8 @@ class Dispatcher:
         if self.inflight >= self.max_inflight:
             self.metrics.count_rejected()
             raise OpenAIError(status=429, message=f"{self.inflight} requests are in flight (the gateway's limit); "
-                                 "retry after the Retry-After header's seconds", type="rate_limit_error", param=None,
-                                 code="overloaded")
+                              "retry after the Retry-After header's seconds", type="rate_limit_error", param=None,
+                              code="overloaded")
         self.inflight += 1
         try:
             yield
@@ -247,6 +247,6 @@ class Dispatcher:
                 delay = backoff.next_delay()
                 if delay is None:
                     raise OpenAIError(status=503, message="router did not answer in time", type="server_error", param=None,
-                                         code="unavailable") from None
+                                      code="unavailable") from None
                 self.metrics.count_place_retry()
             await asyncio.sleep(delay)
