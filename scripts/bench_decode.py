@@ -111,7 +111,7 @@ def pool_bytes_for(specs, batch: int, tokens: int, block_size: int) -> int:
 async def worker_round(worker, specs, args, rnd: int) -> dict:
     """One batch of requests through ``worker``, each injected as if its transfer had just finished."""
     from common.model.sampling import SamplingParams
-    from services.decode.worker import DecodeRequest
+    from services.decode.request import DecodeRequest
 
     store = worker.store
     batch, ctx, steps = args.batch, args.ctx, args.warmup + args.steps

@@ -39,7 +39,7 @@ MODEL = "tiny-hybrid"
 async def client(decode: str, prefill: str, prompt_len: int, reps: int) -> None:
     """Role: time ``generate`` (max_tokens 1) against the decode worker; prints one JSON line."""
     from common.model.sampling import SamplingParams
-    from common.rpc.core import RpcClient
+    from common.rpc.client import RpcClient
 
     c = RpcClient(decode, service="bench", name="bench-client", connect_timeout=120)
     out = []
@@ -68,7 +68,7 @@ def proxy_role(listen: str, target: str, rate_bps: float) -> None:
     import uvloop
 
     from common.lab.link_proxy import LinkProxy
-    from common.rpc.core import parse_addr
+    from common.rpc.handshake import parse_addr
 
     async def run() -> None:
         lh, lp = parse_addr(listen)

@@ -67,7 +67,8 @@ def make_layers(nbytes: int):
 # engine roles
 
 async def engine_recv(listen: str, ctl: str) -> None:
-    from common.rpc.core import RpcServer, parse_addr
+    from common.rpc.handshake import parse_addr
+    from common.rpc.server import RpcServer
     from common.transfer.receiver import KvReceiver
 
     rx = KvReceiver("bench-rx", {"model_id": "bench"}, LAYERS, budget_bytes=2 << 30)
@@ -100,7 +101,7 @@ class _EngineSender:
     """One sending process of the engine: a KvLink per (bytes, connections) config, one transfer at a time."""
 
     def __init__(self, target: str, ctl: str):
-        from common.rpc.core import RpcClient
+        from common.rpc.client import RpcClient
 
         self.target = target
         self.control = RpcClient(ctl, service="bench", name="bench", connect_timeout=20)
@@ -110,8 +111,8 @@ class _EngineSender:
 
     async def use(self, nbytes: int, conns: int, chunk: int | None = None) -> None:
         """Switch to a config: a fresh link with ``conns`` connections and the payload, warmed up."""
+        from common.transfer.ranges import DEFAULT_CHUNK_BYTES
         from common.transfer.sender import KvLink
-        from common.transfer.stream import DEFAULT_CHUNK_BYTES
 
         key = (nbytes, conns, chunk)
         if key == self.key:
@@ -129,7 +130,7 @@ class _EngineSender:
 
     async def once(self) -> tuple[float, int, dict]:
         """One measured transfer: (seconds, payload bytes, the receiver's report)."""
-        from common.transfer.stream import tensor_ranges
+        from common.transfer.ranges import tensor_ranges
 
         layers, layouts, seq, _ = self.data
         total = sum(lay["total"] for lay in layouts)
@@ -194,7 +195,7 @@ async def engine_send_interactive(target: str, ctl: str) -> None:
 # raw-socket baseline: plain sendall / recv_into, blocking sockets, one thread per connection
 
 def raw_recv(listen: str) -> None:
-    from common.rpc.core import parse_addr
+    from common.rpc.handshake import parse_addr
 
     host, port = parse_addr(listen)
     srv = socket.socket()
@@ -231,7 +232,7 @@ class _RawSender:
     """The raw-socket baseline's sending process: blocking sockets, one thread per connection."""
 
     def __init__(self, target: str):
-        from common.rpc.core import parse_addr
+        from common.rpc.handshake import parse_addr
 
         self.addr = parse_addr(target)
         self.key: tuple | None = None
@@ -302,7 +303,7 @@ def raw_send_interactive(target: str) -> None:
 async def http_recv(listen: str) -> None:
     from aiohttp import web
 
-    from common.rpc.core import parse_addr
+    from common.rpc.handshake import parse_addr
 
     async def kv(request: web.Request) -> web.Response:
         state = pickle.loads(await request.read())

@@ -57,7 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.lab import netlab  # noqa: E402
 from common.lab.cluster import Cluster, free_port  # noqa: E402
 from common.lab.link_proxy import LinkProxy, TokenBucket  # noqa: E402
-from common.rpc.core import RpcClient, parse_addr  # noqa: E402
+from common.rpc.client import RpcClient  # noqa: E402
+from common.rpc.handshake import parse_addr  # noqa: E402
 from services.gateway.metrics import sample_value  # noqa: E402
 
 DECODERS = ("decode", "decode2")  # Cluster service names of the two PD-D workers (worker names decode-0, decode-1)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.lab.cluster import Cluster  # noqa: E402
 from common.model.sampling import SamplingParams  # noqa: E402
-from common.rpc.core import RpcClient  # noqa: E402
+from common.rpc.client import RpcClient  # noqa: E402
 
 
 async def stream_once(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:

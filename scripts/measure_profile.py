@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.lab.cluster import Cluster  # noqa: E402
 from common.model.sampling import SamplingParams  # noqa: E402
-from common.rpc.core import RpcClient  # noqa: E402
+from common.rpc.client import RpcClient  # noqa: E402
 from services.planner import throughput as tm  # noqa: E402
 
 VOCAB = 256  # prompt tokens are drawn from the byte range, valid for every embedded model

@@ -25,7 +25,7 @@ from common.model.loader import (
     weight_hash,
 )
 from common.transfer.paged_assembly import PagedAssembly
-from common.transfer.stream import split_ranges, tensor_ranges
+from common.transfer.ranges import split_ranges, tensor_ranges
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -36,10 +36,10 @@ from common.lab.cluster import Cluster, free_port
 from common.lab.reference import reference_greedy
 from common.model.sampling import SamplingParams, shifted_seed, step_seed
 from common.model.tokenizer import build_byte_tokenizer
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from proto.frames import ErrorCode
-from services.decode.worker import DecodeRequest
+from services.decode.request import DecodeRequest
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -146,6 +146,47 @@ def test_replay_that_already_ends_the_request():
         DecodeRequest("r", SamplingParams(max_tokens=9, stop_token_ids=EOS), 5, TOK).replay([256, ord("x")])
     with pytest.raises(ValueError):
         DecodeRequest("r", SamplingParams(max_tokens=2), 5, TOK).replay([1, 2, 3])
+
+
+def test_generate_args_are_typed_and_a_bad_field_is_named():
+    """The server converts generate's args to GenerateArgs before the handler runs: a bad field is
+    bad_request naming it; resume is then checked against input_ids by resume_of."""
+    from common.rpc.schema import convert_call
+    from services.decode.messages import GenerateArgs, ResumeArgs
+    from services.decode.request import resume_of
+    from services.decode.worker import DecodeWorker
+
+    base = {"req_id": "r", "input_ids": [1, 2, 3, 4], "sampling": {"max_tokens": 2}, "prefill_addr": "127.0.0.1:9"}
+    args = convert_call(DecodeWorker.generate, "generate", {**base, "route": "remote", "extra": 1})
+    assert args == GenerateArgs("r", [1, 2, 3, 4], {"max_tokens": 2}, "127.0.0.1:9", route="remote")
+    cases = [({**base, "resume": {"prompt_len": "2", "generated_ids": [3, 4]}},
+              "generate: Expected `int`, got `str` - at `$.resume.prompt_len`"),
+             ({**base, "resume": {"prompt_len": 0, "generated_ids": []}}, "generate: Expected `int` >= 1 - at `$.resume.prompt_len`"),
+             ({**base, "resume": [2, [3, 4]]}, "generate: Expected `object | null`, got `array` - at `$.resume`"),
+             ({k: v for k, v in base.items() if k != "prefill_addr"}, "generate: Object missing required field `prefill_addr`"),
+             ({**base, "input_ids": [1, True]}, "generate: Expected `int`, got `bool` - at `$.input_ids[1]`")]
+    for bad, message in cases:
+        with pytest.raises(RpcError) as e:
+            convert_call(DecodeWorker.generate, "generate", bad)
+        assert (e.value.code, e.value.message) == (ErrorCode.BAD_REQUEST, message)
+    assert resume_of(None, [1, 2, 3]) == (3, [])
+    assert resume_of(ResumeArgs(2, [3, 4]), [1, 2, 3, 4]) == (2, [3, 4])
+    for resume in (ResumeArgs(5, []), ResumeArgs(2, [4, 3]), ResumeArgs(2, [3])):
+        with pytest.raises(RpcError) as e:
+            resume_of(resume, [1, 2, 3, 4])
+        assert e.value.code is ErrorCode.BAD_REQUEST and "resume." in e.value.message
+
+
+def test_stream_error_is_the_last_item_and_answers_its_code():
+    from services.decode.request import StreamError
+
+    req = DecodeRequest("r", SamplingParams(max_tokens=9), 5, TOK)
+    req.push(ord("a"))
+    req.fail(ErrorCode.UNAVAILABLE, "transfer of r failed: gone")
+    assert req.done and req.out.get_nowait()["token_ids"] == [ord("a")]
+    err = req.out.get_nowait()
+    assert err == StreamError(ErrorCode.UNAVAILABLE, "transfer of r failed: gone") and req.out.empty()
+    assert str(err.to_rpc()) == "unavailable: transfer of r failed: gone"
 
 
 def test_shifted_seed_draws_the_original_position():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from common.model.sampling import SamplingParams
 from common.model.tokenizer import build_byte_tokenizer
-from services.decode.worker import DecodeRequest
+from services.decode.request import DecodeRequest
 
 TOK = build_byte_tokenizer()
 

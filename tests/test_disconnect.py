@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 
 from common.lab.reference import reference_greedy
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from services.gateway.metrics import sample_value
 
 LONG = 6000  # tokens: remote route (> t = 1024); prefill takes ~2 s on one CPU thread

@@ -14,7 +14,7 @@ from common.control.kv_events import KvEventPublisher, block_size_from_env
 from common.kv.block_pool import BlockPool
 from common.kv.prefix_cache import PrefixCache, block_hashes
 from common.lab.cluster import free_port
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from services.gateway.metrics import (
     prefix_families,

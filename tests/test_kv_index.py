@@ -7,15 +7,14 @@ from collections import deque
 
 import pytest
 
-from services.router.kv_index import (
-    EVICTED,
-    STORED,
-    KvIndex,
+from services.router.kv_index import EVICTED, STORED, KvIndex
+from services.router.placement import (
+    LOCAL,
+    REMOTE,
     choose_cluster,
     incremental_lengths,
     prefix_move,
 )
-from services.router.policy import LOCAL, REMOTE
 
 
 def stored(seq: int, h: int, parent: int | None = None) -> tuple[int, str, int, int | None]:

@@ -14,9 +14,9 @@ import torch
 
 from common.kv.layout import dtype_name, make_layout
 from common.lab.link_proxy import LinkProxy
+from common.transfer.ranges import tensor_ranges
 from common.transfer.receiver import KvReceiver
 from common.transfer.sender import KvLink
-from common.transfer.stream import tensor_ranges
 
 
 async def test_slow_link_transfer_keeps_its_connections():

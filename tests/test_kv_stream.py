@@ -1,4 +1,4 @@
-"""Unit tests for ``common/transfer/stream.py`` (no sockets): layouts, byte ranges of whole tensors and of
+"""Unit tests for ``common/transfer/ranges.py`` and ``common/transfer/assembly.py`` (no sockets): layouts, byte ranges of whole tensors and of
 sequence chunks, deterministic splitting, layout validation, and :class:`KvAssembly` reassembly
 (shuffled, duplicated and overlapping pieces; readiness; errors)."""
 
@@ -12,13 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.kv.layout import DTYPES, KvError, check_layouts, dtype_name, make_layout
-from common.transfer.stream import (
-    BufferPool,
-    KvAssembly,
-    _Coverage,
-    split_ranges,
-    tensor_ranges,
-)
+from common.transfer.assembly import BufferPool, KvAssembly, _Coverage
+from common.transfer.ranges import split_ranges, tensor_ranges
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -36,10 +36,12 @@ from common.rpc.auth import (
     server_context,
 )
 from common.rpc.errors import RpcError, Unavailable
-from common.transfer.link_stats import read_tcp_info
+from common.transfer.assembly import KvAssembly
+from common.transfer.outbound import Transfer, TransferRefused
+from common.transfer.ranges import split_ranges, tensor_ranges
 from common.transfer.receiver import KvReceiver, Overloaded, _KvConnection
-from common.transfer.sender import KvLink, Transfer, TransferRefused
-from common.transfer.stream import KvAssembly, split_ranges, tensor_ranges
+from common.transfer.sender import KvLink
+from common.transfer.tcp_info import read_tcp_info
 from proto.frames import ErrorCode, Kind, encode_frame, encode_frame_parts, read_frame
 
 pytestmark = pytest.mark.timeout(30)
@@ -728,7 +730,7 @@ async def test_stale_idle_connections_replaced_before_transfer(env):
     rx, proxy, link, old = await _stale_setup(env, idle_check_s=0.3)
     # the old connections are really stale: a ping on them gets no pong
     c = link.conns[min(old)]
-    link._ping(c)
+    c.ping()
     await asyncio.sleep(0.3)
     assert c.ping_sent is not None and c.alive
     c.ping_sent = None

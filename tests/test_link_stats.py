@@ -1,32 +1,29 @@
-"""Tests for common.transfer.link_stats: TCP_INFO parsing, Ewma, LinkStats, Prometheus rendering."""
+"""Tests for common.transfer.tcp_info (TCP_INFO parsing), estimators (Ewma, WindowedMax), link_stats
+(LinkStats) and link_metrics (Prometheus families)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
-import re
 import socket
 import struct
 import sys
 import time
+from types import SimpleNamespace
 
 import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from common.transfer import link_stats
-from common.transfer.link_stats import (
-    TCP_INFO_MIN_LEN,
-    Ewma,
-    LinkStats,
-    TcpInfo,
-    TcpState,
-    WindowedMax,
-    read_tcp_info,
-    render_prometheus,
-)
+from common.transfer import tcp_info
+from common.transfer.estimators import Ewma, WindowedMax
+from common.transfer.link_metrics import link_metric_families
+from common.transfer.link_stats import LinkStats
+from common.transfer.tcp_info import TCP_INFO_MIN_LEN, TcpInfo, TcpState, read_tcp_info
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO layout is Linux's")
 
@@ -267,7 +264,7 @@ def test_read_tcp_info_none_and_junk():
 def test_read_tcp_info_not_linux(monkeypatch):
     s = FakeSock(port=1)
     assert read_tcp_info(s) is not None
-    monkeypatch.setattr(link_stats, "_IS_LINUX", False)
+    monkeypatch.setattr(tcp_info, "_IS_LINUX", False)
     assert read_tcp_info(s) is None
 
 
@@ -671,9 +668,9 @@ def test_capacity_from_backlogged_intervals():
     assert snap["capacity_bps"] == pytest.approx(20e6)
     assert snap["goodput_bps"] == 0.0  # nothing reported through on_bytes_sent
     assert type(snap["capacity_bps"]) is float and msgpack.unpackb(msgpack.packb(snap), raw=False) == snap
-    types, samples = parse_exposition(ls.prometheus_lines("x", {"peer": "p"}))
-    assert types["x_capacity_bits_per_second"] == "gauge"
-    assert samples[("x_capacity_bits_per_second", frozenset({("peer", "p")}))] == pytest.approx(20e6)
+    types, samples = parse_exposition(expose("x", [({"peer": "p"}, ls)]))
+    assert types["x_capacity_bits_per_second"][0] == "gauge"
+    assert samples[("x_capacity_bits_per_second", frozenset({("peer", "p")}))] == ls.snapshot()["capacity_bps"]
 
 
 def test_capacity_ignores_app_limited_intervals():
@@ -741,7 +738,7 @@ def test_capacity_only_rises_within_the_window_then_ages_out():
     link.run(0.0, 12.0)
     snap = ls.snapshot()
     assert snap["capacity_bps"] is None
-    assert "x_capacity_bits_per_second" not in parse_exposition(ls.prometheus_lines("x"))[0]
+    assert "x_capacity_bits_per_second" not in parse_exposition(expose("x", [({}, ls)]))[0]
 
 
 @linux_only
@@ -752,18 +749,18 @@ async def test_capacity_of_a_rate_capped_loopback_link(monkeypatch):
     cap (not the loopback speed, hundreds of times more)."""
     import torch
 
-    import common.transfer.sender as kv_sender
+    import common.transfer.connection as kv_connection
     from common.kv.layout import dtype_name, make_layout
     from common.lab.link_proxy import LinkProxy
+    from common.transfer.ranges import tensor_ranges
     from common.transfer.receiver import KvReceiver
     from common.transfer.sender import KvLink
-    from common.transfer.stream import tensor_ranges
 
     cap_bps = 50e6
     # Buffers sized for this slow link (the engine's defaults hold ~48 MiB, 8 s at this rate; pings
     # queued behind them would time out): every hop holds a few hundred KiB per connection.
-    monkeypatch.setattr(kv_sender, "SOCKET_BUFFER_BYTES", 256 << 10)
-    monkeypatch.setattr(kv_sender, "WRITE_HIGH_WATER_BYTES", 256 << 10)
+    monkeypatch.setattr(kv_connection, "SOCKET_BUFFER_BYTES", 256 << 10)
+    monkeypatch.setattr(kv_connection, "WRITE_HIGH_WATER_BYTES", 256 << 10)
     fp = {"model": "capacity-test"}
     n_layers = 48
     rx = KvReceiver("rx", fp, n_layers)
@@ -864,87 +861,84 @@ def test_snapshot_is_msgpack_and_json_safe():
         assert json.loads(json.dumps(snap, allow_nan=False)) == snap
 
 
-_SAMPLE_RE = re.compile(
-    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)'
-    r'(?:\{(?P<labels>(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*")(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*")*)\})?'
-    r' (?P<value>[-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|NaN|Inf))$'
-)
-_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+def expose(prefix: str, links) -> str:
+    """What a /metrics page shows for ``links``: the families rendered by prometheus_client."""
+    families = link_metric_families(prefix, links)
+    return generate_latest(SimpleNamespace(collect=lambda: families)).decode()
 
 
-def parse_exposition(lines: list[str]) -> tuple[dict[str, str], dict[tuple[str, frozenset], float]]:
-    """Strict-enough parser for the text format: returns (types, samples)."""
-    types: dict[str, str] = {}
+def parse_exposition(text: str) -> tuple[dict[str, tuple[str, str]], dict[tuple[str, frozenset], float]]:
+    """Parse exposition text with prometheus_client's parser: ({sample name: (type, help)},
+    {(sample name, frozenset(labels)): value}); asserts one family per name and no repeated sample."""
+    types: dict[str, tuple[str, str]] = {}
     samples: dict[tuple[str, frozenset], float] = {}
-    for line in lines:
-        assert "\n" not in line and line == line.strip()
-        if line.startswith("# TYPE "):
-            _, _, name, mtype = line.split(" ")
-            assert name not in types, f"duplicate TYPE for {name}"
-            assert mtype in ("counter", "gauge")
-            types[name] = mtype
-            continue
-        if line.startswith("# HELP "):
-            continue
-        assert not line.startswith("#"), line
-        m = _SAMPLE_RE.match(line)
-        assert m, f"unparseable sample line: {line!r}"
-        name = m["name"]
-        assert name in types, f"sample before its TYPE: {line!r}"
-        labels = {}
-        for k, v in _LABEL_RE.findall(m["labels"] or ""):
-            labels[k] = re.sub(r"\\(.)", lambda mm: {"n": "\n"}.get(mm[1], mm[1]), v)
-        key = (name, frozenset(labels.items()))
-        assert key not in samples, f"duplicate sample {key}"
-        samples[key] = float(m["value"])
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            assert types.setdefault(s.name, (fam.type, fam.documentation)) == (fam.type, fam.documentation)
+            key = (s.name, frozenset(s.labels.items()))
+            assert key not in samples, f"duplicate sample {key}"
+            samples[key] = s.value
+    assert text.count("# TYPE ") == len({name for name in types}), "one TYPE line per family"
     return types, samples
 
 
-def test_prometheus_lines_parse_and_match_snapshot():
+def test_link_metric_families_match_snapshot():
     ls, clk = busy_link()
     labels = {"peer": 'dc-b "east"\\rack\n7', "role": "prefill"}
-    lines = ls.prometheus_lines("prfaas_link", labels)
-    types, samples = parse_exposition(lines)
     snap = ls.snapshot()
+    text = expose("prfaas_link", [(labels, ls)])
+    types, samples = parse_exposition(text)
     lab = frozenset(labels.items())  # escaped on output, unescaped back by the parser
-    assert samples[("prfaas_link_goodput_bits_per_second", lab)] == pytest.approx(snap["goodput_bps"])
-    assert samples[("prfaas_link_rtt_seconds", lab)] == pytest.approx(0.0123)
-    assert samples[("prfaas_link_retransmits_total", lab)] == 2
-    assert samples[("prfaas_link_stalls_total", lab)] == 1
-    assert samples[("prfaas_link_reconnects_total", lab)] == 1
-    assert samples[("prfaas_link_bytes_queued", lab)] == 4096
-    assert samples[("prfaas_link_connections", lab)] == 2
-    assert samples[("prfaas_link_tcp_srtt_seconds", lab)] == pytest.approx(0.0025)
-    assert samples[("prfaas_link_tcp_goodput_bits_per_second", lab)] == pytest.approx(8e6)
-    for name, mtype in types.items():
+    assert samples == {
+        ("prfaas_link_connections", lab): 2.0,
+        ("prfaas_link_goodput_bits_per_second", lab): snap["goodput_bps"],
+        ("prfaas_link_tcp_goodput_bits_per_second", lab): 8e6,
+        ("prfaas_link_bytes_sent_total", lab): float(snap["bytes_sent"]),
+        ("prfaas_link_bytes_queued", lab): 4096.0,
+        ("prfaas_link_rtt_seconds", lab): snap["rtt_ms"] * 1e-3,
+        ("prfaas_link_rtt_min_seconds", lab): snap["rtt_min_ms"] * 1e-3,
+        ("prfaas_link_tcp_srtt_seconds", lab): snap["tcp_srtt_ms"] * 1e-3,
+        ("prfaas_link_tcp_srtt_max_seconds", lab): snap["tcp_srtt_max_ms"] * 1e-3,
+        ("prfaas_link_tcp_lost_segments", lab): float(snap["tcp_lost"]),
+        ("prfaas_link_tcp_unacked_segments", lab): float(snap["tcp_unacked"]),
+        ("prfaas_link_tcp_snd_cwnd_segments", lab): float(snap["tcp_snd_cwnd"]),
+        ("prfaas_link_tcp_notsent_bytes", lab): float(snap["tcp_notsent_bytes"]),
+        ("prfaas_link_retransmits_total", lab): 2.0,
+        ("prfaas_link_retransmits_window", lab): 0.0,
+        ("prfaas_link_stalls_total", lab): 1.0,
+        ("prfaas_link_reconnects_total", lab): 1.0,
+    }
+    assert snap["capacity_bps"] is None  # no capacity sample yet: no family
+    assert snap["tcp_srtt_ms"] == 2.5 and snap["bytes_sent"] > 0 and snap["tcp_snd_cwnd"] > 0
+    for name, (mtype, _) in types.items():
         assert (mtype == "counter") == name.endswith("_total"), name
-    assert types["prfaas_link_retransmits_total"] == "counter"
-    assert types["prfaas_link_goodput_bits_per_second"] == "gauge"
-    # The escaped form is on the wire.
-    assert any('peer="dc-b \\"east\\"\\\\rack\\n7"' in line for line in lines)
+    assert types["prfaas_link_retransmits_total"] == ("counter", "Retransmitted TCP segments.")
+    assert types["prfaas_link_rtt_seconds"] == ("gauge", "Application ping/pong RTT EWMA, seconds.")
+    # The escaped form is on the wire, and counters keep their _total name on the TYPE line.
+    assert 'peer="dc-b \\"east\\"\\\\rack\\n7"' in text
+    assert "# TYPE prfaas_link_retransmits_total counter\n" in text
 
 
-def test_prometheus_no_labels_and_missing_values_skipped():
-    ls = LinkStats(clock=FakeClock())
-    lines = ls.prometheus_lines("x")
-    types, samples = parse_exposition(lines)
-    assert ("x_stalls_total", frozenset()) in samples
+def test_link_metric_families_no_labels_and_missing_values_skipped():
+    types, samples = parse_exposition(expose("x", [({}, LinkStats(clock=FakeClock()))]))
+    assert samples[("x_stalls_total", frozenset())] == 0.0
     assert "x_rtt_seconds" not in types  # no RTT sample yet: no family at all
+    assert link_metric_families("x", []) == []
 
 
-def test_render_prometheus_many_links_one_type_each():
+def test_link_metric_families_many_links_one_type_each():
     a, _ = busy_link()
     b = LinkStats("other", clock=FakeClock())
-    lines = render_prometheus("prfaas_link", [({"peer": "a"}, a), ({"peer": "b"}, b.snapshot())])
-    types, samples = parse_exposition(lines)  # asserts one TYPE per family
-    assert samples[("prfaas_link_stalls_total", frozenset({("peer", "a")}))] == 1
-    assert samples[("prfaas_link_stalls_total", frozenset({("peer", "b")}))] == 0
-    with pytest.raises(ValueError):
-        render_prometheus("p", [({"peer": "a"}, a), ({"peer": "a"}, b)])
+    types, samples = parse_exposition(expose("prfaas_link", [({"peer": "a"}, a), ({"peer": "b"}, b.snapshot())]))
+    assert samples[("prfaas_link_stalls_total", frozenset({("peer", "a")}))] == 1.0
+    assert samples[("prfaas_link_stalls_total", frozenset({("peer", "b")}))] == 0.0
+    assert ("prfaas_link_rtt_seconds", frozenset({("peer", "b")})) not in samples
+    with pytest.raises(ValueError, match="duplicate label set"):
+        link_metric_families("p", [({"peer": "a"}, a), ({"peer": "a"}, b)])
 
 
 @pytest.mark.parametrize("prefix,labels", [("1bad", {}), ("has-dash", {}), ("", {}), ("ok", {"bad-name": 1}),
                                            ("ok", {"__reserved": 1}), ("ok", {"0x": 1}), ("ok", {"a:b": 1})])
-def test_prometheus_rejects_bad_names(prefix, labels):
-    with pytest.raises(ValueError):
-        LinkStats(clock=FakeClock()).prometheus_lines(prefix, labels)
+def test_link_metric_families_reject_bad_names(prefix, labels):
+    with pytest.raises(ValueError, match="invalid Prometheus|reserved"):
+        link_metric_families(prefix, [(labels, LinkStats(clock=FakeClock()))])

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from common.lab.cluster import ROOT, Cluster, free_port
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 
 pytestmark = pytest.mark.timeout(300)
@@ -441,3 +441,63 @@ def _async(pred):
     async def check():
         return pred()
     return check
+
+
+async def test_role_methods_get_the_hosted_handlers_types_and_switch_role_names_a_bad_field():
+    """The PD worker's wrappers convert a call's args with the hosted handler's own @takes type (raw
+    maps for an unmarked one), after the role check; switch_role's args are SwitchRoleArgs."""
+    import argparse
+
+    import msgspec
+
+    from common.rpc.schema import convert_call, takes
+    from proto.frames import ErrorCode
+    from services.pd.messages import SwitchRoleArgs
+    from services.pd.worker import PdWorker
+
+    class Args(msgspec.Struct):
+        n: int
+
+    got = []
+
+    @takes(Args)
+    async def generate(args):
+        got.append(args)
+        yield {"n": args.n}
+
+    async def prefill(args):
+        got.append(args)
+        return {"ok": True}
+
+    class Role:
+        def __init__(self, role, methods):
+            self.role, self.methods = role, methods
+
+        def in_flight(self):
+            return 0
+
+    ns = argparse.Namespace(role="decode", name="pd-t", advertise=None, kv_advertise=None)
+    pd = PdWorker(None, ns, "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
+    pd.hosted = Role("decode", {"generate": generate})
+    assert [i async for i in pd._stream("generate")({"n": 3, "extra": 0})] == [{"n": 3}] and got == [Args(3)]
+    with pytest.raises(RpcError) as e:
+        [i async for i in pd._stream("generate")({"n": "3"})]
+    assert (e.value.code, e.value.message) == (ErrorCode.BAD_REQUEST, "generate: Expected `int`, got `str` - at `$.n`")
+    with pytest.raises(RpcError) as e:  # the role check comes first, as before
+        await pd._unary("prefill")({"n": "3"})
+    assert e.value.code is ErrorCode.DRAINING
+    pd.role, pd.hosted = "prefill", Role("prefill", {"prefill": prefill})
+    assert await pd._unary("prefill")({"a": 1}) == {"ok": True} and got[-1] == {"a": 1}
+    assert not pd._calls
+    for bad, message in [({"epoch": "7", "to_role": "decode"}, "switch_role: Expected `int`, got `str` - at `$.epoch`"),
+                         ({"epoch": 1, "to_role": "gpu"}, "switch_role: Invalid enum value 'gpu' - at `$.to_role`"),
+                         ({"epoch": 1, "to_role": "decode", "drain_timeout_s": -1},
+                          "switch_role: Expected `float` >= 0.0 - at `$.drain_timeout_s`")]:
+        with pytest.raises(RpcError) as e:
+            convert_call(pd.switch_role, "switch_role", bad)
+        assert (e.value.code, e.value.message) == (ErrorCode.BAD_REQUEST, message)
+    assert convert_call(pd.switch_role, "switch_role", {"epoch": 2, "to_role": "decode"}) == SwitchRoleArgs(2, "decode")
+    with pytest.raises(RpcError) as e:
+        await pd.switch_role(SwitchRoleArgs(2, "decode", float("inf")))
+    assert e.value.code is ErrorCode.BAD_REQUEST and "finite" in e.value.message and pd.epoch == 0
+

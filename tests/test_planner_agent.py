@@ -4,6 +4,7 @@ planner RPC server in this process."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
@@ -125,6 +126,7 @@ async def test_update_lands_after_a_registration_already_in_flight():
     register = planner.server.handlers["register"]
     calls = {"n": 0}
 
+    @functools.wraps(register)  # keeps the handler's typed-args marker
     async def slow_first_register(args):
         calls["n"] += 1
         if calls["n"] == 1:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.lab.cluster import free_port
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from services.planner import throughput as tm
 from services.planner.control import (
     NOMINAL_LINK_GBPS,

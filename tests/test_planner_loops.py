@@ -13,10 +13,8 @@ import pytest
 
 from scripts import reproduce_table6 as t6
 from services.planner import throughput as tm
-from services.planner.loops import (
-    LongConfig,
-    LongLoop,
-    LongSignals,
+from services.planner.long_loop import LongConfig, LongLoop, LongSignals
+from services.planner.short_loop import (
     ModelThreshold,
     ShortConfig,
     ShortLoop,

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 
-from services.planner.registry import CLUSTERS, ROLES, RegistrationError, WorkerRegistry
+from services.planner.messages import CLUSTERS, ROLES, RegisterArgs, ReportArgs
+from services.planner.registry import RegistrationError, WorkerRegistry
 
 
-def info(name: str = "w1", role: str = "prefill", cluster: str = "pd", **extra) -> dict:
+def wire(name: str = "w1", role: object = "prefill", cluster: object = "pd", **extra) -> dict:
+    """A ``register`` call's args map, as a worker sends it."""
     d = {"name": name, "role": role, "cluster": cluster, "addr": f"127.0.0.1:{1000 + len(name)}"}
     d.update(extra)
     return d
+
+
+def info(name: str = "w1", role: str = "prefill", cluster: str = "pd", **extra) -> RegisterArgs:
+    """The same, converted as the planner's RPC server converts it."""
+    return msgspec.convert(wire(name, role, cluster, **extra), RegisterArgs)
 
 
 # ---------------------------------------------------------------------------------------- register
@@ -30,28 +38,22 @@ def test_register_valid(role, cluster):
 
 @pytest.mark.parametrize("role", ["", "Prefill", "router", "decoder", None, 1])
 def test_register_bad_role(role):
-    reg = WorkerRegistry()
-    with pytest.raises(RegistrationError, match="role"):
-        reg.register(info(role=role), now=0.0)
-    assert reg.workers == {}
+    with pytest.raises(msgspec.ValidationError, match=r"at `\$\.role`"):
+        msgspec.convert(wire(role=role), RegisterArgs)
 
 
 @pytest.mark.parametrize("cluster", ["", "PD", "remote", "local", None])
 def test_register_bad_cluster(cluster):
-    reg = WorkerRegistry()
-    with pytest.raises(RegistrationError, match="cluster"):
-        reg.register(info(cluster=cluster), now=0.0)
-    assert reg.workers == {}
+    with pytest.raises(msgspec.ValidationError, match=r"at `\$\.cluster`"):
+        msgspec.convert(wire(cluster=cluster), RegisterArgs)
 
 
 @pytest.mark.parametrize("field", ["name", "role", "cluster", "addr"])
 def test_register_missing_field(field):
-    reg = WorkerRegistry()
-    d = info()
+    d = wire()
     del d[field]
-    with pytest.raises(RegistrationError, match=field):
-        reg.register(d, now=0.0)
-    assert reg.workers == {}
+    with pytest.raises(msgspec.ValidationError, match=f"missing required field `{field}`"):
+        msgspec.convert(d, RegisterArgs)
 
 
 def test_registration_error_is_value_error():
@@ -99,10 +101,9 @@ def test_report_unknown_worker():
 
 
 def test_report_non_map_stats():
-    reg = WorkerRegistry()
-    reg.register(info("a"), now=0.0)
-    with pytest.raises(RegistrationError):
-        reg.report("a", [1, 2], now=1.0)  # type: ignore[arg-type]
+    with pytest.raises(msgspec.ValidationError, match=r"Expected `object \| null`, got `array` - at `\$\.stats`"):
+        msgspec.convert({"name": "a", "stats": [1, 2]}, ReportArgs)
+    assert msgspec.convert({"name": "a"}, ReportArgs).stats is None
 
 
 def test_report_updates_stats_and_time():
@@ -177,7 +178,7 @@ def test_view_fields():
     reg.register(info("a", "decode", "pd", kv_addr="127.0.0.1:9", stats={"running": 1}), now=1.0)
     (v,) = reg.view(2.0)
     assert v == {
-        "name": "a", "role": "decode", "cluster": "pd", "addr": info("a")["addr"], "kv_addr": "127.0.0.1:9",
+        "name": "a", "role": "decode", "cluster": "pd", "addr": wire("a")["addr"], "kv_addr": "127.0.0.1:9",
         "alive": True, "age_s": 1.0, "stats": {"running": 1},
     }
 

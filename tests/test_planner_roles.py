@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from common.lab.cluster import free_port
-from common.rpc.core import ClientPool, RpcServer
+from common.rpc.client import ClientPool
 from common.rpc.errors import RpcError
+from common.rpc.server import RpcServer
 from proto.frames import ErrorCode
 from services.planner import throughput as tm
-from services.planner.loops import LongConfig, LongLoop
+from services.planner.long_loop import LongConfig, LongLoop
 from services.planner.roles import RoleMover, pick_worker, switchable
 
 PROFILE = json.loads((Path(__file__).resolve().parent.parent / "services/planner/profiles/h200_table5.json").read_text())

@@ -1,10 +1,10 @@
-"""Unit tests for ``services/router/policy.py`` (pure: no sockets, no torch)."""
+"""Unit tests for ``services/router/placement.py`` (pure: no sockets, no torch)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.router.policy import (
+from services.router.placement import (
     CLUSTER_OF_ROUTE,
     LOCAL,
     REMOTE,
@@ -13,10 +13,11 @@ from services.router.policy import (
     least_loaded,
     pick_affine,
     place,
+    place_request,
+    place_with_prefix,
     placeable,
     worker_load,
 )
-from services.router.server import place_with_prefix
 
 
 def w(name: str, role: str = "prefill", cluster: str = "pd", alive: bool = True, **stats) -> dict:
@@ -401,3 +402,50 @@ def test_place_with_prefix_falls_back_and_recomputes_l():
 def test_place_with_prefix_refuses_a_prefix_longer_than_the_prompt():
     with pytest.raises(ValueError):
         place_with_prefix(100, 10, {"local-p": 11}, 50, prefix_workers(), {}, False)
+
+
+# ----------------------------------------------------------------------------- fallback as a field
+
+
+def test_place_fell_back_is_a_field_not_a_phrase():
+    assert place(5000, 100, cluster_workers(), {}).fell_back is False
+    assert place(3, 100, cluster_workers(), {}).fell_back is False
+    p = place(5000, 100, cluster_workers(remote_p={"alive": False}), {})
+    assert (p.route, p.fell_back, p.incremental_len) == (LOCAL, True, 5000)
+    p = place(3, 100, [x for x in cluster_workers() if x["name"] != "local-p"], {})
+    assert (p.route, p.fell_back) == (REMOTE, True)
+
+
+def test_place_with_prefix_fell_back_field():
+    assert place_with_prefix(100, 10, {"local-q": 6}, 50, prefix_workers(), {}, False).fell_back is False
+    p = place_with_prefix(100, 10, {"local-q": 2}, 50, prefix_workers(remote_p={"alive": False}), {}, False)
+    assert (p.route, p.fell_back, p.incremental_len) == (LOCAL, True, 80)
+    # plentiful: the fallback route's l counts the longer prefix anywhere, and the move is re-derived for it
+    ws = prefix_workers(local_p={"alive": False}, local_q={"alive": False})
+    p = place_with_prefix(100, 10, {"local-q": 8}, 50, ws, {}, True)
+    # l_pd is over *alive* PD-P workers only (local-q is dead): 0, so remote with l = 100 and no move
+    assert (p.route, p.fell_back, p.incremental_len, p.prefix_move) == (REMOTE, False, 100, None)
+    ws = prefix_workers(remote_p={"alive": False})
+    p = place_with_prefix(100, 10, {"local-q": 2}, 50, ws, {}, True)
+    assert (p.route, p.fell_back, p.incremental_len, p.prefix_move) == (LOCAL, True, 80, None)
+    assert p.reason.endswith("; decode dec-a has 0")
+    assert "fell back to local (l=80); no prefix move;" in p.reason
+
+
+def test_place_request_runs_the_whole_rule():
+    ws = prefix_workers(dec_a={"stats": {"draining": True}})
+    # no hashes: the whole prompt is incremental; the draining decoder is never chosen
+    p = place_request(100, 50, ws, {}, exclude_prefill={"remote-p"})
+    assert (p.route, p.fell_back, p.prefill["name"], p.decode["name"], p.l_pd) == (LOCAL, True, "local-p", "dec-b", 0)
+    # with hashes: the cached prefix decides (l_local = 40 <= 50 on local-q's cache)
+    p = place_request(100, 50, ws, {}, block_size=10, prefix_blocks={"local-q": 6})
+    assert (p.route, p.fell_back, p.prefill["name"], p.incremental_len, p.l_pd) == (LOCAL, False, "local-q", 40, 60)
+    # an excluded holder is not a candidate, and its cache no longer counts for l_pd
+    p = place_request(100, 50, ws, {}, exclude_prefill={"local-q"}, block_size=10, prefix_blocks={"local-q": 6})
+    assert (p.route, p.prefill["name"], p.incremental_len, p.l_pd) == (REMOTE, "remote-p", 100, 0)
+    # a zero-length prompt has no blocks to look at: threshold rule on l = 0
+    p = place_request(0, 50, ws, {}, block_size=10, prefix_blocks={})
+    assert (p.route, p.incremental_len) == (LOCAL, 0)
+    with pytest.raises(NoWorker) as ei:
+        place_request(10, 50, ws, {}, exclude_decode={"dec-b"})
+    assert ei.value.role == "decode"

@@ -1,4 +1,4 @@
-"""Tests for ``common/rpc/core.py`` over real sockets on 127.0.0.1 (port 0 unless a test needs a fixed one).
+"""Tests for ``common/rpc/server.py and common/rpc/client.py`` over real sockets on 127.0.0.1 (port 0 unless a test needs a fixed one).
 
 Every test is bounded by a pytest timeout and every wait inside one by ``asyncio.wait_for``, so a
 hang fails fast. An autouse fixture also fails any test after which the event loop reported an
@@ -19,14 +19,10 @@ from typing import Any
 import msgpack
 import pytest
 
-from common.rpc.core import (
-    ClientPool,
-    RpcClient,
-    RpcServer,
-    fingerprint_mismatch,
-    parse_addr,
-)
+from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError, Unavailable
+from common.rpc.handshake import fingerprint_mismatch, parse_addr
+from common.rpc.server import RpcServer
 from proto.frames import MAGIC, PREFIX, ErrorCode, Frame, Kind, encode_frame, read_frame
 
 pytestmark = pytest.mark.timeout(10)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.rpc.core import RpcClient, RpcServer
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
+from common.rpc.server import RpcServer
 from proto.frames import ErrorCode
 
 

@@ -39,7 +39,7 @@ import time
 from typing import Any
 
 from common.kv.prefix_cache import PrefixCache
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
 

@@ -208,7 +208,7 @@ class Cluster:
 
     async def call(self, service: str, method: str, args: dict | None = None, timeout: float = 10.0):
         """One RPC to ``service`` of this cluster, over a fresh client that is closed afterwards."""
-        from common.rpc.core import RpcClient
+        from common.rpc.client import RpcClient
 
         client = RpcClient(self.addrs[service], service="test", name="test")
         try:

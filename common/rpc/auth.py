@@ -41,6 +41,14 @@ def load_secret(value: str | None = None, path: str | None = None) -> bytes | No
     return None
 
 
+ENV_SECRET = object()  # default for a ``secret`` argument: read PRFAAS_SHARED_SECRET(_FILE) from the environment
+
+
+def resolve_secret(secret: bytes | None | object) -> bytes | None:
+    """``secret`` itself, or :func:`load_secret`'s answer when it is :data:`ENV_SECRET`."""
+    return load_secret() if secret is ENV_SECRET else secret  # type: ignore[return-value]
+
+
 def _mac(secret: bytes, *parts: Any) -> str:
     return hmac.new(secret, "|".join(str(p) for p in parts).encode(), hashlib.sha256).hexdigest()
 

@@ -1,7 +1,7 @@
 """Typed RPC arguments: each method declares a ``msgspec.Struct`` and the server checks it in one place.
 
 A handler marked ``@takes(PlaceArgs)`` receives a ``PlaceArgs`` instead of a raw dict. The server
-(:meth:`common.rpc.core.RpcServer`) converts the request's ``args`` map once, before the handler runs;
+(:meth:`common.rpc.server.RpcServer`) converts the request's ``args`` map once, before the handler runs;
 a missing field, a wrong type or a value outside a ``msgspec.Meta`` constraint is answered as
 ``bad_request`` naming the field (``"place: Expected `int`, got `str` - at `$.prompt_len`"``), so no
 handler repeats ``isinstance`` checks. Unknown fields are ignored, so an older server accepts a newer

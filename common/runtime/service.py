@@ -60,7 +60,7 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
 
 def live_call_tasks(method: str) -> int:
     """How many RPC calls of ``method`` are running in this process (tasks named ``<server>:<method>:<id>``
-    by :class:`common.rpc.core.RpcServer`): a request that ended must leave none behind."""
+    by :class:`common.rpc.server.RpcServer`): a request that ended must leave none behind."""
     import asyncio
 
     tag = f":{method}:"

@@ -6,439 +6,31 @@ the engine observes itself (bytes written, application ping/pong RTT, stalls, re
 and what the kernel knows per connection (``TCP_INFO``: smoothed RTT, retransmits, lost segments,
 congestion window, bytes acked), and estimates the link's capacity passively from the rate at which
 the kernel acknowledges bytes while the engine is backlogged (:meth:`LinkStats.capacity_bytes_per_s`,
-over a :class:`WindowedMax`). :meth:`LinkStats.snapshot` is a msgpack/JSON-safe ``dict`` for the
-planner/router; :meth:`LinkStats.prometheus_lines` / :func:`render_prometheus` render it for a
-Prometheus ``/metrics`` endpoint (text exposition format 0.0.4).
+over a :class:`~common.transfer.estimators.WindowedMax`). :meth:`LinkStats.snapshot` is a
+msgpack/JSON-safe ``dict`` for the planner/router;
+:func:`common.transfer.link_metrics.link_metric_families` turns snapshots into Prometheus metric
+families.
 
 Units: byte counts are bytes, durations given to methods are seconds (``float``, from a monotonic
 clock, ``time.monotonic`` by default), rates in snapshots are bits per second (``*_bps``) and RTTs in
-snapshots are milliseconds (``*_ms``). :class:`TcpInfo` keeps the kernel's units and names them in its
-field names (``*_us`` microseconds, ``*_ms`` milliseconds, ``*_bytes_per_s``).
+snapshots are milliseconds (``*_ms``). The kernel's view comes from :mod:`common.transfer.tcp_info`,
+the averages from :mod:`common.transfer.estimators`.
 
 Nothing here does I/O besides ``getsockopt``; no method blocks or awaits.
 """
 
 from __future__ import annotations
 
-import collections
-import enum
 import math
-import socket
-import struct
-import sys
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "TCP_INFO_MIN_LEN",
-    "TcpState",
-    "TcpInfo",
-    "read_tcp_info",
-    "Ewma",
-    "WindowedMax",
-    "LinkStats",
-    "render_prometheus",
-]
+from common.transfer.estimators import Clock, Ewma, WindowedMax, check_finite
+from common.transfer.tcp_info import TcpInfo, as_socket, read_tcp_info
 
-Clock = Callable[[], float]
-
-# ---------------------------------------------------------------------------------------------------
-# TCP_INFO
-# ---------------------------------------------------------------------------------------------------
-
-_IS_LINUX = sys.platform.startswith("linux")
-# Linux value of TCP_INFO (include/uapi/linux/tcp.h); Python exposes it as socket.TCP_INFO on Linux.
-_TCP_INFO_OPT = getattr(socket, "TCP_INFO", 11)
-# Ask for more than any kernel returns today; the kernel copies min(len, sizeof(struct tcp_info)).
-_TCP_INFO_BUFLEN = 512
-
-# Layout of ``struct tcp_info`` (Linux uapi ``linux/tcp.h``), native byte order. The struct is
-# naturally aligned and every u64 falls on an 8-byte boundary, so offsets are plain sums.
-#   offset 0..7    8 x u8 (state, ca_state, retransmits, probes, backoff, options,
-#                  snd_wscale:4|rcv_wscale:4, delivery_rate_app_limited:1|fastopen_client_fail:2)
-#   offset 8..103  24 x u32 (rto .. total_retrans)            -> 104 bytes: the stable prefix
-#   offset 104     4 x u64 (pacing_rate, max_pacing_rate, bytes_acked, bytes_received)
-#   offset 136     6 x u32 (segs_out, segs_in, notsent_bytes, min_rtt, data_segs_in, data_segs_out)
-#   offset 160     4 x u64 (delivery_rate, busy_time, rwnd_limited, sndbuf_limited)
-#   offset 192     2 x u32 (delivered, delivered_ce)
-#   offset 200     2 x u64 (bytes_sent, bytes_retrans)
-#   offset 216     5 x u32 (dsack_dups, reord_seen, rcv_ooopack, snd_wnd)  -> 232 bytes
-_U8_FIELDS = ("state", "ca_state", "retransmits", "probes", "backoff", "options")
-_U32_FIELDS = (
-    "rto_us", "ato_us", "snd_mss", "rcv_mss",
-    "unacked", "sacked", "lost", "retrans", "fackets",
-    "last_data_sent_ms", "last_ack_sent_ms", "last_data_recv_ms", "last_ack_recv_ms",
-    "pmtu", "rcv_ssthresh", "rtt_us", "rttvar_us", "snd_ssthresh", "snd_cwnd", "advmss",
-    "reordering", "rcv_rtt_us", "rcv_space", "total_retrans",
-)  # fmt: skip
-_PREFIX_STRUCT = struct.Struct("=6BBB24I")
-TCP_INFO_MIN_LEN = _PREFIX_STRUCT.size  # 104: the prefix every Linux >= 2.6 returns
-assert TCP_INFO_MIN_LEN == 104
-
-# Optional tail: (field, struct format, byte offset). A field is parsed only when the kernel returned
-# all of its bytes; otherwise it is None.
-_OPTIONAL_FIELDS: tuple[tuple[str, str, int], ...] = (
-    ("pacing_rate_bytes_per_s", "Q", 104),
-    ("max_pacing_rate_bytes_per_s", "Q", 112),
-    ("bytes_acked", "Q", 120),
-    ("bytes_received", "Q", 128),
-    ("segs_out", "I", 136),
-    ("segs_in", "I", 140),
-    ("notsent_bytes", "I", 144),
-    ("min_rtt_us", "I", 148),
-    ("data_segs_in", "I", 152),
-    ("data_segs_out", "I", 156),
-    ("delivery_rate_bytes_per_s", "Q", 160),
-    ("busy_time_us", "Q", 168),
-    ("rwnd_limited_us", "Q", 176),
-    ("sndbuf_limited_us", "Q", 184),
-    ("delivered", "I", 192),
-    ("delivered_ce", "I", 196),
-    ("bytes_sent", "Q", 200),
-    ("bytes_retrans", "Q", 208),
-    ("dsack_dups", "I", 216),
-    ("reord_seen", "I", 220),
-    ("rcv_ooopack", "I", 224),
-    ("snd_wnd", "I", 228),
-)
-
-
-class TcpState(enum.IntEnum):
-    """``tcpi_state`` values (Linux ``include/net/tcp_states.h``)."""
-
-    ESTABLISHED = 1
-    SYN_SENT = 2
-    SYN_RECV = 3
-    FIN_WAIT1 = 4
-    FIN_WAIT2 = 5
-    TIME_WAIT = 6
-    CLOSE = 7
-    CLOSE_WAIT = 8
-    LAST_ACK = 9
-    LISTEN = 10
-    CLOSING = 11
-    NEW_SYN_RECV = 12
-
-
-@dataclass(frozen=True, slots=True)
-class TcpInfo:
-    """One ``getsockopt(IPPROTO_TCP, TCP_INFO)`` reading, in the kernel's units.
-
-    Units: ``*_us`` microseconds, ``*_ms`` milliseconds (``last_*_ms`` are "time since", so they grow
-    while the connection is idle), ``*_bytes_per_s`` bytes per second; ``snd_mss``, ``rcv_mss``,
-    ``pmtu``, ``advmss``, ``rcv_space``, ``rcv_ssthresh``, ``notsent_bytes``, ``snd_wnd`` and the
-    ``bytes_*`` fields are bytes; ``unacked``, ``sacked``, ``lost``, ``retrans``, ``fackets``,
-    ``snd_cwnd``, ``snd_ssthresh``, ``total_retrans``, ``segs_*``, ``data_segs_*``, ``delivered*`` and
-    ``reordering`` count segments (packets). ``retransmits`` is the number of consecutive unrecovered
-    RTO timeouts; ``total_retrans`` is the connection's cumulative retransmitted-segment count.
-    ``snd_ssthresh`` is ``0x7fffffff`` (``TCP_INFINITE_SSTHRESH``) until the first loss.
-
-    The fields after ``total_retrans`` are None when the running kernel returned fewer bytes
-    (``info_len`` is how many it returned).
-    """
-
-    state: int
-    ca_state: int
-    retransmits: int
-    probes: int
-    backoff: int
-    options: int
-    snd_wscale: int
-    rcv_wscale: int
-    delivery_rate_app_limited: bool
-    fastopen_client_fail: int
-    rto_us: int
-    ato_us: int
-    snd_mss: int
-    rcv_mss: int
-    unacked: int
-    sacked: int
-    lost: int
-    retrans: int
-    fackets: int
-    last_data_sent_ms: int
-    last_ack_sent_ms: int
-    last_data_recv_ms: int
-    last_ack_recv_ms: int
-    pmtu: int
-    rcv_ssthresh: int
-    rtt_us: int
-    rttvar_us: int
-    snd_ssthresh: int
-    snd_cwnd: int
-    advmss: int
-    reordering: int
-    rcv_rtt_us: int
-    rcv_space: int
-    total_retrans: int
-    info_len: int
-    pacing_rate_bytes_per_s: int | None = None
-    max_pacing_rate_bytes_per_s: int | None = None
-    bytes_acked: int | None = None
-    bytes_received: int | None = None
-    segs_out: int | None = None
-    segs_in: int | None = None
-    notsent_bytes: int | None = None
-    min_rtt_us: int | None = None
-    data_segs_in: int | None = None
-    data_segs_out: int | None = None
-    delivery_rate_bytes_per_s: int | None = None
-    busy_time_us: int | None = None
-    rwnd_limited_us: int | None = None
-    sndbuf_limited_us: int | None = None
-    delivered: int | None = None
-    delivered_ce: int | None = None
-    bytes_sent: int | None = None
-    bytes_retrans: int | None = None
-    dsack_dups: int | None = None
-    reord_seen: int | None = None
-    rcv_ooopack: int | None = None
-    snd_wnd: int | None = None
-
-    @property
-    def tcp_state(self) -> TcpState | int:
-        """``state`` as a :class:`TcpState` (the raw int if the kernel reports an unknown value)."""
-        try:
-            return TcpState(self.state)
-        except ValueError:
-            return self.state
-
-    @property
-    def rtt_s(self) -> float:
-        """The kernel's smoothed RTT (``rtt_us``) in seconds."""
-        return self.rtt_us / 1e6
-
-    @classmethod
-    def from_bytes(cls, buf: bytes) -> TcpInfo:
-        """Parse a raw ``struct tcp_info`` in native byte order.
-
-        Raises ValueError if ``buf`` is shorter than :data:`TCP_INFO_MIN_LEN` (104) bytes.
-        """
-        n = len(buf)
-        if n < TCP_INFO_MIN_LEN:
-            raise ValueError(f"tcp_info too short: {n} bytes < {TCP_INFO_MIN_LEN}")
-        vals = _PREFIX_STRUCT.unpack_from(buf, 0)
-        u8 = vals[:6]
-        wscale, flags = vals[6], vals[7]
-        # C bit-fields are allocated from the least significant bit on little-endian ABIs and from
-        # the most significant bit on big-endian ones.
-        if sys.byteorder == "little":
-            snd_wscale, rcv_wscale = wscale & 0x0F, wscale >> 4
-            app_limited, fo_fail = flags & 0x1, (flags >> 1) & 0x3
-        else:
-            snd_wscale, rcv_wscale = wscale >> 4, wscale & 0x0F
-            app_limited, fo_fail = flags >> 7, (flags >> 5) & 0x3
-        kw: dict[str, Any] = dict(zip(_U8_FIELDS, u8))
-        kw.update(snd_wscale=snd_wscale, rcv_wscale=rcv_wscale,
-                  delivery_rate_app_limited=bool(app_limited), fastopen_client_fail=fo_fail)
-        kw.update(zip(_U32_FIELDS, vals[8:]))
-        kw["info_len"] = n
-        for name, fmt, off in _OPTIONAL_FIELDS:
-            size = struct.calcsize("=" + fmt)
-            if off + size > n:
-                break
-            kw[name] = struct.unpack_from("=" + fmt, buf, off)[0]
-        return cls(**kw)
-
-
-def _as_socket(sock_or_transport: Any) -> Any:
-    """The socket-like object behind ``sock_or_transport`` (an asyncio transport or a socket)."""
-    get_extra = getattr(sock_or_transport, "get_extra_info", None)
-    if get_extra is not None and not hasattr(sock_or_transport, "getsockopt"):
-        return get_extra("socket")
-    return sock_or_transport
-
-
-def read_tcp_info(sock: Any) -> TcpInfo | None:
-    """Read ``TCP_INFO`` from a TCP socket or an asyncio transport.
-
-    ``sock`` may be a :class:`socket.socket`, anything with ``getsockopt`` (asyncio's
-    ``TransportSocket``, uvloop's pseudo-socket), or an asyncio transport/``StreamWriter``-like
-    object with ``get_extra_info("socket")``.
-
-    Returns None, never raises, when the information is not available: not Linux, not a TCP socket
-    (UDP, Unix), a closed socket or transport, a transport without a socket, or a kernel answer
-    shorter than the 104-byte stable prefix. (A socket that is open but not connected yet still
-    answers, with ``state`` other than ESTABLISHED.)
-    """
-    if not _IS_LINUX or sock is None:
-        return None
-    try:
-        s = _as_socket(sock)
-        if s is None:
-            return None
-        fileno = getattr(s, "fileno", None)
-        if fileno is not None and fileno() < 0:
-            return None
-        buf = s.getsockopt(socket.IPPROTO_TCP, _TCP_INFO_OPT, _TCP_INFO_BUFLEN)
-    except (OSError, ValueError, AttributeError, TypeError):
-        return None
-    if not isinstance(buf, (bytes, bytearray)) or len(buf) < TCP_INFO_MIN_LEN:
-        return None
-    return TcpInfo.from_bytes(bytes(buf))
-
-
-# ---------------------------------------------------------------------------------------------------
-# EWMA
-# ---------------------------------------------------------------------------------------------------
-
-
-def _check_finite(name: str, value: float) -> float:
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return v
-
-
-class Ewma:
-    """Exponentially weighted moving average, per-sample (``alpha``) or time-aware (``half_life_s``).
-
-    Give exactly one of:
-
-    * ``alpha`` in (0, 1]: every sample moves the average by ``alpha`` of the gap,
-      ``avg += alpha * (value - avg)``, whatever the time between samples (``now`` is only recorded).
-    * ``half_life_s`` > 0 (seconds): each sample is taken to have held since the previous update, so
-      its weight is ``1 - 2 ** (-(now - last) / half_life_s)``. A step input therefore reaches 50% of
-      the step after one half-life, 75% after two, however finely it is sampled; a sample with the
-      same ``now`` as the previous one does not move the average.
-
-    The first sample initialises the average to that value. ``value`` is None before it.
-
-    Raises ValueError for a bad ``alpha``/``half_life_s``, both or neither given, a non-finite
-    sample, or (time-aware mode) ``now`` earlier than the previous update.
-    """
-
-    __slots__ = ("alpha", "half_life_s", "_clock", "_value", "_last", "_count")
-
-    def __init__(self, alpha: float | None = None, *, half_life_s: float | None = None,
-                 clock: Clock = time.monotonic) -> None:
-        if (alpha is None) == (half_life_s is None):
-            raise ValueError("give exactly one of alpha or half_life_s")
-        if alpha is not None:
-            a = float(alpha)
-            if not (0.0 < a <= 1.0):
-                raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
-            self.alpha: float | None = a
-            self.half_life_s: float | None = None
-        else:
-            h = float(half_life_s)  # type: ignore[arg-type]
-            if not (math.isfinite(h) and h > 0.0):
-                raise ValueError(f"half_life_s must be a positive finite number of seconds, got {half_life_s!r}")
-            self.alpha = None
-            self.half_life_s = h
-        self._clock = clock
-        self._value: float | None = None
-        self._last: float | None = None
-        self._count = 0
-
-    @property
-    def value(self) -> float | None:
-        """The current average (None before the first sample)."""
-        return self._value
-
-    @property
-    def last_update(self) -> float | None:
-        """``now`` of the latest update, in seconds (None before the first sample)."""
-        return self._last
-
-    @property
-    def count(self) -> int:
-        """Number of samples folded in."""
-        return self._count
-
-    def weight(self, dt: float) -> float:
-        """The weight a new sample gets ``dt`` seconds after the previous update."""
-        if self.alpha is not None:
-            return self.alpha
-        if dt <= 0.0:
-            return 0.0
-        return -math.expm1(-dt * math.log(2.0) / self.half_life_s)  # 1 - 2**(-dt/h), accurate for small dt
-
-    def update(self, value: float, now: float | None = None) -> float:
-        """Fold in ``value`` observed at ``now`` (seconds; default: the clock) and return the average.
-
-        Raises ValueError if ``value`` or ``now`` is not finite, or in time-aware mode if ``now`` is
-        earlier than the previous update.
-        """
-        v = _check_finite("value", value)
-        t = _check_finite("now", self._clock() if now is None else now)
-        if self._value is None:
-            self._value, self._last, self._count = v, t, 1
-            return v
-        assert self._last is not None
-        if self.half_life_s is not None and t < self._last:
-            raise ValueError(f"time went backwards: now={t} < last update {self._last}")
-        w = self.weight(t - self._last)
-        self._value += w * (v - self._value)
-        self._last = max(t, self._last)
-        self._count += 1
-        return self._value
-
-    def reset(self) -> None:
-        """Forget every sample."""
-        self._value, self._last, self._count = None, None, 0
-
-    def __repr__(self) -> str:
-        mode = f"alpha={self.alpha}" if self.alpha is not None else f"half_life_s={self.half_life_s}"
-        return f"Ewma({mode}, value={self._value!r}, count={self._count})"
-
-
-# ---------------------------------------------------------------------------------------------------
-# Windowed max
-# ---------------------------------------------------------------------------------------------------
-
-
-class WindowedMax:
-    """Largest sample seen in the last ``window_s`` seconds (a max filter, as BBR keeps its bandwidth).
-
-    A sample stamped ``t`` counts while ``now - t < window_s``. Kept as a deque of (stamp, value) with
-    strictly decreasing values, so :meth:`update` and :meth:`value` are amortised O(1) and memory is
-    bounded by the number of samples in one window. A sample stamped earlier than the previous one is
-    stamped with the previous one's time instead (it then lives at most that much longer).
-
-    Raises ValueError for a ``window_s`` that is not a positive finite number of seconds, a
-    non-finite sample or ``now``.
-    """
-
-    __slots__ = ("window_s", "_items", "_last")
-
-    def __init__(self, window_s: float) -> None:
-        w = float(window_s)
-        if not (math.isfinite(w) and w > 0.0):
-            raise ValueError(f"window_s must be a positive finite number of seconds, got {window_s!r}")
-        self.window_s = w
-        self._items: collections.deque[tuple[float, float]] = collections.deque()
-        self._last = -math.inf
-
-    def update(self, value: float, now: float) -> None:
-        """Add ``value`` observed at ``now`` (seconds)."""
-        v = _check_finite("value", value)
-        t = max(_check_finite("now", now), self._last)
-        self._last = t
-        items = self._items
-        while items and items[-1][1] <= v:
-            items.pop()  # older and not larger: can never be the maximum again
-        items.append((t, v))
-
-    def value(self, now: float) -> float | None:
-        """The largest sample stamped within ``window_s`` before ``now`` (None if there is none)."""
-        t = _check_finite("now", now)
-        items = self._items
-        while items and t - items[0][0] >= self.window_s:
-            items.popleft()
-        return items[0][1] if items else None
-
-    def reset(self) -> None:
-        """Forget every sample."""
-        self._items.clear()
-        self._last = -math.inf
-
-
-# ---------------------------------------------------------------------------------------------------
-# LinkStats
-# ---------------------------------------------------------------------------------------------------
+__all__ = ["LinkStats"]
 
 
 def _sock_key(s: Any) -> tuple:
@@ -584,7 +176,7 @@ class LinkStats:
     # -- engine events ----------------------------------------------------------------------------
 
     def _now(self, now: float | None) -> float:
-        return _check_finite("now", self._clock() if now is None else now)
+        return check_finite("now", self._clock() if now is None else now)
 
     def _advance(self, now: float) -> None:
         """Close every window that ended at or before ``now``, folding its rate into the EWMA."""
@@ -625,7 +217,7 @@ class LinkStats:
 
         Raises ValueError if ``seconds`` is negative or not finite.
         """
-        s = _check_finite("rtt", seconds)
+        s = check_finite("rtt", seconds)
         if s < 0.0:
             raise ValueError(f"rtt must be >= 0 seconds, got {seconds!r}")
         self._rtt.update(s, self._now(now))
@@ -681,7 +273,7 @@ class LinkStats:
         transport) with what :func:`read_tcp_info` gave for it (None: skipped), for a caller that
         also uses the readings itself. Returns the number of sockets folded in."""
         t = self._now(now)
-        infos: list[tuple[tuple, TcpInfo]] = [(_sock_key(_as_socket(s)), info) for s, info in readings if info is not None]
+        infos: list[tuple[tuple, TcpInfo]] = [(_sock_key(as_socket(s)), info) for s, info in readings if info is not None]
 
         delta_retrans = 0
         acked = 0
@@ -806,121 +398,3 @@ class LinkStats:
             "reconnects": int(self.reconnects),
             "capacity_bps": None if cap is None else cap * 8.0,
         }
-
-    def prometheus_lines(self, prefix: str = "prfaas_link", labels: Mapping[str, Any] | None = None,
-                         now: float | None = None) -> list[str]:
-        """This link's snapshot in Prometheus text format; see :func:`render_prometheus`.
-
-        To put several links on one ``/metrics`` page use :func:`render_prometheus` with all of
-        them, so each metric's ``# HELP``/``# TYPE`` lines appear once.
-        """
-        return render_prometheus(prefix, [(dict(labels or {}), self.snapshot(now))])
-
-
-# ---------------------------------------------------------------------------------------------------
-# Prometheus rendering
-# ---------------------------------------------------------------------------------------------------
-
-# (snapshot key, metric suffix, type, scale to base unit, help)
-_PROM_METRICS: tuple[tuple[str, str, str, float, str], ...] = (
-    ("connections", "connections", "gauge", 1, "TCP connections of the link read at the latest sample."),
-    ("goodput_bps", "goodput_bits_per_second", "gauge", 1, "Goodput EWMA over send windows, bits/s."),
-    ("tcp_goodput_bps", "tcp_goodput_bits_per_second", "gauge", 1, "Goodput EWMA from TCP bytes acked, bits/s."),
-    ("bytes_sent", "bytes_sent_total", "counter", 1, "Bytes written and drained on the link."),
-    ("bytes_queued", "bytes_queued", "gauge", 1, "Bytes waiting in the engine's send queues."),
-    ("rtt_ms", "rtt_seconds", "gauge", 1e-3, "Application ping/pong RTT EWMA, seconds."),
-    ("rtt_min_ms", "rtt_min_seconds", "gauge", 1e-3, "Smallest application ping/pong RTT, seconds."),
-    ("tcp_srtt_ms", "tcp_srtt_seconds", "gauge", 1e-3, "Mean kernel smoothed RTT over connections, seconds."),
-    ("tcp_srtt_max_ms", "tcp_srtt_max_seconds", "gauge", 1e-3, "Largest kernel smoothed RTT over connections, seconds."),
-    ("tcp_lost", "tcp_lost_segments", "gauge", 1, "Segments the kernel considers lost, summed over connections."),
-    ("tcp_unacked", "tcp_unacked_segments", "gauge", 1, "Unacknowledged segments, summed over connections."),
-    ("tcp_snd_cwnd", "tcp_snd_cwnd_segments", "gauge", 1, "Congestion windows, summed over connections, segments."),
-    ("tcp_notsent_bytes", "tcp_notsent_bytes", "gauge", 1, "Bytes in kernel send buffers not yet sent."),
-    ("retransmits", "retransmits_total", "counter", 1, "Retransmitted TCP segments."),
-    ("retransmits_window", "retransmits_window", "gauge", 1, "Retransmitted TCP segments since the previous sample."),
-    ("stalls", "stalls_total", "counter", 1, "Connection stalls seen by the engine."),
-    ("reconnects", "reconnects_total", "counter", 1, "Connection reconnects."),
-    ("capacity_bps", "capacity_bits_per_second", "gauge", 1,
-     "Link capacity estimate: largest backlogged bytes-acked rate in the capacity window, bits/s."),
-)
-
-_METRIC_FIRST = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
-_METRIC_REST = _METRIC_FIRST | frozenset("0123456789")
-_LABEL_FIRST = _METRIC_FIRST - {":"}
-_LABEL_REST = _LABEL_FIRST | frozenset("0123456789")
-
-
-def _check_name(name: str, first: frozenset[str], rest: frozenset[str], what: str) -> None:
-    if not isinstance(name, str) or not name or name[0] not in first or any(c not in rest for c in name[1:]):
-        raise ValueError(f"invalid Prometheus {what}: {name!r}")
-
-
-def _escape_label_value(v: Any) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _format_value(v: float | int) -> str:
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, int):
-        return str(v)
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v))
-
-
-def _format_labels(labels: Mapping[str, Any]) -> str:
-    if not labels:
-        return ""
-    parts = []
-    for k, v in labels.items():
-        _check_name(k, _LABEL_FIRST, _LABEL_REST, "label name")
-        if k.startswith("__"):
-            raise ValueError(f"label names starting with '__' are reserved: {k!r}")
-        parts.append(f'{k}="{_escape_label_value(v)}"')
-    return "{" + ",".join(parts) + "}"
-
-
-def render_prometheus(prefix: str, links: Iterable[tuple[Mapping[str, Any], Mapping[str, Any] | LinkStats]]) -> list[str]:
-    """Render link snapshots as Prometheus text-format lines (no trailing newline per line).
-
-    ``links`` holds ``(labels, snapshot_or_LinkStats)`` pairs; each metric family gets one
-    ``# HELP`` and one ``# TYPE`` line followed by one sample per link, ``name{labels} value``.
-    Metric names are ``{prefix}_{suffix}``; RTTs are converted to seconds (``*_seconds``),
-    goodput is bits/s, byte and segment counts are as in the snapshot; cumulative counts are
-    ``counter`` typed and end in ``_total``. Values that are None in a snapshot (no sample yet) are
-    left out. Label values are escaped (backslash, double quote, newline).
-
-    Raises ValueError for an invalid metric prefix or label name (including reserved ``__`` names)
-    or two links with the same label set.
-    """
-    _check_name(prefix, _METRIC_FIRST, _METRIC_REST, "metric prefix")
-    rows: list[tuple[str, Mapping[str, Any]]] = []
-    seen: set[str] = set()
-    for labels, snap in links:
-        if isinstance(snap, LinkStats):
-            snap = snap.snapshot()
-        lab = _format_labels(labels)
-        if lab in seen:
-            raise ValueError(f"duplicate label set {lab or '{}'}")
-        seen.add(lab)
-        rows.append((lab, snap))
-    out: list[str] = []
-    for key, suffix, mtype, scale, help_text in _PROM_METRICS:
-        name = f"{prefix}_{suffix}"
-        samples = []
-        for lab, snap in rows:
-            v = snap.get(key)
-            if v is None:
-                continue
-            if scale != 1:
-                v = float(v) * scale
-            samples.append(f"{name}{lab} {_format_value(v)}")
-        if not samples:
-            continue
-        out.append(f"# HELP {name} {help_text}")
-        out.append(f"# TYPE {name} {mtype}")
-        out.extend(samples)
-    return out

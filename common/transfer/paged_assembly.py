@@ -16,7 +16,7 @@ from typing import Any
 
 from common.kv.layout import KvError, Layout
 from common.kv.paged_store import PagedKvStore, PagedSeq
-from common.transfer.stream import KvAssembly
+from common.transfer.assembly import KvAssembly
 
 
 class PagedAssembly(KvAssembly):

@@ -13,8 +13,10 @@ Transfer lifecycle on the receiver (who frees what):
 5. ``release(req_id)`` by the owner returns the reservation, whatever happened (done, aborted,
    cancelled). A lease (``lease_s``) releases reservations whose owner never does.
 
-Each connection starts with HELLO: fingerprint (model, weights, dtype, layer layout, block size) and,
-when a shared secret is set, authentication are checked there, and a mismatch is refused at connect.
+Each connection starts with HELLO, answered by the same accept path as RPC servers
+(:class:`common.rpc.handshake.HelloListener`): authentication (when a shared secret is set) and the
+fingerprint (model, weights, dtype, layer layout, block size; a sender without one is refused) are
+checked there, and a mismatch is refused at connect.
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ import time
 from typing import Any
 
 from common.kv.layout import KvError
-from common.rpc.auth import AuthError, AuthVerifier, reply_mac
-from common.rpc.core import fingerprint_mismatch
+from common.rpc.handshake import HelloListener, hello_timeout_frame
 from common.runtime import service
-from common.transfer.sender import SOCKET_BUFFER_BYTES
-from common.transfer.stream import BufferPool, KvAssembly
+from common.transfer.assembly import BufferPool, KvAssembly
+from common.transfer.connection import SOCKET_BUFFER_BYTES
 from proto.frames import (
     DEFAULT_MAX_HEADER,
     MAGIC,
@@ -81,11 +82,10 @@ class KvReceiver:
                  max_header: int = DEFAULT_MAX_HEADER, max_payload: int = 256 << 20, handshake_timeout_s: float = 5.0,
                  socket_buffer_bytes: int = SOCKET_BUFFER_BYTES):
         self.name = name
-        self.fingerprint = fingerprint
+        self.hello = HelloListener("kv-receiver", name, fingerprint, secret, require_fingerprint=True)
         self.num_layers = num_layers
         self.budget_bytes = budget_bytes
         self.lease_s = lease_s
-        self.auth = AuthVerifier(secret)
         self.ssl = ssl
         self.max_header = max_header
         self.max_payload = max_payload
@@ -167,26 +167,6 @@ class KvReceiver:
                     self.release(req_id, reason=f"its KV lease expired after {self.lease_s:g}s")
 
     # -- frame handling (called by connections, synchronously) -------------------------------
-    def on_hello(self, conn: "_KvConnection", h: dict[str, Any]) -> bool:
-        why = fingerprint_mismatch(self.fingerprint, h.get("fingerprint") if isinstance(h.get("fingerprint"), dict) else None)
-        if why is None and self.fingerprint and not isinstance(h.get("fingerprint"), dict):
-            why = "the peer sent no fingerprint"
-        if why is not None:
-            self.counters["refused_peers"] += 1
-            conn.send(encode_error(ErrorCode.FINGERPRINT_MISMATCH, f"{self.name} refused the peer: {why}"))
-            return False
-        try:
-            nonce = self.auth.check(h)
-        except AuthError as e:
-            self.counters["refused_peers"] += 1
-            conn.send(encode_error(ErrorCode.AUTH_FAILED, f"{self.name} refused the peer: {e}"))
-            return False
-        ok: dict[str, Any] = {"service": "kv-receiver", "name": self.name}
-        if nonce is not None:
-            ok["mac"] = reply_mac(self.auth.secret, nonce, self.name)
-        conn.send(encode_frame(Kind.HELLO_OK, ok))
-        return True
-
     def on_begin(self, conn: "_KvConnection", h: dict[str, Any]) -> None:
         req_id = str(h["req_id"])
         res = self.reservations.get(req_id)
@@ -260,7 +240,7 @@ class _KvConnection(asyncio.BufferedProtocol):
 
     def _hello_overdue(self) -> None:
         if not self.hello_done and self.transport is not None:
-            self.send(encode_error(ErrorCode.TIMEOUT, "no HELLO within the handshake timeout"))
+            self.send(hello_timeout_frame())
             self.transport.close()
 
 
@@ -343,11 +323,11 @@ class _KvConnection(asyncio.BufferedProtocol):
         kind, h = self.kind, self.header
         self.rx.counters["frames"] += 1
         if not self.hello_done:
-            if kind is not Kind.HELLO:
-                self.send(encode_error(ErrorCode.BAD_FRAME, f"expected HELLO, got {kind.name}"))
-                self.transport.close()
-                return
-            if not self.rx.on_hello(self, h):
+            answer = self.rx.hello.answer(kind, h)
+            self.send(answer.reply)
+            if not answer.accepted:
+                if kind is Kind.HELLO:
+                    self.rx.counters["refused_peers"] += 1
                 self.transport.close()
                 return
             self.hello_done = True

@@ -20,7 +20,9 @@ the kernel saw none acknowledged for ``ping_timeout``), or when the pong is late
 link's buffers is late, not lost), or when its writes do not drain within ``stall_timeout`` seconds;
 and its unacknowledged chunks move to the remaining connections. Before a transfer starts, a
 connection idle for more than ``idle_check_s`` is probed with a ping first, so a connection that
-went stale while idle never carries the first bytes of a transfer.
+went stale while idle never carries the first bytes of a transfer. One connection (dial, keepalive,
+progress) is a :class:`~common.transfer.connection.LinkConnection`; one transfer's chunk table a
+:class:`~common.transfer.outbound.Transfer`.
 """
 
 from __future__ import annotations
@@ -29,16 +31,19 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import socket
 import ssl as ssl_mod
 import time
 from typing import Any
 
 from common.kv.layout import Layout
-from common.rpc.core import client_handshake, parse_addr
 from common.rpc.errors import RpcError, Unavailable
-from common.transfer.link_stats import LinkStats, TcpInfo, read_tcp_info
-from common.transfer.stream import DEFAULT_CHUNK_BYTES, Range, split_ranges
+from common.rpc.handshake import parse_addr
+from common.runtime.backoff import Backoff
+from common.transfer.connection import LinkConnection, wait_cleared, wait_set_or_dead
+from common.transfer.link_stats import LinkStats
+from common.transfer.outbound import Transfer, TransferRefused
+from common.transfer.ranges import DEFAULT_CHUNK_BYTES, Range, split_ranges
+from common.transfer.tcp_info import read_tcp_info
 from proto.frames import (
     ErrorCode,
     Frame,
@@ -46,61 +51,9 @@ from proto.frames import (
     ProtocolError,
     encode_frame,
     encode_frame_parts,
-    read_frame,
 )
 
 log = logging.getLogger("prfaas.kv.send")
-
-SOCKET_BUFFER_BYTES = 8 << 20  # kernel send buffer asked for per connection (the kernel may cap it)
-WRITE_HIGH_WATER_BYTES = 4 << 20  # transport buffer above which a write waits to drain
-
-
-class TransferRefused(RpcError):
-    """The receiver refused the transfer (no reservation, bad layout, or still full at the deadline)."""
-
-    def __init__(self, message: str):
-        super().__init__(ErrorCode.OVERLOADED, message)
-
-
-class Transfer:
-    """One request's transfer on a link. ``chunks`` maps ``(layer, offset)`` to (bytes view, connection id
-    it was last written on, written?) until the receiver's ``KV_ACK``."""
-
-    def __init__(self, req_id: str):
-        self.req_id = req_id
-        self.admitted = asyncio.Event()
-        self.acked = asyncio.Event()
-        self.refusal: dict[str, Any] | None = None
-        self.error: str | None = None
-        self.chunks: dict[tuple[int, int], list[Any]] = {}
-        self.unwritten = 0
-        self.all_written = asyncio.Event()
-        self.all_written.set()
-        self.bytes = 0
-        self.resent_chunks = 0
-
-
-class _Conn:
-    """One TCP connection of a link, with its send queue, writer task and reader task."""
-
-    def __init__(self, cid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self.cid = cid
-        self.reader = reader
-        self.writer = writer
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.queued_bytes = 0
-        self.alive = True
-        self.last_io = time.monotonic()
-        self.last_pong = time.monotonic()
-        self.ping_sent: float | None = None
-        self.acked = -1  # the kernel's bytes_acked at the last ping-loop tick (-1: not read yet)
-        self.last_progress = time.monotonic()  # when bytes_acked last grew
-        self.tasks: list[asyncio.Task] = []
-        self.current: tuple[Transfer, tuple[int, int], int] | None = None  # the item the writer is draining
-
-    @property
-    def sock(self):
-        return self.writer.get_extra_info("socket")
 
 
 class KvLink:
@@ -126,7 +79,7 @@ class KvLink:
         self.connect_timeout = connect_timeout
         self.secret = secret
         self.ssl = ssl
-        self.conns: dict[int, _Conn] = {}
+        self.conns: dict[int, LinkConnection] = {}
         self.transfers: dict[str, Transfer] = {}
         self.stats = LinkStats()
         self._ids = itertools.count()
@@ -137,26 +90,17 @@ class KvLink:
         self._closed = False
 
     # -- connections -------------------------------------------------------------------------
-    async def _dial(self) -> _Conn:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port, ssl=self.ssl, limit=1 << 20), self.connect_timeout)
-        try:
-            await client_handshake(reader, writer, service="kv-sender", name=self.name, fingerprint=self.fingerprint,
-                                   secret=self.secret, timeout=self.connect_timeout, peer=f"KV receiver {self.addr}")
-            if self._closed:  # closed while dialling
-                raise Unavailable(f"KV link to {self.addr} is closed")
-        except BaseException:
-            writer.close()
-            raise
-        sock = writer.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-        writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
-        conn = _Conn(next(self._ids), reader, writer)
+    async def _dial(self) -> LinkConnection:
+        conn = await LinkConnection.dial(next(self._ids), self.host, self.port, name=self.name, fingerprint=self.fingerprint,
+                                         secret=self.secret, ssl=self.ssl, timeout=self.connect_timeout,
+                                         peer=f"KV receiver {self.addr}")
+        if self._closed:  # closed while dialling
+            conn.writer.close()
+            raise Unavailable(f"KV link to {self.addr} is closed")
+        conn.tune()
         conn.tasks = [
             asyncio.create_task(self._write_loop(conn), name=f"kv-link:{self.addr}:w{conn.cid}"),
-            asyncio.create_task(self._read_loop(conn), name=f"kv-link:{self.addr}:r{conn.cid}"),
+            asyncio.create_task(conn.read_loop(self._on_frame, self._fail), name=f"kv-link:{self.addr}:r{conn.cid}"),
         ]
         self.conns[conn.cid] = conn
         return conn
@@ -167,8 +111,8 @@ class KvLink:
         async with self._dial_lock:
             if self._ping_task is None and not self._closed:
                 self._ping_task = asyncio.create_task(self._ping_loop(), name=f"kv-link:{self.addr}:ping")
-            deadline = time.monotonic() + self.connect_timeout
-            delay, last = 0.05, None
+            backoff = Backoff(0.05, 1.0, deadline=time.monotonic() + self.connect_timeout)
+            last = None
             while len(self._live()) < self.n_conns:
                 if self._closed:
                     raise Unavailable(f"KV link to {self.addr} is closed")
@@ -184,13 +128,15 @@ class KvLink:
                     last = e
                 if self._live():
                     return  # run with fewer connections; the ping loop keeps trying
-                if time.monotonic() + delay > deadline:
+                if not await backoff.sleep():
                     raise Unavailable(f"cannot reach KV receiver {self.addr}: {last}")
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 1.0)
 
-    def _live(self) -> list[_Conn]:
+    def _live(self) -> list[LinkConnection]:
         return [c for c in self.conns.values() if c.alive]
+
+    def _least_queued(self) -> LinkConnection:
+        """The live connection with the fewest queued bytes (raises ValueError if none is live)."""
+        return min(self._live(), key=lambda c: c.queued_bytes)
 
     async def _probe_idle(self) -> None:
         """Ping every connection idle for longer than ``idle_check_s`` and drop those that do not answer."""
@@ -199,36 +145,13 @@ class KvLink:
         if not idle:
             return
         for c in idle:
-            self._ping(c)
+            c.ping()
         deadline = time.monotonic() + min(self.ping_timeout, 1.0)
         while time.monotonic() < deadline and any(c.alive and c.ping_sent is not None for c in idle):
             await asyncio.sleep(0.005)
         for c in idle:
             if c.alive and c.ping_sent is not None:
                 self._fail(c, "no pong from an idle connection")
-
-    def _ping(self, c: _Conn) -> None:
-        if c.ping_sent is None:
-            c.ping_sent = time.monotonic()
-            with contextlib.suppress(Exception):
-                c.writer.write(encode_frame(Kind.PING, {"t": c.ping_sent}))
-
-    @staticmethod
-    def _pending(c: _Conn) -> bool:
-        """Bytes wait on ``c`` in our own buffers (transport or chunk queue)."""
-        try:
-            return c.writer.transport.get_write_buffer_size() > 0 or c.queue.qsize() > 0
-        except Exception:  # a transport closed under us
-            return False
-
-    @staticmethod
-    def _note_progress(c: _Conn, info: TcpInfo | None, now: float) -> None:
-        """Record when the kernel last saw the peer acknowledge bytes on ``c`` (its ``TCP_INFO``)."""
-        acked = info.bytes_acked if info is not None and info.bytes_acked is not None else None
-        if acked is not None and acked > c.acked:
-            if c.acked >= 0:
-                c.last_progress = now
-            c.acked = acked
 
     async def _ping_loop(self) -> None:
         # checks _closed as well as being cancelled: on 3.11, wait_for() in a dial can swallow close()'s cancel
@@ -237,58 +160,31 @@ class KvLink:
             now = time.monotonic()
             infos = {c.cid: read_tcp_info(c.sock) for c in self._live()}  # read once: progress and link stats
             for c in self._live():
-                self._note_progress(c, infos[c.cid], now)
-                # A pong queued behind megabytes of KV on a slow link is late, not lost: while the
-                # kernel sees the peer acknowledge bytes, the connection is alive.
-                late = now - c.ping_sent if c.ping_sent is not None else 0.0
-                stuck = now - c.last_progress > self.ping_timeout and self._pending(c)
-                if (late > self.ping_timeout and stuck) or late > max(self.ping_timeout, self.stall_timeout):
-                    self._fail(c, f"no pong for {late:.1f}s and no bytes acknowledged for {now - c.last_progress:.1f}s")
+                c.note_progress(infos[c.cid], now)
+                why = c.overdue(now, self.ping_timeout, self.stall_timeout)
+                if why is not None:
+                    self._fail(c, why)
                 else:
-                    self._ping(c)
+                    c.ping()
             self.stats.fold_tcp([(c.sock, infos[c.cid]) for c in self._live()])
             if len(self._live()) < self.n_conns and not self._closed:
                 with contextlib.suppress(Exception):
                     await self.ensure_connected()
 
-    def _fail(self, c: _Conn, why: str) -> None:
+    def _fail(self, c: LinkConnection, why: str) -> None:
         """Close a connection and move its unacknowledged chunks to the others."""
         if not c.alive:
             return
-        c.alive = False
         log.warning("KV link %s connection %d failed: %s", self.addr, c.cid, why)
         self.stats.on_stall(str(c.cid))
-        c.writer.transport.abort()
-        for t in c.tasks:
-            if t is not asyncio.current_task():
-                t.cancel()
-        requeue = []
-        while not c.queue.empty():
-            item = c.queue.get_nowait()
-            if item is not None:
-                requeue.append(item[:3])
-        if c.current is not None:  # written but not drained when the writer was cancelled
-            requeue.append(c.current)
-            c.current = None
-        c.queued_bytes = 0
+        requeue = c.abandon()
         for tr in self.transfers.values():
-            if tr.acked.is_set() or tr.error:
-                continue
-            for key, entry in tr.chunks.items():
-                if entry[1] == c.cid and entry[2]:
-                    entry[2] = False
-                    tr.unwritten += 1
-                    tr.all_written.clear()
-                    tr.resent_chunks += 1
-                    requeue.append((tr, key, 0))
+            requeue += [(tr, key, 0) for key in tr.unwrite_on(c.cid)]
         self.conns.pop(c.cid, None)
-        live = self._live()
-        if not live:
+        if not self._live():
             for tr, _key, window in requeue:
                 self._release(window)
-                tr.error = tr.error or f"every connection to {self.addr} failed"
-                tr.acked.set()
-                tr.admitted.set()
+                tr.fail(f"every connection to {self.addr} failed")
             return
         for item in requeue:
             self._enqueue(item)
@@ -296,22 +192,21 @@ class KvLink:
     def _enqueue(self, item: tuple[Transfer, tuple[int, int], int]) -> None:
         tr, key, window = item
         entry = tr.chunks.get(key)
-        if entry is None or tr.error or tr.acked.is_set():  # finished or aborted meanwhile: drop it
+        if entry is None or tr.over:  # finished or aborted meanwhile: drop it
             self._release(window)
             return
-        live = self._live()
-        conn = min(live, key=lambda c: c.queued_bytes)
+        conn = self._least_queued()
         entry[1] = conn.cid
         conn.queued_bytes += entry[0].nbytes
         conn.queue.put_nowait((tr, key, window, entry[0].nbytes))
 
     # -- the per-connection loops ------------------------------------------------------------
-    async def _write_loop(self, c: _Conn) -> None:
+    async def _write_loop(self, c: LinkConnection) -> None:
         # Queue items are (transfer, (layer, offset), window bytes to return once written, chunk bytes).
         while True:
             tr, key, window, nbytes = await c.queue.get()
             entry = tr.chunks.get(key)
-            if entry is None or tr.error or tr.acked.is_set():
+            if entry is None or tr.over:
                 c.queued_bytes -= nbytes
                 self._release(window)
                 continue
@@ -334,33 +229,16 @@ class KvLink:
             c.current = None
             c.last_io = time.monotonic()
             c.queued_bytes -= nbytes
-            entry[2] = True
+            tr.mark_written(key)
             self.stats.on_bytes_sent(view.nbytes, c.last_io)
-            tr.unwritten -= 1
-            if tr.unwritten == 0:
-                tr.all_written.set()
             self._release(window)
 
-    async def _read_loop(self, c: _Conn) -> None:
-        try:
-            while True:
-                frame = await read_frame(c.reader)
-                if frame is None:
-                    break
-                c.last_io = time.monotonic()
-                self._on_frame(c, frame)
-        except (ConnectionError, OSError, ProtocolError, asyncio.IncompleteReadError) as e:
-            self._fail(c, f"read failed: {e}")
-            return
-        self._fail(c, "receiver closed the connection")
-
-    def _on_frame(self, c: _Conn, frame: Frame) -> None:
+    def _on_frame(self, c: LinkConnection, frame: Frame) -> None:
         h = frame.header
         if frame.kind is Kind.PONG:
-            if c.ping_sent is not None:
-                self.stats.on_rtt(time.monotonic() - c.ping_sent)
-            c.ping_sent = None
-            c.last_pong = time.monotonic()
+            rtt = c.on_pong()
+            if rtt is not None:
+                self.stats.on_rtt(rtt)
             return
         tr = self.transfers.get(str(h.get("req_id")))
         if tr is None:
@@ -408,12 +286,12 @@ class KvLink:
                 tr.refusal = None
                 if not self._live():
                     await self.ensure_connected()
-                conn = min(self._live(), key=lambda c: c.queued_bytes)
+                conn = self._least_queued()
                 conn.writer.write(begin)
                 remaining = end - time.monotonic()
                 try:  # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel racing the admission
                     async with asyncio.timeout(max(0.01, remaining)):
-                        await _wait_set_or_dead(tr.admitted, conn)
+                        await wait_set_or_dead(tr.admitted, conn)
                 except asyncio.TimeoutError:
                     raise TransferRefused(f"KV receiver {self.addr} did not admit {req_id} within {deadline_s}s") from None
                 if not tr.admitted.is_set():
@@ -442,12 +320,8 @@ class KvLink:
             if not self._live():
                 self._release(view.nbytes)
                 raise Unavailable(f"no live connection to {self.addr}")
-            key = (layer, off)
-            tr.chunks[key] = [view, -1, False]
-            tr.unwritten += 1
-            tr.all_written.clear()
-            tr.bytes += view.nbytes
-            self._enqueue((tr, key, view.nbytes))
+            tr.add_chunk((layer, off), view)
+            self._enqueue((tr, (layer, off), view.nbytes))
 
     async def finish(self, tr: Transfer, done: dict[str, Any], *, timeout: float = 60.0) -> None:
         """Send ``KV_DONE`` (``done`` holds first_token, prompt_len, timings) after every chunk is
@@ -460,12 +334,12 @@ class KvLink:
                         raise Unavailable(f"transfer {tr.req_id} to {self.addr} failed: {tr.error}")
                     if not self._live():
                         await self.ensure_connected()
-                    conn = min(self._live(), key=lambda c: c.queued_bytes)
+                    conn = self._least_queued()
                     conn.writer.write(encode_frame(Kind.KV_DONE, {"req_id": tr.req_id, **done}))
                     # resends after a failure re-open all_written; KV_DONE is re-sent after them, and
                     # on another connection if the one that carried it failed
                     acked = asyncio.ensure_future(tr.acked.wait())
-                    reopened = asyncio.ensure_future(_wait_cleared(tr.all_written, conn))
+                    reopened = asyncio.ensure_future(wait_cleared(tr.all_written, conn))
                     try:
                         await asyncio.wait({acked, reopened}, return_when=asyncio.FIRST_COMPLETED)
                     finally:  # also on timeout or cancellation: no waiter task outlives finish()
@@ -511,18 +385,3 @@ class KvLink:
                 tasks.append(t)
         self.conns.clear()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _wait_cleared(ev: asyncio.Event, conn: _Conn) -> None:
-    while ev.is_set() and conn.alive:
-        await asyncio.sleep(0.01)
-
-
-async def _wait_set_or_dead(ev: asyncio.Event, conn: _Conn) -> None:
-    """Wait until ``ev`` is set or ``conn`` has failed."""
-    waiter = asyncio.ensure_future(ev.wait())
-    try:
-        while not waiter.done() and conn.alive:
-            await asyncio.wait({waiter}, timeout=0.05)
-    finally:
-        waiter.cancel()

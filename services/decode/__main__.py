@@ -6,7 +6,8 @@ import argparse
 import asyncio
 
 from common.control.planner_agent import PlannerAgent
-from common.rpc.core import RpcServer, parse_addr
+from common.rpc.handshake import parse_addr
+from common.rpc.server import RpcServer
 from common.runtime import service
 from common.runtime.worker_flags import (
     add_block_size_flag,

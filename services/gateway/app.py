@@ -31,7 +31,7 @@ import prometheus_client
 from aiohttp import web
 
 from common.model.loader import load_model_info
-from common.rpc.core import ClientPool, RpcClient
+from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
 from services.gateway.dispatch import RETRY_REASONS, Dispatcher

@@ -19,7 +19,7 @@ from typing import Any
 
 from common.control.kv_events import block_size_from_env
 from common.kv.prefix_cache import block_hashes
-from common.rpc.core import ClientPool, RpcClient
+from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime.backoff import Backoff
 from proto.frames import ErrorCode

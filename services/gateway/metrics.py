@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
-from common.transfer.link_stats import render_prometheus
+from common.transfer.link_metrics import link_metric_families
 
 _UNREACHABLE = (RpcError, asyncio.TimeoutError, OSError)
 
@@ -216,7 +216,7 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
     stats = [(w, w.get("stats") or {}) for w in workers]
     links = [({"worker": w["name"], "peer": peer}, snap)
              for w, s in stats for peer, snap in sorted((s.get("links") or {}).items())]
-    families = kv_link_families(links) if links else []
+    families = link_metric_families("prfaas_kv_link", links)
     families.append(_family("gauge", "prfaas_worker_alive", "1 if the worker reported within its deadline.",
                             ["worker", "role", "cluster"],
                             [((w["name"], w["role"], w["cluster"]), int(w["alive"])) for w in workers]))
@@ -228,12 +228,6 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
                          [((w["name"],), s.get(key) or 0) for w, s in decoders])
                  for key, suffix, kind, help_text in DECODE_METRICS]
     return families + worker_prefix_families(workers)
-
-
-def kv_link_families(links: list[tuple[dict[str, str], dict[str, Any]]]) -> list[Metric]:
-    """``prfaas_kv_link_*`` families for ``(labels, link snapshot)`` pairs: the link stats' own
-    rendering (``common.transfer.link_stats.render_prometheus``), read back as families."""
-    return list(text_string_to_metric_families("\n".join(render_prometheus("prfaas_kv_link", links)) + "\n"))
 
 
 WORKER_PREFIX_METRICS = (  # (key of a worker's stats["prefix_cache"], Prometheus name suffix, type, help)

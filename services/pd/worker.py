@@ -37,6 +37,10 @@ never leaves a half-done switch. A higher epoch arriving while a switch is still
 and the newer target is applied from there (the in-flight work is untouched; a newer target equal
 to the hosted role just ends the drain). A switch already past its drain (closing the old role,
 building the new one) is not interrupted: the newer one waits for it, then applies.
+
+**Files.** The roles and how they are built and closed: :mod:`services.pd.roles`; an accepted
+switch and a hand-off-able role call: :mod:`services.pd.switch`; ``switch_role``'s typed arguments:
+:mod:`services.pd.messages`. This module is the process's RPC surface and the switch driver.
 """
 
 from __future__ import annotations
@@ -45,155 +49,28 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from common.control.planner_agent import PlannerAgent
 from common.model.backend import Backend
-from common.rpc.core import RpcServer, parse_addr
 from common.rpc.errors import RpcError
+from common.rpc.handshake import parse_addr
+from common.rpc.schema import convert_call, takes
+from common.rpc.server import RpcServer
 from common.runtime import service
-from common.runtime.worker_flags import report_with_publisher, start_kv_publisher
 from proto.frames import ErrorCode
-from services.decode.setup import decode_worker_from_args
-from services.prefill.setup import prefill_worker_from_args
+from services.pd.messages import ROLES, SwitchRoleArgs
+from services.pd.roles import DecodeRole, PrefillRole, build_role, close_role
+from services.pd.switch import RoleCall, Superseded, Switch, drain_timeout_of
 
 log = logging.getLogger("prfaas.pd")
 
-ROLES = ("prefill", "decode")
 METHOD_ROLE = {"prefill": "prefill", "export_prefix": "prefill", "inject_fault": "prefill", "generate": "decode"}
 NEW_WORK = frozenset({"prefill", "export_prefix", "generate"})  # refused while draining
-DEFAULT_DRAIN_TIMEOUT_S = 60.0
 HANDOFF_GRACE_S = 10.0  # after a hand-off, at most this long for the ended calls to unwind
 POLL_S = 0.02  # how often a drain looks at the in-flight counts
-KV_BIND_TRIES, KV_BIND_WAIT_S = 20, 0.1  # re-opening --kv-listen: a port just closed may take a moment
-
-
-class _PrefillRole:
-    """The prefill role: a prefill worker and its prefix-cache publisher (None without ``--router``)."""
-
-    role = "prefill"
-
-    def __init__(self, worker, publisher):
-        self.worker = worker
-        self.publisher = publisher
-        self.stats = report_with_publisher(worker.stats, publisher)
-        self.methods: dict[str, Callable] = {"prefill": worker.prefill, "inject_fault": worker.inject_fault,
-                                             "export_prefix": worker.export_prefix}
-
-    def in_flight(self) -> int:
-        """Requests computing or waiting for the compute slot."""
-        return self.worker.waiting + self.worker.running
-
-    def held_blocks(self) -> int | None:
-        return None
-
-    async def close(self) -> None:
-        """Close the KV links and peer clients (the publisher is closed by the owner first)."""
-        await self.worker.close()
-
-
-class _DecodeRole:
-    """The decode role: a KV receiver (listening), a decode worker (batch loop running) and its publisher."""
-
-    role = "decode"
-
-    def __init__(self, receiver, worker, publisher):
-        self.receiver = receiver
-        self.worker = worker
-        self.publisher = publisher
-        self.stats = report_with_publisher(worker.stats, publisher)
-        self.methods: dict[str, Callable] = {"generate": worker.generate}
-
-    def in_flight(self) -> int:
-        """Requests running, swapped out, transferring, joining or queued for KV blocks, plus KV reservations."""
-        s = self.worker.stats()
-        return int(s["running"]) + int(s["waiting"]) + int(s.get("swapped", 0)) + len(self.receiver.reservations)
-
-    def held_blocks(self) -> int | None:
-        """KV blocks held by requests (not counting what only the prefix cache holds)."""
-        return int(self.worker.stats()["kv_blocks_held"])
-
-    async def close(self) -> None:
-        """Stop listening for KV (aborting any transfer), then stop the batch loop."""
-        await self.receiver.close()
-        await self.worker.close()
-
-
-class _Superseded(Exception):
-    """A newer epoch arrived while this switch was draining."""
-
-
-class _Switch:
-    """One accepted ``switch_role`` call; ``done`` resolves to ``(True, answer)`` or ``(False, RpcError)``."""
-
-    def __init__(self, epoch: int, to_role: str, drain_timeout_s: float):
-        self.epoch = epoch
-        self.to_role = to_role
-        self.drain_timeout_s = drain_timeout_s
-        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
-
-    def finish(self, ok: bool, value: Any) -> None:
-        if not self.done.done():
-            self.done.set_result((ok, value))
-
-
-class _Call:
-    """One call of a role method in flight. ``step`` is the task running its current piece (the whole
-    unary call, or one item of a stream), so that a hand-off can end it from outside."""
-
-    __slots__ = ("owner", "method", "step", "handed_off")
-
-    def __init__(self, owner: "PdWorker", method: str):
-        self.owner = owner
-        self.method = method
-        self.step: asyncio.Future | None = None
-        self.handed_off = False
-
-    async def run(self, start: Callable[[], Awaitable[Any]]) -> Any:
-        """Await ``start()`` as a task. Raises ``RpcError`` (``draining``) if the call was handed off
-        before or during it; a cancellation of the caller itself propagates unchanged."""
-        if self.handed_off:
-            raise self._handoff_error()
-        self.step = asyncio.ensure_future(start())
-        try:
-            return await self.step
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if self.handed_off and not (me is not None and me.cancelling()):
-                raise self._handoff_error() from None
-            raise
-        finally:
-            self.step = None
-
-    def hand_off(self) -> None:
-        self.handed_off = True
-        if self.step is not None and not self.step.done():
-            self.step.cancel()
-
-    def _handoff_error(self) -> RpcError:
-        o = self.owner
-        o.handoffs += 1
-        return RpcError(ErrorCode.DRAINING, f"{o.name} drained for a switch from {o.role} to {o.switching_to} "
-                        f"(epoch {o.epoch}) and ended this {self.method}: place it again", role=o.role, epoch=o.epoch,
-                        handed_off=True)
-
-
-def parse_switch(args: dict[str, Any]) -> tuple[int, str, float]:
-    """``(epoch, to_role, drain_timeout_s)`` of a ``switch_role`` call. Raises ``RpcError`` (bad_request)."""
-    epoch, to_role = args.get("epoch"), args.get("to_role")
-    timeout = args.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)
-    if timeout is None:
-        timeout = DEFAULT_DRAIN_TIMEOUT_S
-    if not isinstance(epoch, int) or isinstance(epoch, bool):
-        raise RpcError(ErrorCode.BAD_REQUEST, f"switch_role needs an integer epoch, got {epoch!r}")
-    if to_role not in ROLES:
-        raise RpcError(ErrorCode.BAD_REQUEST, f"to_role must be one of {ROLES}, got {to_role!r}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not math.isfinite(timeout) or timeout < 0:
-        raise RpcError(ErrorCode.BAD_REQUEST, f"drain_timeout_s must be a finite number of seconds >= 0, got {timeout!r}")
-    return epoch, to_role, float(timeout)
 
 
 class PdWorker:
@@ -217,7 +94,7 @@ class PdWorker:
         self.kv_addr = args.kv_advertise or kv_listen  # registered KV address (decode role)
         self.planner = planner
         self.role: str = args.role
-        self.hosted: _PrefillRole | _DecodeRole | None = None
+        self.hosted: PrefillRole | DecodeRole | None = None
         self.epoch = 0  # the highest epoch accepted; the planner's first is >= 1
         self.draining = False
         self.switching_to: str | None = None
@@ -226,8 +103,8 @@ class PdWorker:
         self.handoffs = 0  # counter behind handed_off, raised as each ended call unwinds
         self.last_switch: dict[str, Any] | None = None
         self.agent: PlannerAgent | None = None
-        self._calls: set[_Call] = set()
-        self._pending: _Switch | None = None
+        self._calls: set[RoleCall] = set()
+        self._pending: Switch | None = None
         self._wake = asyncio.Event()  # set when a newer switch arrives (it may supersede a drain)
         self._driver: asyncio.Task | None = None
         self._committing = False  # past the drain: closing the old role, building the new one
@@ -258,7 +135,7 @@ class PdWorker:
         if self.agent is not None:
             await self.agent.close()
         if self.hosted is not None:
-            await self._close_role(self.hosted, forget=False)
+            await close_role(self.hosted, forget=False)
             self.hosted = None
 
     def _info(self) -> dict[str, Any]:
@@ -284,7 +161,7 @@ class PdWorker:
         return {"ok": True, "role": self.role, "draining": self.draining}
 
     # -- role methods ------------------------------------------------------------------------
-    def _enter(self, method: str) -> tuple[_Call, Callable]:
+    def _enter(self, method: str) -> tuple[RoleCall, Callable]:
         """Admit one call of a role method: the handler to run and the call's record (added to the
         in-flight set; the caller removes it). Raises ``RpcError`` (``draining``) for the role not
         hosted, or for new work while draining."""
@@ -297,15 +174,19 @@ class PdWorker:
         if self.draining and method in NEW_WORK:
             raise RpcError(ErrorCode.DRAINING, f"{self.name} is draining for a switch from {self.role} to "
                            f"{self.switching_to} (epoch {self.epoch}): no new {method}", role=self.role, epoch=self.epoch)
-        call = _Call(self, method)
+        call = RoleCall(self, method)
         self._calls.add(call)
         return call, hosted.methods[method]
 
+    # The role handlers are the hosted worker's own, and change with the role: these wrappers take the
+    # raw args map and convert it with whatever type the hosted handler is marked with (@takes), after
+    # the role and drain checks, exactly as the server would for the worker served alone.
     def _unary(self, method: str):
         async def handler(args: dict[str, Any]) -> Any:
             call, fn = self._enter(method)
             try:
-                return await call.run(lambda: fn(args))
+                typed = convert_call(fn, method, args)
+                return await call.run(lambda: fn(typed))
             finally:
                 self._calls.discard(call)
         return handler
@@ -313,8 +194,9 @@ class PdWorker:
     def _stream(self, method: str):
         async def handler(args: dict[str, Any]):
             call, fn = self._enter(method)
-            gen = fn(args)  # makes the generator; none of its code runs yet
+            gen = None
             try:
+                gen = fn(convert_call(fn, method, args))  # makes the generator; none of its code runs yet
                 while True:
                     try:
                         item = await call.run(gen.__anext__)
@@ -323,7 +205,8 @@ class PdWorker:
                     yield item
             finally:
                 self._calls.discard(call)
-                await gen.aclose()
+                if gen is not None:
+                    await gen.aclose()
         return handler
 
     def in_flight(self) -> int:
@@ -331,18 +214,20 @@ class PdWorker:
         return len(self._calls) + (self.hosted.in_flight() if self.hosted is not None else 0)
 
     # -- role change -------------------------------------------------------------------------
-    async def switch_role(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(SwitchRoleArgs)
+    async def switch_role(self, args: SwitchRoleArgs) -> dict[str, Any]:
         """RPC ``switch_role {epoch, to_role, drain_timeout_s?}`` -> ``{role, epoch, drained_s, handed_off}``,
-        once the new role serves and is registered. Raises ``RpcError``: ``bad_request`` for malformed
-        arguments, a stale epoch (``epoch`` = the last accepted) or a superseded one (``epoch`` = the
-        newer, ``superseded: true``); ``internal`` if the new role could not be built (the old one is
-        then rebuilt when possible)."""
-        epoch, to_role, timeout = parse_switch(args)
+        once the new role serves and is registered (:class:`~services.pd.messages.SwitchRoleArgs`).
+        Raises ``RpcError``: ``bad_request`` for malformed arguments (the field named), a stale epoch
+        (``epoch`` = the last accepted) or a superseded one (``epoch`` = the newer, ``superseded:
+        true``); ``internal`` if the new role could not be built (the old one is then rebuilt when
+        possible)."""
+        epoch, to_role, timeout = args.epoch, args.to_role, drain_timeout_of(args)
         if epoch <= self.epoch:
             raise RpcError(ErrorCode.BAD_REQUEST, f"stale epoch {epoch}: {self.name} has already accepted epoch {self.epoch}",
                            epoch=self.epoch, role=self.role)
         self.epoch = epoch
-        sw = _Switch(epoch, to_role, timeout)
+        sw = Switch(epoch, to_role, timeout)
         if self._pending is not None:  # accepted but not started: superseded before it began
             self._pending.finish(False, self._superseded(self._pending, epoch))
         self._pending = sw
@@ -354,7 +239,7 @@ class PdWorker:
             raise value
         return value
 
-    def _superseded(self, sw: _Switch, newer: int) -> RpcError:
+    def _superseded(self, sw: Switch, newer: int) -> RpcError:
         return RpcError(ErrorCode.BAD_REQUEST, f"switch to {sw.to_role} under epoch {sw.epoch} was superseded by epoch "
                         f"{newer} before it took effect", epoch=newer, superseded=True)
 
@@ -365,7 +250,7 @@ class PdWorker:
             self._wake.clear()
             try:
                 sw.finish(True, await self._apply(sw))
-            except _Superseded:
+            except Superseded:
                 sw.finish(False, self._superseded(sw, self.epoch))
             except RpcError as e:
                 sw.finish(False, e)
@@ -376,7 +261,7 @@ class PdWorker:
                 log.exception("role switch to %s (epoch %d) failed", sw.to_role, sw.epoch)
                 sw.finish(False, RpcError(ErrorCode.INTERNAL, f"role switch failed: {type(e).__name__}: {e}"))
 
-    async def _apply(self, sw: _Switch) -> dict[str, Any]:
+    async def _apply(self, sw: Switch) -> dict[str, Any]:
         t0 = time.monotonic()
         if sw.to_role == self.role and self.hosted is not None:
             if self.draining:  # a newer epoch cancels the drain of a superseded switch
@@ -408,7 +293,7 @@ class PdWorker:
     async def _drain_or_hand_off(self, deadline: float) -> int:
         """Wait for the drain until ``deadline``; past it, end every call still in flight (``draining``,
         handed off) and wait, up to ``HANDOFF_GRACE_S``, for them to unwind. Returns how many were
-        handed off. Raises :class:`_Superseded` (only before the deadline)."""
+        handed off. Raises :class:`Superseded` (only before the deadline)."""
         if await self._drain(deadline, supersede=True):
             return 0
         before = self.handoffs
@@ -421,10 +306,10 @@ class PdWorker:
 
     async def _drain(self, deadline: float, supersede: bool) -> bool:
         """Wait until nothing is in flight (True) or ``deadline`` passes (False). With ``supersede``,
-        raises :class:`_Superseded` as soon as a newer switch is pending."""
+        raises :class:`Superseded` as soon as a newer switch is pending."""
         while True:
             if supersede and self._pending is not None:
-                raise _Superseded
+                raise Superseded
             if self.in_flight() == 0:
                 return True
             left = deadline - time.monotonic()
@@ -436,19 +321,20 @@ class PdWorker:
             else:
                 await asyncio.sleep(min(POLL_S, left))
 
-    async def _replace(self, sw: _Switch, drained_s: float, handed: int) -> dict[str, Any]:
+    async def _replace(self, sw: Switch, drained_s: float, handed: int) -> dict[str, Any]:
         """Close the hosted role, build ``sw.to_role``, re-register, clear draining."""
         old, from_role = self.hosted, self.role
         held = old.held_blocks() if old is not None else None
         self.hosted = None
         if old is not None:  # None only after a failed switch could not restore its role either
-            await self._close_role(old, forget=True)
+            await close_role(old, forget=True)
         del old
         try:
             self.hosted = await self._build(sw.to_role)
         except Exception as e:
             log.exception("%s could not start the %s role; restoring %s", self.name, sw.to_role, from_role)
-            self.hosted = await self._build(from_role)  # if this fails too, the worker stays draining, role-less
+            # if this fails too, the worker stays draining, role-less
+            self.hosted = await self._build(from_role)
             self.draining, self.switching_to = False, None
             await self._report()
             raise RpcError(ErrorCode.INTERNAL, f"could not start the {sw.to_role} role ({type(e).__name__}: {e}); "
@@ -472,30 +358,6 @@ class PdWorker:
         if self.agent is not None:
             await self.agent.report_now()
 
-    # -- building and closing roles ----------------------------------------------------------
-    async def _build(self, role: str) -> _PrefillRole | _DecodeRole:
-        """Build ``role`` over the loaded backend; for decode, open ``--kv-listen`` and start the batch
-        loop. Raises ``OSError`` when the KV listener cannot bind."""
-        if role == "prefill":
-            worker = prefill_worker_from_args(self.args, self.backend)
-            return _PrefillRole(worker, start_kv_publisher(self.args, worker, "prefill", "pd"))
-        receiver, worker = decode_worker_from_args(self.args, self.backend, self.kv_listen)
-        host, port = parse_addr(self.kv_listen)
-        for attempt in range(KV_BIND_TRIES):
-            try:
-                await receiver.start(host, port)
-                break
-            except OSError as e:
-                if attempt == KV_BIND_TRIES - 1:
-                    raise
-                log.info("KV listener %s not free yet (%s); retrying", self.kv_listen, e)
-                await asyncio.sleep(KV_BIND_WAIT_S)
-        worker.start()
-        return _DecodeRole(receiver, worker, start_kv_publisher(self.args, worker, "decode", "pd"))
-
-    async def _close_role(self, hosted: _PrefillRole | _DecodeRole, forget: bool) -> None:
-        """Close ``hosted``: its publisher first (``forget``: retired, so the router drops the node's
-        cached blocks at once, :meth:`KvEventPublisher.retire`), then the rest."""
-        if hosted.publisher is not None:
-            await (hosted.publisher.retire() if forget else hosted.publisher.close())
-        await hosted.close()
+    async def _build(self, role: str) -> PrefillRole | DecodeRole:
+        """Build ``role`` over the loaded backend (:func:`services.pd.roles.build_role`). Raises ``OSError``."""
+        return await build_role(role, self.args, self.backend, self.kv_listen)

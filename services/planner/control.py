@@ -1,7 +1,7 @@
 """The planner's short-timescale loop, live: worker reports -> :class:`ShortLoop` -> the router.
 
 Every ``interval`` seconds the planner turns its view of the workers into
-:class:`~services.planner.loops.ShortSignals`:
+:class:`~services.planner.short_loop.ShortSignals`:
 
 - ``egress_util``: the PrfaaS prefill workers' KV goodput (sum over their links' ``goodput_bps``
   EWMA, bits/s) over the link capacity ``link_gbps`` (see :func:`link_capacity_gbps`): the capacity
@@ -27,9 +27,14 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from services.planner import throughput as tm
-from services.planner.loops import ModelThreshold, ShortConfig, ShortLoop, ShortSignals
+from services.planner.short_loop import (
+    ModelThreshold,
+    ShortConfig,
+    ShortLoop,
+    ShortSignals,
+)
 
 log = logging.getLogger("prfaas.planner.control")
 

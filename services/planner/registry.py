@@ -10,12 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-ROLES = ("prefill", "decode")
-CLUSTERS = ("prfaas", "pd")
+from services.planner.messages import RegisterArgs
 
 
 class RegistrationError(ValueError):
-    """A registration or report is malformed, or reports for an unknown worker."""
+    """A report for an unknown worker (it must register again)."""
 
 
 @dataclass
@@ -52,22 +51,14 @@ class WorkerRegistry:
         self.dead_after = dead_after
         self.workers: dict[str, WorkerRecord] = {}
 
-    def register(self, info: dict[str, Any], now: float) -> WorkerRecord:
-        """Add or replace a worker. Raises :class:`RegistrationError` on a bad role, cluster or missing field."""
-        try:
-            name, role, cluster, addr = str(info["name"]), str(info["role"]), str(info["cluster"]), str(info["addr"])
-        except KeyError as e:
-            raise RegistrationError(f"registration lacks field {e.args[0]!r}") from None
-        if role not in ROLES:
-            raise RegistrationError(f"role must be one of {ROLES}, got {role!r}")
-        if cluster not in CLUSTERS:
-            raise RegistrationError(f"cluster must be one of {CLUSTERS}, got {cluster!r}")
+    def register(self, info: RegisterArgs, now: float) -> WorkerRecord:
+        """Add or replace a worker (``info`` was checked when it was converted to :class:`RegisterArgs`)."""
         rec = WorkerRecord(
-            name=name, role=role, cluster=cluster, addr=addr, kv_addr=info.get("kv_addr"),
-            fingerprint=dict(info.get("fingerprint") or {}), registered_at=now, last_report=now,
-            stats=dict(info.get("stats") or {}),
+            name=info.name, role=info.role, cluster=info.cluster, addr=info.addr, kv_addr=info.kv_addr,
+            fingerprint=dict(info.fingerprint or {}), registered_at=now, last_report=now,
+            stats=dict(info.stats or {}),
         )
-        self.workers[name] = rec
+        self.workers[info.name] = rec
         return rec
 
     def report(self, name: str, stats: dict[str, Any], now: float) -> None:
@@ -75,8 +66,6 @@ class WorkerRegistry:
         rec = self.workers.get(name)
         if rec is None:
             raise RegistrationError(f"worker {name!r} is not registered")
-        if not isinstance(stats, dict):
-            raise RegistrationError("stats must be a map")
         rec.stats = stats
         rec.last_report = now
 

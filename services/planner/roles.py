@@ -1,6 +1,6 @@
 """The planner's long-timescale loop, live: moves switchable PD-cluster workers between roles.
 
-Every tick (the short loop's interval; :class:`~services.planner.loops.LongLoop` itself evaluates
+Every tick (the short loop's interval; :class:`~services.planner.long_loop.LongLoop` itself evaluates
 only once per ``period_s``) :class:`RoleMover`:
 
 1. reads the alive workers and their split (PD-P ``n_p``, PD-D ``n_d``) from the planner's view;
@@ -10,7 +10,7 @@ only once per ``period_s``) :class:`RoleMover`:
    over the configured distribution;
 3. feeds the stage capacities and the measured PD-P and decode queues to ``LongLoop.tick`` (eq. 8
    with hysteresis, hold time, queue veto, predicted gain and cool-down);
-4. on a :class:`~services.planner.loops.RoleChange`, picks the least-loaded alive *switchable* worker
+4. on a :class:`~services.planner.long_loop.RoleChange`, picks the least-loaded alive *switchable* worker
    (``python -m services.pd``: it reports its role ``epoch`` in its stats) of ``from_role`` in the PD
    cluster, and calls its ``switch_role {epoch, to_role}`` in the background. The worker drains (no
    new work, in-flight requests finish), flips role and re-registers before it answers; then the
@@ -35,12 +35,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
 from services.planner import throughput as tm
 from services.planner.control import counts, queue_depths
-from services.planner.loops import LongLoop, LongSignals, RoleChange
+from services.planner.long_loop import LongLoop, LongSignals, RoleChange
 
 log = logging.getLogger("prfaas.planner.roles")
 

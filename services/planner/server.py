@@ -21,11 +21,15 @@ import math
 import time
 from typing import Any
 
-from common.rpc.core import ClientPool, RpcClient, RpcServer, parse_addr
+from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
+from common.rpc.handshake import parse_addr
+from common.rpc.schema import takes
+from common.rpc.server import RpcServer
 from common.runtime import service
 from proto.frames import ErrorCode
-from services.planner.loops import LongConfig, LongLoop
+from services.planner.long_loop import LongConfig, LongLoop
+from services.planner.messages import MoveWorkerArgs, NoArgs, RegisterArgs, ReportArgs
 from services.planner.registry import RegistrationError, WorkerRegistry
 from services.planner.roles import RoleMover
 
@@ -94,16 +98,18 @@ class Planner:
         self.mover.recent_lengths = [int(x) for x in stats.get("recent_lengths") or []]
         self.mover.tick(now, view)
 
-    async def move_worker(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(MoveWorkerArgs)
+    async def move_worker(self, args: MoveWorkerArgs) -> dict[str, Any]:
         """Operator command ``{name, to_role}``: switch that worker's role (drained first) under a new
         epoch; answers at once, the switch shows in ``status``. ``bad_request`` when it cannot."""
         try:
-            epoch = self.mover.move(self.registry.view(time.monotonic()), str(args.get("name")), str(args.get("to_role")))
+            epoch = self.mover.move(self.registry.view(time.monotonic()), args.name, args.to_role)
         except ValueError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
         return {"epoch": epoch}
 
-    async def status(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(NoArgs)
+    async def status(self, args: NoArgs) -> dict[str, Any]:
         """Workers by role and cluster, and the scheduling loops' state (``loop`` None when it is off)."""
         workers = self.registry.view(time.monotonic())
         by = {}
@@ -113,25 +119,30 @@ class Planner:
         return {"alive": by, "loop": self.controller.state() if self.controller is not None else None,
                 "roles": self.mover.state(), "loop_errors": self.loop_errors}
 
-    async def register(self, args: dict[str, Any]) -> dict[str, Any]:
-        try:
-            rec = self.registry.register(args, time.monotonic())
-        except RegistrationError as e:
-            raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
+    @takes(RegisterArgs)
+    async def register(self, args: RegisterArgs) -> dict[str, Any]:
+        """Add or replace a worker in the view (a wrong field is ``bad_request`` before this runs)."""
+        rec = self.registry.register(args, time.monotonic())
         log.info("registered %s role=%s cluster=%s addr=%s", rec.name, rec.role, rec.cluster, rec.addr)
         return {"ok": True}
 
-    async def report(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(ReportArgs)
+    async def report(self, args: ReportArgs) -> dict[str, Any]:
+        """A worker's load report; ``bad_request`` with ``reregister`` for a worker the planner does
+        not know (e.g. after a planner restart)."""
         try:
-            self.registry.report(str(args.get("name")), args.get("stats") or {}, time.monotonic())
+            self.registry.report(args.name, args.stats or {}, time.monotonic())
         except RegistrationError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e), reregister=True) from None
         return {"ok": True}
 
-    async def view(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(NoArgs)
+    async def view(self, args: NoArgs) -> dict[str, Any]:
+        """Every registered worker, alive or not, sorted by name (see ``WorkerRegistry.view``)."""
         return {"workers": self.registry.view(time.monotonic())}
 
-    async def health(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(NoArgs)
+    async def health(self, args: NoArgs) -> dict[str, Any]:
         return {"ok": True, "workers": len(self.registry.workers)}
 
 

@@ -9,7 +9,7 @@ import argparse
 import asyncio
 import json
 
-from common.rpc.core import RpcClient
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
 

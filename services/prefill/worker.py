@@ -40,11 +40,11 @@ from common.lab.faults import Faults, FaultsDisabled
 from common.model.backend import Backend
 from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, sample_next
-from common.rpc.core import ClientPool, RpcClient
+from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
+from common.transfer.ranges import tensor_ranges
 from common.transfer.sender import KvLink
-from common.transfer.stream import tensor_ranges
 from proto.frames import ErrorCode
 
 log = logging.getLogger("prfaas.prefill")

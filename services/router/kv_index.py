@@ -1,16 +1,18 @@
-"""Global KVCache manager's index of every worker's prefix cache, plus the cache-aware routing rule.
+"""Global KVCache manager's index of every worker's prefix cache (the routing rule that reads it is
+``services/router/placement.py``).
 
 Pure: ints, sets and dicts only (no sockets, no asyncio, no torch). It lives inside the router
 process because placement reads it on the hot path; the router's asyncio shell feeds it worker events
-and snapshots and asks it for cached prefix lengths (paper, "Global KVCache manager": it knows the
-prefix-cache metadata of every cluster and computes ``l_pd`` and ``l_prfaas`` for each request).
+and snapshots and asks it for each node's cached prefix of a prompt, from which placement computes
+``l_pd`` and ``l_prfaas`` (paper, "Global KVCache manager": it knows the prefix-cache metadata of
+every cluster).
 
 Block identity
     Workers cache *full* KV blocks only (paper: prefix-cache blocks must be full before reuse). A block
     is named by a chained 64-bit hash that covers its parent's hash, so a prompt is a list of hashes
     ``h0, h1, ...`` (one per full block) and "``n`` blocks cached on a node" means ``h0 .. h_{n-1}`` are
-    all in that node's cache. Every length this index returns is in **blocks**; the routing helpers at
-    the bottom turn blocks into **tokens**.
+    all in that node's cache. Every length this index returns is in **blocks**;
+    ``placement.incremental_lengths`` turns blocks into **tokens**.
 
 Event stream, per node
     A worker publishes ``(seq, kind, hash, parent)`` events with ``seq`` = 1, 2, 3, ... (strictly
@@ -34,8 +36,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.router.policy import CLUSTER_OF_ROUTE, LOCAL, REMOTE, choose_route
-
 STORED, EVICTED = "stored", "evicted"
 HASH_LIMIT = 1 << 64  # hashes are unsigned 64-bit
 
@@ -53,7 +53,8 @@ class NodeCache:
     hashes: set[int] = field(default_factory=set)
 
 
-def _check_hash(h: object, what: str) -> None:
+def check_hash(h: object, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` unless ``h`` is an unsigned 64-bit int (a block hash)."""
     if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < HASH_LIMIT:
         raise ValueError(f"{what} must be an unsigned 64-bit int, got {h!r}")
 
@@ -107,9 +108,9 @@ class KvIndex:
                 raise ValueError(f"event {i} of {node!r} has seq {seq!r}, expected {first_seq + i} (batch seqs must be consecutive)")
             if kind not in (STORED, EVICTED):
                 raise ValueError(f"event seq {seq} of {node!r} has unknown kind {kind!r}")
-            _check_hash(h, f"hash of event seq {seq} of {node!r}")
+            check_hash(h, f"hash of event seq {seq} of {node!r}")
             if parent is not None:
-                _check_hash(parent, f"parent of event seq {seq} of {node!r}")
+                check_hash(parent, f"parent of event seq {seq} of {node!r}")
 
         nc = self._nodes.get(node)
         last = nc.seq if nc is not None else 0  # unknown node: 0, so it must start at seq 1
@@ -145,7 +146,7 @@ class KvIndex:
         if not isinstance(seq, int) or seq < 0:
             raise ValueError(f"snapshot seq must be an int >= 0, got {seq!r}")
         for h, _parent in entries:
-            _check_hash(h, f"snapshot hash of {node!r}")
+            check_hash(h, f"snapshot hash of {node!r}")
         self.forget(node)
         nc = self._nodes[node] = NodeCache(node, cluster, role, seq)
         for h, _parent in entries:
@@ -254,82 +255,3 @@ class KvIndex:
             "seq": {n: nc.seq for n, nc in sorted(self._nodes.items())},
         }
 
-
-# ---------------------------------------------------------------------------------- routing math
-
-
-def incremental_lengths(prompt_len: int, block_size: int, l_pd_blocks: int, l_prfaas_blocks: int) -> dict[str, int]:
-    """Turn each cluster's cached prefix from blocks into tokens: ``{"l_pd": .., "l_prfaas": ..}``.
-
-    Tokens = blocks * ``block_size``, capped at ``prompt_len - 1``: the last prompt token is always
-    computed, since prefill must produce its logits (a full hit still leaves ``l = 1``; the reused
-    blocks' KV still covers the other positions). Raises ``ValueError`` when ``prompt_len < 1``,
-    ``block_size < 1``, a block count is negative, or a block count covers more tokens than the
-    prompt has (only full blocks are hashed, so that means the caller mixed up prompts or units).
-    """
-    if prompt_len < 1:
-        raise ValueError(f"prompt_len must be >= 1 token, got {prompt_len}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1 token, got {block_size}")
-    out: dict[str, int] = {}
-    for name, blocks in (("l_pd", l_pd_blocks), ("l_prfaas", l_prfaas_blocks)):
-        if blocks < 0 or blocks * block_size > prompt_len:
-            raise ValueError(f"{name}_blocks={blocks} x block_size={block_size} does not fit a {prompt_len}-token prompt")
-        out[name] = min(blocks * block_size, prompt_len - 1)
-    return out
-
-
-def prefix_move(route: str, l_pd: int, l_prfaas: int) -> tuple[str, str] | None:
-    """``(from_cluster, to_cluster)`` when the longer cached prefix (tokens) sits in the cluster that
-    ``route`` does not prefill in, else ``None`` (ties: no move). Paper, short-timescale loop: with
-    plentiful bandwidth, move the cache across clusters when the longer prefix is in the other one."""
-    here = CLUSTER_OF_ROUTE[route]
-    mine, other = (l_pd, l_prfaas) if here == "pd" else (l_prfaas, l_pd)
-    if other > mine:
-        return ("prfaas" if here == "pd" else "pd"), here
-    return None
-
-
-def choose_cluster(prompt_len: int, l_pd: int, l_prfaas: int, threshold: int,
-                   bandwidth_plentiful: bool) -> tuple[str, int, str]:
-    """Pick the prefill route for one request: ``(route, l, reason)``, ``route`` "local" (PD-P) or
-    "remote" (PrfaaS), ``l`` the incremental prefill length in tokens that the chosen cluster computes.
-
-    All lengths are **tokens**; ``l_pd`` and ``l_prfaas`` are the cached prefixes from
-    :func:`incremental_lengths` (so each is <= ``prompt_len - 1``). The threshold rule is paper
-    "Routing": ``l > t`` goes remote, ``l <= t`` local (``l == t`` stays local). Short-timescale loop:
-
-    * bandwidth scarce: each cluster is judged on its own cache, no KV moves between clusters. Local
-      if ``prompt_len - l_pd <= t`` (``l = prompt_len - l_pd``), else remote with
-      ``l = prompt_len - l_prfaas``.
-    * bandwidth plentiful: ``l_prefix = max(l_prfaas, l_pd)``, ``l = prompt_len - l_prefix``, remote
-      if ``l > t`` else local. When the longer prefix sits in the other cluster, ``l`` assumes it is
-      moved across first, and ``reason`` ends with ``"; move prefix <from>-><to>"`` (see
-      :func:`prefix_move`, which the caller can call directly instead of parsing ``reason``).
-
-    Raises ``ValueError`` when ``prompt_len < 1``, ``threshold < 0``, or a prefix is outside
-    ``[0, prompt_len - 1]``.
-    """
-    if prompt_len < 1:
-        raise ValueError(f"prompt_len must be >= 1 token, got {prompt_len}")
-    if threshold < 0:
-        raise ValueError(f"threshold must be >= 0 tokens, got {threshold}")
-    for name, v in (("l_pd", l_pd), ("l_prfaas", l_prfaas)):
-        if not 0 <= v <= prompt_len - 1:
-            raise ValueError(f"{name}={v} must be in [0, prompt_len - 1 = {prompt_len - 1}] tokens")
-
-    if not bandwidth_plentiful:
-        l_local = prompt_len - l_pd
-        if choose_route(l_local, threshold) == LOCAL:
-            return LOCAL, l_local, f"scarce: l_local={l_local} <= t={threshold}"
-        l_remote = prompt_len - l_prfaas
-        return REMOTE, l_remote, f"scarce: l_local={l_local} > t={threshold}; remote l={l_remote}"
-
-    l_prefix = max(l_prfaas, l_pd)
-    l = prompt_len - l_prefix
-    route = choose_route(l, threshold)
-    reason = f"plentiful: l={l} {'>' if route == REMOTE else '<='} t={threshold} (l_pd={l_pd}, l_prfaas={l_prfaas})"
-    move = prefix_move(route, l_pd, l_prfaas)
-    if move is not None:
-        reason += f"; move prefix {move[0]}->{move[1]}"
-    return route, l, reason

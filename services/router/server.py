@@ -17,10 +17,10 @@ reported the worker dead for ``forget_after`` seconds, or replaced when it comes
 epoch. A router restart starts with an empty index; every publisher's next batch is answered
 ``resync``, which rebuilds it within about a second.
 
-``place`` with ``block_hashes`` (the prompt's chained full-block hashes) picks the cluster by the
-paper's short-timescale rule (``kv_index.choose_cluster``; ``bandwidth_plentiful`` comes from a flag
-until link signals drive it) and then the worker with the longest cached prefix in that cluster,
-and the decode worker likewise, each under the load guard of :func:`policy.pick_affine`.
+``place`` hands the whole decision to :func:`services.router.placement.place_request` (pure): with
+``block_hashes`` (the prompt's chained full-block hashes) it picks the cluster by the paper's
+short-timescale rule (``bandwidth_plentiful`` is set by the planner's short loop, or a flag) and the
+cache-affine workers; this shell only looks the hashes up in the index, counts and logs the result.
 """
 
 from __future__ import annotations
@@ -34,89 +34,30 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.rpc.core import RpcClient, RpcServer, parse_addr
+from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
+from common.rpc.handshake import parse_addr
+from common.rpc.schema import takes
+from common.rpc.server import RpcServer
 from common.runtime import service
 from proto.frames import ErrorCode
-from services.planner.registry import CLUSTERS, ROLES
-from services.router import policy
-from services.router.kv_index import (
-    HASH_LIMIT,
-    KvIndex,
-    choose_cluster,
-    incremental_lengths,
-    prefix_move,
+from services.planner.messages import CLUSTERS, NoArgs
+from services.router import placement
+from services.router.kv_index import KvIndex
+from services.router.messages import (
+    KvEventsArgs,
+    KvResyncArgs,
+    PlaceArgs,
+    ReleaseArgs,
+    SetBandwidthArgs,
+    SetThresholdArgs,
+    StatsArgs,
 )
 
 log = logging.getLogger("prfaas.router")
 
 RECENT_LENGTHS = 2000  # placements whose incremental length ``stats`` can report
 MAX_SNAPSHOT_ENTRIES = 1 << 22  # entries (blocks) one node's snapshot may hold; bounds a pending snapshot's memory
-
-
-def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str, int], threshold: int,
-                      workers: list[dict[str, Any]], inflight: dict[str, int], bandwidth_plentiful: bool,
-                      exclude_decode: set[str] | frozenset[str] = frozenset()) -> policy.Placement:
-    """Cache-aware placement, pure: route by the cached prefixes, then cache-affine workers.
-
-    ``prefix_blocks`` maps node name -> leading blocks of the prompt cached there (from
-    :meth:`KvIndex.lookup`). ``l_pd``/``l_prfaas`` are the longest over *alive* prefill workers of
-    each cluster, in tokens (:func:`incremental_lengths`); :func:`choose_cluster` picks the route and
-    ``l``. If that cluster has no alive prefill worker, the other cluster is used (``reason`` says
-    "fell back") and ``l`` is recomputed for it. A prefix move is suggested only when bandwidth is
-    plentiful. Then :func:`policy.pick_affine` picks the prefill worker in the chosen cluster and the
-    decode worker (not in ``exclude_decode``). ``prefill_prefix_tokens`` is capped like ``l_pd``
-    (the last prompt token is always computed); ``decode_prefix_tokens`` is blocks x ``block_size``.
-    Raises :class:`policy.NoWorker`, or ``ValueError`` for lengths that do not fit the prompt.
-    """
-    alive = [w for w in workers if w.get("alive")]
-    prefills = {c: [w for w in alive if w["role"] == "prefill" and w["cluster"] == c] for c in CLUSTERS}
-
-    def longest(ws: list[dict[str, Any]]) -> int:
-        return max((prefix_blocks.get(w["name"], 0) for w in ws), default=0)
-
-    lens = incremental_lengths(prompt_len, block_size, longest(prefills["pd"]), longest(prefills["prfaas"]))
-    l_pd, l_prfaas = lens["l_pd"], lens["l_prfaas"]
-    route, l, why = choose_cluster(prompt_len, l_pd, l_prfaas, threshold, bandwidth_plentiful)
-    reason = f"prompt={prompt_len} l_pd={l_pd} l_prfaas={l_prfaas}; {why}"
-    if not prefills[policy.CLUSTER_OF_ROUTE[route]]:
-        other = policy.LOCAL if route == policy.REMOTE else policy.REMOTE
-        if not prefills[policy.CLUSTER_OF_ROUTE[other]]:
-            raise policy.NoWorker("prefill")
-        cached = max(l_pd, l_prfaas) if bandwidth_plentiful else lens["l_" + policy.CLUSTER_OF_ROUTE[other]]
-        l = prompt_len - cached
-        reason += f"; no alive {route} prefill worker, fell back to {other} (l={l})"
-        route = other
-    move = prefix_move(route, l_pd, l_prfaas) if bandwidth_plentiful else None
-    if "fell back" in reason and bandwidth_plentiful:
-        reason += f"; move prefix {move[0]}->{move[1]}" if move else "; no prefix move"
-
-    source = None
-    if move is not None:  # the longer prefix sits in the other cluster: name a worker holding it
-        holders = [w for w in prefills[move[0]] if prefix_blocks.get(w["name"], 0)]
-        if holders:
-            best = max(holders, key=lambda w: (prefix_blocks[w["name"]], w["name"]))
-            source = {"name": best["name"], "addr": best["addr"],
-                      "tokens": min(prefix_blocks[best["name"]] * block_size, prompt_len - 1)}
-    pf = policy.pick_affine(prefills[policy.CLUSTER_OF_ROUTE[route]], prefix_blocks, inflight)
-    dec = policy.pick_affine([w for w in alive if w["role"] == "decode" and w["name"] not in exclude_decode],
-                             prefix_blocks, inflight)
-    if pf is None:  # unreachable: the route's cluster has an alive prefill worker
-        raise policy.NoWorker("prefill")
-    if dec is None:
-        raise policy.NoWorker("decode")
-    pf_tokens = min(pf.prefix_blocks * block_size, prompt_len - 1)
-    dec_tokens = dec.prefix_blocks * block_size
-    reason += f"; prefill {pf.worker['name']} has {pf_tokens} cached tokens"
-    if pf.skipped:
-        reason += f" (load guard skipped {', '.join(pf.skipped)})"
-    reason += f"; decode {dec.worker['name']} has {dec_tokens}"
-    if dec.skipped:
-        reason += f" (load guard skipped {', '.join(dec.skipped)})"
-    return policy.Placement(route, l, threshold, pf.worker, dec.worker, reason, l_pd=l_pd, l_prfaas=l_prfaas,
-                            prefill_prefix_tokens=pf_tokens, decode_prefix_tokens=dec_tokens, prefix_move=move,
-                            guard_skips=pf.skipped + dec.skipped,
-                            prefix_source=source if source and source["tokens"] > pf_tokens else None)
 
 
 @dataclass
@@ -129,35 +70,6 @@ class _PendingSnapshot:
     role: str
     next_part: int = 0
     entries: list[tuple[int, int | None]] = field(default_factory=list)
-
-
-def _ident(args: dict[str, Any]) -> tuple[str, str, str, str]:
-    """``(node, cluster, role, epoch)`` of a kv_events/kv_resync call. Raises ``RpcError`` (bad_request)."""
-    node, cluster, role, epoch = (args.get(k) for k in ("node", "cluster", "role", "epoch"))
-    if not (isinstance(node, str) and node and isinstance(epoch, str) and epoch):
-        raise RpcError(ErrorCode.BAD_REQUEST, "kv calls need a non-empty str node and epoch")
-    if cluster not in CLUSTERS or role not in ROLES:
-        raise RpcError(ErrorCode.BAD_REQUEST, f"cluster must be one of {CLUSTERS} and role one of {ROLES}, got {cluster!r}/{role!r}")
-    return node, cluster, role, epoch
-
-
-def _prefix_args(args: dict[str, Any], prompt_len: int) -> tuple[list[int], int] | None:
-    """``(block_hashes, block_size)`` of a ``place`` call, or None when it has no ``block_hashes``.
-    Raises ``RpcError`` (bad_request) when they are malformed or cover more than the prompt."""
-    hashes = args.get("block_hashes")
-    if hashes is None:
-        return None
-    size = args.get("block_size")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise RpcError(ErrorCode.BAD_REQUEST, "place with block_hashes needs an integer block_size >= 1 (tokens)")
-    if not isinstance(hashes, list):
-        raise RpcError(ErrorCode.BAD_REQUEST, "block_hashes must be a list of unsigned 64-bit ints")
-    if len(hashes) * size > prompt_len:
-        raise RpcError(ErrorCode.BAD_REQUEST, f"{len(hashes)} block hashes of {size} tokens do not fit a {prompt_len}-token prompt")
-    for h in hashes:
-        if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < HASH_LIMIT:
-            raise RpcError(ErrorCode.BAD_REQUEST, f"block hash {h!r} is not an unsigned 64-bit int")
-    return hashes, size
 
 
 class Router:
@@ -243,68 +155,59 @@ class Router:
                 self._forget(name)
                 self.forgotten += 1
 
-    def _note_block_size(self, node: str, args: dict[str, Any]) -> None:
-        size = args.get("block_size")
-        if isinstance(size, int) and not isinstance(size, bool):
-            self.kv_block_size[node] = size
+    def _indexed(self, args: KvEventsArgs | KvResyncArgs) -> None:
+        """The index now holds ``args.node``'s cache of ``args.epoch`` (hashed in ``block_size`` blocks)."""
+        self.kv_epochs[args.node] = args.epoch
+        if args.block_size is not None:
+            self.kv_block_size[args.node] = args.block_size
 
-    async def kv_events(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(KvEventsArgs)
+    async def kv_events(self, args: KvEventsArgs) -> dict[str, Any]:
         """Apply one batch of a worker's prefix-cache events; ``{resync: true}`` when the index cannot
         (unknown node past seq 1, a gap, an incomplete batch, or a new epoch whose batch does not
         start at seq 1). A new epoch first drops the node's old cache: a restarted worker's seqs
         start at 1 again and must replace, not be skipped as re-deliveries."""
-        node, cluster, role, epoch = _ident(args)
-        first_seq, events = args.get("first_seq"), args.get("events")
-        if not isinstance(first_seq, int) or isinstance(first_seq, bool) or not isinstance(events, list):
-            raise RpcError(ErrorCode.BAD_REQUEST, "kv_events needs an integer first_seq and a list of events")
+        node = args.node
         known = self.kv_epochs.get(node)
-        if known is not None and known != epoch:
-            log.info("%s restarted (epoch %s -> %s): dropping its indexed cache", node, known, epoch)
+        if known is not None and known != args.epoch:
+            log.info("%s restarted (epoch %s -> %s): dropping its indexed cache", node, known, args.epoch)
             self._forget(node)
         try:
-            ok = self.index.apply(node, cluster, role, first_seq, events, bool(args.get("complete", True)))
-        except (TypeError, ValueError) as e:
+            ok = self.index.apply(node, args.cluster, args.role, args.first_seq, args.events, args.complete)
+        except ValueError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed kv_events batch: {e}") from None
         if not ok:
             return {"resync": True}
-        self.kv_epochs[node] = epoch
-        self._note_block_size(node, args)
+        self._indexed(args)
         return {"ok": True, "seq": self.index.last_seq(node)}
 
-    async def kv_resync(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(KvResyncArgs)
+    async def kv_resync(self, args: KvResyncArgs) -> dict[str, Any]:
         """Receive one part of a worker's cache snapshot; on the ``last`` part, replace the node's
         index with it. Parts must come in order 0, 1, ... with one epoch and seq; otherwise (e.g. the
         router restarted between parts) the partial snapshot is dropped and ``{resync: true}`` asks
-        for a fresh one."""
-        node, cluster, role, epoch = _ident(args)
-        seq, entries, part = args.get("seq"), args.get("entries"), args.get("part", 0)
-        if not (isinstance(seq, int) and isinstance(part, int) and isinstance(entries, list)):
-            raise RpcError(ErrorCode.BAD_REQUEST, "kv_resync needs an integer seq and part and a list of entries")
-        if part == 0:
-            self._pending[node] = _PendingSnapshot(epoch, seq, cluster, role)
+        for a fresh one. A snapshot over ``MAX_SNAPSHOT_ENTRIES`` entries is dropped as ``bad_request``."""
+        node, seq = args.node, args.seq
+        if args.part == 0:
+            self._pending[node] = _PendingSnapshot(args.epoch, seq, args.cluster, args.role)
         pending = self._pending.get(node)
-        if pending is None or (pending.epoch, pending.seq, pending.next_part) != (epoch, seq, part):
+        if pending is None or (pending.epoch, pending.seq, pending.next_part) != (args.epoch, seq, args.part):
             self._pending.pop(node, None)
             return {"resync": True}
-        try:
-            pending.entries += [(h, p) for h, p in entries]
-        except (TypeError, ValueError):
-            self._pending.pop(node, None)
-            raise RpcError(ErrorCode.BAD_REQUEST, "kv_resync entries must be [hash, parent] pairs") from None
+        pending.entries += args.entries
         if len(pending.entries) > MAX_SNAPSHOT_ENTRIES:
             self._pending.pop(node, None)
             raise RpcError(ErrorCode.BAD_REQUEST, f"snapshot of {node} exceeds {MAX_SNAPSHOT_ENTRIES} entries")
         pending.next_part += 1
-        if not args.get("last", True):
+        if not args.last:
             return {"ok": True, "more": True}
         del self._pending[node]
         try:
             self.index.resync(node, pending.cluster, pending.role, seq, pending.entries)
         except ValueError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed kv_resync snapshot: {e}") from None
-        self.kv_epochs[node] = epoch
-        self._note_block_size(node, args)
-        log.info("resynced %s (%s/%s): %d blocks as of seq %d", node, cluster, role, len(pending.entries), seq)
+        self._indexed(args)
+        log.info("resynced %s (%s/%s): %d blocks as of seq %d", node, args.cluster, args.role, len(pending.entries), seq)
         return {"ok": True, "entries": len(pending.entries)}
 
     def _check_block_size(self, size: int) -> None:
@@ -316,43 +219,39 @@ class Router:
                             node, theirs, size)
 
     # -- placement ---------------------------------------------------------------------------
-    async def place(self, args: dict[str, Any]) -> dict[str, Any]:
-        req_id = str(args.get("req_id", ""))
-        try:
-            prompt_len = int(args["prompt_len"])
-        except (KeyError, TypeError, ValueError):
-            raise RpcError(ErrorCode.BAD_REQUEST, "place needs an integer prompt_len") from None
-        prefix = _prefix_args(args, prompt_len)
+    @takes(PlaceArgs)
+    async def place(self, args: PlaceArgs) -> dict[str, Any]:
+        """Place one request (:func:`placement.place_request`), raise the chosen workers' in-flight
+        counts and hold them under ``req_id``'s lease. ``unavailable`` (retry after 1 s) when no
+        worker can take it, ``bad_request`` when its lengths do not fit."""
         if not self.workers or time.monotonic() - self.view_at > 2.0:
             with contextlib.suppress(RpcError, asyncio.TimeoutError, OSError):
                 await self.refresh_view()
+        blocks = None
+        if args.block_hashes is not None:
+            self._check_block_size(args.block_size)
+            blocks = self.index.lookup(args.block_hashes)
         try:
-            exclude = {str(n) for n in (args.get("exclude_decode") or [])}
-            workers = policy.placeable(self.workers, exclude, {str(n) for n in (args.get("exclude_prefill") or [])})
-            if prefix is None or prompt_len < 1:  # no hashes: the whole prompt is incremental
-                p = policy.place(prompt_len, self.threshold, workers, self.inflight)
-            else:
-                hashes, block_size = prefix
-                self._check_block_size(block_size)
-                p = place_with_prefix(prompt_len, block_size, self.index.lookup(hashes), self.threshold, workers,
-                                      self.inflight, self.bandwidth_plentiful)
-        except policy.NoWorker as e:
-            excluded = sorted(set(args.get("exclude_decode" if e.role == "decode" else "exclude_prefill") or []))
-            why = f"no alive {e.role} worker is left outside the excluded ones ({', '.join(map(str, excluded))})" if excluded else str(e)
+            p = placement.place_request(
+                args.prompt_len, self.threshold, self.workers, self.inflight,
+                exclude_decode=set(args.exclude_decode), exclude_prefill=set(args.exclude_prefill),
+                block_size=args.block_size, prefix_blocks=blocks, bandwidth_plentiful=self.bandwidth_plentiful)
+        except placement.NoWorker as e:
+            excluded = sorted(set(args.exclude_decode if e.role == "decode" else args.exclude_prefill))
+            why = f"no alive {e.role} worker is left outside the excluded ones ({', '.join(excluded)})" if excluded else str(e)
             raise RpcError(ErrorCode.UNAVAILABLE, why, retry_after=1) from None
         except ValueError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
         self.decisions[p.route] += 1
         self.recent_lengths.append(p.incremental_len)
-        if "fell back" in p.reason:
-            self.fallbacks += 1
-        self._count_prefix(prompt_len, p)
+        self.fallbacks += p.fell_back
+        self._count_prefix(args.prompt_len, p)
         names = [p.prefill["name"], p.decode["name"]]
         for n in names:
             self.inflight[n] += 1
-        if req_id:
-            self.placed[req_id] = (names, time.monotonic())
-        log.info("route=%s req=%s prefill=%s decode=%s %s", p.route, req_id, p.prefill["name"], p.decode["name"], p.reason)
+        if args.req_id:
+            self.placed[args.req_id] = (names, time.monotonic())
+        log.info("route=%s req=%s prefill=%s decode=%s %s", p.route, args.req_id, p.prefill["name"], p.decode["name"], p.reason)
         return {
             "route": p.route,
             "incremental_len": p.incremental_len,
@@ -368,7 +267,7 @@ class Router:
             "prefix_source": p.prefix_source,
         }
 
-    def _count_prefix(self, prompt_len: int, p: policy.Placement) -> None:
+    def _count_prefix(self, prompt_len: int, p: placement.Placement) -> None:
         c = self.prefix_counts
         c["requests"] += 1
         c["prompt_tokens"] += prompt_len
@@ -377,23 +276,21 @@ class Router:
         c["guard_skips"] += bool(p.guard_skips)
         self.hit_tokens[p.prefill["cluster"]] += p.prefill_prefix_tokens
 
-    async def set_bandwidth(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(SetBandwidthArgs)
+    async def set_bandwidth(self, args: SetBandwidthArgs) -> dict[str, Any]:
         """Set the short-timescale prefix rule's regime (paper 3.4.3): ``{plentiful: bool}``. One
         assignment on the event loop, like :meth:`set_threshold`."""
-        v = args.get("plentiful")
-        if not isinstance(v, bool):
-            raise RpcError(ErrorCode.BAD_REQUEST, "plentiful must be a bool")
+        v = args.plentiful
         old, self.bandwidth_plentiful = self.bandwidth_plentiful, v
         if old != v:
             log.info("bandwidth now counts as %s", "plentiful" if v else "scarce")
         return {"plentiful": v, "previous": old}
 
-    async def set_threshold(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(SetThresholdArgs)
+    async def set_threshold(self, args: SetThresholdArgs) -> dict[str, Any]:
         """Replace ``t`` (tokens). One assignment on the event loop: a placement sees the old or the new
         value, never a mix, and no request is dropped."""
-        t = args.get("threshold")
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise RpcError(ErrorCode.BAD_REQUEST, "threshold must be a non-negative integer (tokens)")
+        t = args.threshold
         old, self.threshold = self.threshold, t
         log.info("threshold changed from %d to %d tokens", old, t)
         return {"threshold": t, "previous": old}
@@ -408,15 +305,19 @@ class Router:
                 del self.inflight[n]
         return True
 
-    async def release(self, args: dict[str, Any]) -> dict[str, Any]:
-        return {"released": self._release(str(args.get("req_id", "")))}
+    @takes(ReleaseArgs)
+    async def release(self, args: ReleaseArgs) -> dict[str, Any]:
+        """Request ``req_id`` is done: lower its workers' in-flight counts (``released`` False when
+        the router holds no lease for it, e.g. it expired or the router restarted)."""
+        return {"released": self._release(args.req_id)}
 
-    async def stats(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(StatsArgs)
+    async def stats(self, args: StatsArgs) -> dict[str, Any]:
         """Counters, the threshold in force and the KV index's state; with ``{lengths: true}`` also
         ``recent_lengths``: the incremental prefill lengths (tokens) of the latest placements, oldest
         first, at most ``RECENT_LENGTHS`` (the planner's long loop models the workload with them)."""
         c = self.prefix_counts
-        extra = {"recent_lengths": list(self.recent_lengths)} if args.get("lengths") is True else {}
+        extra = {"recent_lengths": list(self.recent_lengths)} if args.lengths else {}
         return {**extra,
             "route_decisions": dict(self.decisions),
             "route_fallbacks": self.fallbacks,
@@ -432,7 +333,9 @@ class Router:
                          "block_size": dict(sorted(self.kv_block_size.items()))},
         }
 
-    async def health(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(NoArgs)
+    async def health(self, args: NoArgs) -> dict[str, Any]:
+        """Whether the planner answers now, and the worker view."""
         planner_ok = True
         try:
             await self.refresh_view()
@@ -458,7 +361,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description="PrfaaS router")
     p.add_argument("--listen", default=service.env_default("PRFAAS_ROUTER_ADDR"))
     p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
-    p.add_argument("--threshold", type=int, default=int(service.env_default("PRFAAS_THRESHOLD_TOKENS", str(policy.DEFAULT_THRESHOLD_TOKENS))),
+    p.add_argument("--threshold", type=int, default=int(service.env_default("PRFAAS_THRESHOLD_TOKENS", str(placement.DEFAULT_THRESHOLD_TOKENS))),
                    help="t: incremental prefill tokens above which prefill goes to the PrfaaS cluster")
     p.add_argument("--bandwidth-plentiful", action="store_true",
                    default=service.env_default("PRFAAS_BANDWIDTH_PLENTIFUL", "0") not in ("0", "false", "no"),

@@ -1,0 +1,182 @@
+"""One TCP connection of a KV link (:class:`common.transfer.sender.KvLink`): how it is dialled, its
+send queue, its reader, and its keepalive and progress signals.
+
+:meth:`LinkConnection.dial` opens the connection, runs the HELLO handshake (fingerprint and
+shared-secret auth, :func:`common.rpc.handshake.client_handshake`) and sizes the socket buffers.
+The link pings each connection (:meth:`LinkConnection.ping`), records when the kernel last saw the
+receiver acknowledge bytes (:meth:`LinkConnection.note_progress`, from ``TCP_INFO``) and asks
+:meth:`LinkConnection.overdue` whether the connection is dead: a pong queued behind megabytes of KV
+on a slow link is late, not lost, so a late pong alone fails a connection only past
+``max(ping_timeout, stall_timeout)``.
+
+Ownership: the link owns every :class:`LinkConnection`, its writer and reader tasks (``tasks``) and
+its queue; it closes the transport and cancels the tasks when the connection fails or the link
+closes. Times are ``time.monotonic()`` seconds, sizes bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl as ssl_mod
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common.rpc.handshake import client_handshake
+from common.transfer.tcp_info import TcpInfo
+from proto.frames import Frame, Kind, ProtocolError, encode_frame, read_frame
+
+SOCKET_BUFFER_BYTES = 8 << 20  # kernel send buffer asked for per connection (the kernel may cap it)
+WRITE_HIGH_WATER_BYTES = 4 << 20  # transport buffer above which a write waits to drain
+
+
+class LinkConnection:
+    """One TCP connection of a link, with its send queue, writer task and reader task.
+
+    ``queue`` holds ``(transfer, (layer, offset), window bytes, chunk bytes)`` items for the writer;
+    ``queued_bytes`` is their sum; ``current`` is the item the writer is draining (re-sent elsewhere if
+    the connection fails meanwhile).
+    """
+
+    def __init__(self, cid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.cid = cid
+        self.reader = reader
+        self.writer = writer
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queued_bytes = 0
+        self.alive = True
+        self.last_io = time.monotonic()
+        self.last_pong = time.monotonic()
+        self.ping_sent: float | None = None
+        self.acked = -1  # the kernel's bytes_acked at the last ping-loop tick (-1: not read yet)
+        self.last_progress = time.monotonic()  # when bytes_acked last grew
+        self.tasks: list[asyncio.Task] = []
+        self.current: tuple[Any, tuple[int, int], int] | None = None  # the item the writer is draining
+
+    @classmethod
+    async def dial(cls, cid: int, host: str, port: int, *, name: str, fingerprint: dict[str, Any] | None,
+                   secret: bytes | None, ssl: ssl_mod.SSLContext | None, timeout: float, peer: str) -> LinkConnection:
+        """Connect to a KV receiver at ``host:port`` and run the handshake as ``kv-sender`` ``name``
+        (``peer`` names the receiver in errors).
+
+        Raises ``OSError``/``asyncio.TimeoutError`` (no connection within ``timeout`` seconds),
+        :class:`~common.rpc.errors.Unavailable` (closed during the handshake) or
+        :class:`~common.rpc.errors.RpcError` (refused: fingerprint, auth). The caller starts the tasks.
+        """
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ssl, limit=1 << 20), timeout)
+        try:
+            await client_handshake(reader, writer, service="kv-sender", name=name, fingerprint=fingerprint,
+                                   secret=secret, timeout=timeout, peer=peer)
+        except BaseException:
+            writer.close()
+            raise
+        return cls(cid, reader, writer)
+
+    def tune(self) -> None:
+        """Ask for a large kernel send buffer and set the transport's write high-water mark."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        self.writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
+
+    @property
+    def sock(self):
+        return self.writer.get_extra_info("socket")
+
+    def ping(self) -> None:
+        """Send a ``PING`` unless one is outstanding (best effort)."""
+        if self.ping_sent is None:
+            self.ping_sent = time.monotonic()
+            with contextlib.suppress(Exception):
+                self.writer.write(encode_frame(Kind.PING, {"t": self.ping_sent}))
+
+    def on_pong(self) -> float | None:
+        """Record a ``PONG``; returns the round-trip time in seconds (None if no ping was outstanding)."""
+        now = time.monotonic()
+        rtt = None if self.ping_sent is None else now - self.ping_sent
+        self.ping_sent = None
+        self.last_pong = now
+        return rtt
+
+    def pending(self) -> bool:
+        """Bytes wait on this connection in our own buffers (transport or chunk queue)."""
+        try:
+            return self.writer.transport.get_write_buffer_size() > 0 or self.queue.qsize() > 0
+        except Exception:  # a transport closed under us
+            return False
+
+    def note_progress(self, info: TcpInfo | None, now: float) -> None:
+        """Record when the kernel last saw the peer acknowledge bytes (this connection's ``TCP_INFO``)."""
+        acked = info.bytes_acked if info is not None and info.bytes_acked is not None else None
+        if acked is not None and acked > self.acked:
+            if self.acked >= 0:
+                self.last_progress = now
+            self.acked = acked
+
+    async def read_loop(self, on_frame: Callable[[LinkConnection, Frame], None],
+                        on_fail: Callable[[LinkConnection, str], None]) -> None:
+        """Read the receiver's frames and hand each to ``on_frame`` (synchronously); call ``on_fail``
+        with the reason once the connection ends (closed by the receiver, or a read error)."""
+        try:
+            while True:
+                frame = await read_frame(self.reader)
+                if frame is None:
+                    break
+                self.last_io = time.monotonic()
+                on_frame(self, frame)
+        except (ConnectionError, OSError, ProtocolError, asyncio.IncompleteReadError) as e:
+            on_fail(self, f"read failed: {e}")
+            return
+        on_fail(self, "receiver closed the connection")
+
+    def abandon(self) -> list[tuple[Any, tuple[int, int], int]]:
+        """Fail this connection: mark it dead, abort its transport and cancel its tasks (except the
+        calling one). Returns the ``(transfer, (layer, offset), window bytes)`` items it still held,
+        queued or being drained, for the link to send on the others."""
+        self.alive = False
+        self.writer.transport.abort()
+        for t in self.tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+        items = []
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            if item is not None:
+                items.append(item[:3])
+        if self.current is not None:  # written but not drained when the writer was cancelled
+            items.append(self.current)
+            self.current = None
+        self.queued_bytes = 0
+        return items
+
+    def overdue(self, now: float, ping_timeout: float, stall_timeout: float) -> str | None:
+        """Why this connection should be failed at ``now``, or None if it is alive.
+
+        Dead: its pong is later than ``ping_timeout`` while it is stuck (bytes wait in our buffers and
+        the kernel saw none acknowledged for ``ping_timeout``), or later than
+        ``max(ping_timeout, stall_timeout)`` in any case.
+        """
+        late = now - self.ping_sent if self.ping_sent is not None else 0.0
+        stuck = now - self.last_progress > ping_timeout and self.pending()
+        if (late > ping_timeout and stuck) or late > max(ping_timeout, stall_timeout):
+            return f"no pong for {late:.1f}s and no bytes acknowledged for {now - self.last_progress:.1f}s"
+        return None
+
+
+async def wait_cleared(ev: asyncio.Event, conn: LinkConnection) -> None:
+    """Wait until ``ev`` is cleared or ``conn`` has failed."""
+    while ev.is_set() and conn.alive:
+        await asyncio.sleep(0.01)
+
+
+async def wait_set_or_dead(ev: asyncio.Event, conn: LinkConnection) -> None:
+    """Wait until ``ev`` is set or ``conn`` has failed."""
+    waiter = asyncio.ensure_future(ev.wait())
+    try:
+        while not waiter.done() and conn.alive:
+            await asyncio.wait({waiter}, timeout=0.05)
+    finally:
+        waiter.cancel()

@@ -1,0 +1,83 @@
+"""One request's outbound KV transfer on a link (:class:`Transfer`): its admission and acknowledgement
+events and its chunk table, and :class:`TransferRefused`.
+
+The chunk table maps ``(layer, offset)`` to ``[bytes view, connection id it was last written on,
+written?]``. Ownership: the views belong to the caller of :meth:`common.transfer.sender.KvLink.send`
+and must stay valid until ``finish`` returns; the link drops them (``chunks.clear()``) on ``KV_ACK``,
+on abort or when the transfer fails, so a chunk is re-sent from the caller's memory, never copied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from common.rpc.errors import RpcError
+from proto.frames import ErrorCode
+
+
+class TransferRefused(RpcError):
+    """The receiver refused the transfer (no reservation, bad layout, or still full at the deadline)."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.OVERLOADED, message)
+
+
+class Transfer:
+    """One request's transfer on a link. ``chunks`` maps ``(layer, offset)`` to (bytes view, connection id
+    it was last written on, written?) until the receiver's ``KV_ACK``. ``unwritten`` counts chunks not
+    yet drained into a connection (``all_written`` is set when it is 0); ``bytes`` is the total queued,
+    ``resent_chunks`` how many were written again after their connection failed."""
+
+    def __init__(self, req_id: str):
+        self.req_id = req_id
+        self.admitted = asyncio.Event()
+        self.acked = asyncio.Event()
+        self.refusal: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.chunks: dict[tuple[int, int], list[Any]] = {}
+        self.unwritten = 0
+        self.all_written = asyncio.Event()
+        self.all_written.set()
+        self.bytes = 0
+        self.resent_chunks = 0
+
+    @property
+    def over(self) -> bool:
+        """Acknowledged, aborted or failed: nothing more is sent for it."""
+        return self.acked.is_set() or bool(self.error)
+
+    def add_chunk(self, key: tuple[int, int], view: memoryview) -> None:
+        """Enter a chunk to write (``key`` = (layer, offset in the layer buffer))."""
+        self.chunks[key] = [view, -1, False]
+        self._unwrite()
+        self.bytes += view.nbytes
+
+    def _unwrite(self) -> None:
+        self.unwritten += 1
+        self.all_written.clear()
+
+    def mark_written(self, key: tuple[int, int]) -> None:
+        """The chunk at ``key`` drained into its connection."""
+        self.chunks[key][2] = True
+        self.unwritten -= 1
+        if self.unwritten == 0:
+            self.all_written.set()
+
+    def unwrite_on(self, cid: int) -> list[tuple[int, int]]:
+        """Connection ``cid`` failed: its written chunks count as unwritten again (the receiver may not
+        have them); returns their keys, to re-send. Nothing for a transfer that is :attr:`over`."""
+        if self.over:
+            return []
+        keys = [key for key, entry in self.chunks.items() if entry[1] == cid and entry[2]]
+        for key in keys:
+            self.chunks[key][2] = False
+            self._unwrite()
+            self.resent_chunks += 1
+        return keys
+
+    def fail(self, reason: str) -> None:
+        """Mark the transfer failed (keeping an earlier reason) and wake every waiter."""
+        self.error = self.error or reason
+        self.acked.set()
+        self.admitted.set()

@@ -1,0 +1,38 @@
+"""Typed arguments of the decode worker's RPC methods (checked by :class:`~common.rpc.server.RpcServer`).
+
+A missing field or a wrong type is answered ``bad_request`` naming the field before the handler runs
+(:mod:`common.rpc.schema`). What depends on the worker (the vocabulary, the context length, the
+pool, ``resume`` against ``input_ids``) is checked by the handler.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+
+class ResumeArgs(msgspec.Struct):
+    """``generate``'s ``resume``: the client's prompt length (tokens, at least 1) and the token ids an
+    earlier attempt already streamed (``input_ids[prompt_len:]``)."""
+
+    prompt_len: Annotated[int, msgspec.Meta(ge=1)]
+    generated_ids: list[int]
+
+
+class GenerateArgs(msgspec.Struct):
+    """``generate {req_id, input_ids, sampling, prefill_addr, resume?, route?, prefix_source?}``.
+
+    ``input_ids``: the prompt's token ids (the prompt plus ``resume.generated_ids`` on a resume);
+    ``sampling``: :meth:`~common.model.sampling.SamplingParams.to_wire`'s map; ``prefill_addr``: the
+    chosen prefill worker's host:port; ``route``: ``"remote"`` when that worker is in the PrfaaS
+    cluster (it is told ``kv_addr_remote``); ``prefix_source``: passed to the prefill worker as is.
+    """
+
+    req_id: str
+    input_ids: list[int]
+    sampling: dict[str, Any]
+    prefill_addr: str
+    resume: ResumeArgs | None = None
+    route: str | None = None
+    prefix_source: Any = None

@@ -1,0 +1,142 @@
+"""One request's decode-side state (PD-D): its detokenizer, its limits, its replay for a resume, and
+what its stream carries.
+
+A :class:`DecodeRequest` is created by ``generate`` and owned by it until it joins the batch; from
+then the batch loop owns its blocks (``in_loop``) and frees them when it leaves. ``out`` carries the
+stream's items from the batch loop to ``generate``: token items (maps, as sent on the wire) or one
+:class:`StreamError`, after which nothing follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from common.kv.paged_store import PagedSeq
+from common.model.detok import IncrementalDetokenizer
+from common.model.sampling import SamplingParams
+from common.rpc.errors import RpcError
+from common.transfer.paged_assembly import PagedAssembly
+from proto.frames import ErrorCode
+from services.decode.messages import ResumeArgs
+
+
+@dataclass(frozen=True)
+class StreamError:
+    """The last item on a request's ``out`` queue when it fails: ``generate`` answers it as an
+    ``ERROR`` frame with ``code`` and ``message``."""
+
+    code: ErrorCode
+    message: str
+
+    def to_rpc(self) -> RpcError:
+        return RpcError(self.code, self.message)
+
+
+class DecodeRequest:
+    """One request's decode-side state. ``out`` carries stream items to the ``generate`` generator.
+
+    ``prompt_len`` is the client's prompt (usage's ``prompt_tokens``). A resumed request first
+    replays (:meth:`replay`) the tokens an earlier attempt already streamed; ``generated`` then starts with
+    them (``replayed`` of them), so ``max_tokens``, usage and the sampling positions count them.
+    """
+
+    def __init__(self, req_id: str, sampling: SamplingParams, prompt_len: int, tokenizer: Any):
+        self.req_id = req_id
+        self.sampling = sampling
+        self.prompt_len = prompt_len
+        self.detok = IncrementalDetokenizer(tokenizer, stop=sampling.stop)
+        self.out: asyncio.Queue[dict[str, Any] | StreamError] = asyncio.Queue()
+        self.generated: list[int] = []
+        self.replayed = 0  # leading tokens of ``generated`` streamed by an earlier attempt (resume)
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self.seq: PagedSeq | None = None
+        self.asm: PagedAssembly | None = None
+        self.swapped: tuple[list[dict], int] | None = None  # (layer states, length) while preempted
+        self.admitted_at = 0.0
+        self.in_loop = False  # the batch loop owns (and will free) its blocks
+        self.no_early = False
+        self.input_ids: list[int] = []  # the prompt, until its blocks are offered to the prefix cache
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.cancelled
+
+    @property
+    def transfer_error(self) -> str | None:
+        """Why its KV transfer failed, or None."""
+        return self.asm.error if self.asm is not None else None
+
+    @property
+    def transfer_complete(self) -> bool:
+        """Its KV transfer is over: every layer and ``KV_DONE`` are in, or it failed."""
+        return self.asm is not None and self.asm.done.is_set()
+
+    def usage(self) -> dict[str, int]:
+        """``{prompt_tokens, completion_tokens}``; completion counts replayed tokens too."""
+        return {"prompt_tokens": self.prompt_len, "completion_tokens": len(self.generated)}
+
+    def fail(self, code: ErrorCode, message: str) -> None:
+        """End the stream with a :class:`StreamError`; the request is done (cancelled)."""
+        self.out.put_nowait(StreamError(code, message))
+        self.cancelled = True
+
+    def _advance(self, token: int) -> tuple[str, str | None]:
+        """Record one token: the text it releases and the finish reason it causes (None: go on)."""
+        self.generated.append(token)
+        s = self.sampling
+        if token in s.stop_token_ids and not s.ignore_eos:
+            return self.detok.flush(), "stop"
+        text, hit = self.detok.push(token)
+        if hit:
+            return text, "stop"
+        if len(self.generated) >= s.max_tokens:
+            return text + self.detok.flush(), "length"
+        return text, None
+
+    def push(self, token: int) -> None:
+        """Record one sampled token and queue its stream item (text delta, finish reason, usage)."""
+        text, reason = self._advance(token)
+        item: dict[str, Any] = {"token_ids": [token], "text": text, "finish_reason": reason}
+        if reason is not None:
+            self.finish_reason = reason
+            item["usage"] = self.usage()
+        self.out.put_nowait(item)
+
+    def replay(self, token_ids: list[int]) -> dict[str, Any] | None:
+        """Prime with ``token_ids``, already streamed to the client by an earlier attempt: they count
+        toward ``max_tokens`` and usage, and the detokenizer ends up exactly where the client's text
+        stopped (a held-back partial UTF-8 character or stop-string prefix included), so the next
+        :meth:`push` continues the text seamlessly. Nothing is queued for them.
+
+        Returns the final stream item (no token, the held-back text, ``finish_reason``, usage) when
+        the last of them already ends the request (``max_tokens`` reached, a stop token or string).
+        Raises ``ValueError`` when the request would have ended before the last of them.
+        """
+        for i, token in enumerate(token_ids):
+            text, reason = self._advance(token)
+            if reason is not None:
+                if i + 1 < len(token_ids):
+                    raise ValueError(f"the request ends ({reason}) at generated token {i + 1} of the {len(token_ids)} "
+                                     f"given (max_tokens {self.sampling.max_tokens})")
+                self.finish_reason = reason
+                return {"token_ids": [], "text": text, "finish_reason": reason, "usage": self.usage()}
+        self.replayed = len(token_ids)
+        return None
+
+
+def resume_of(resume: ResumeArgs | None, input_ids: list[int]) -> tuple[int, list[int]]:
+    """``generate``'s ``resume`` checked against ``input_ids``: ``(prompt_len, generated_ids)``, or
+    ``(len(input_ids), [])`` without one. Raises :class:`RpcError` ``bad_request``."""
+    if resume is None:
+        return len(input_ids), []
+    n = resume.prompt_len
+    if not 1 <= n <= len(input_ids):
+        raise RpcError(ErrorCode.BAD_REQUEST, f"resume.prompt_len must be an int in [1, {len(input_ids)}] (the prompt's "
+                       f"length within input_ids), got {n!r}")
+    if resume.generated_ids != input_ids[n:]:
+        raise RpcError(ErrorCode.BAD_REQUEST, "resume.generated_ids must be the token ids already streamed, equal to "
+                       f"input_ids[prompt_len:] ({len(input_ids) - n} tokens)")
+    return n, input_ids[n:]

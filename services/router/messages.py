@@ -1,0 +1,106 @@
+"""The router's RPC arguments as typed messages, checked once by the RPC server.
+
+Each handler of :class:`services.router.server.Router` is marked ``@takes(...)`` with one of these
+``msgspec.Struct`` types: :class:`common.rpc.server.RpcServer` converts the request's ``args`` map
+before the handler runs and answers ``bad_request`` naming the field on a missing field, a wrong type
+or a value out of bounds (e.g. ``"place: Expected `int`, got `str` - at `$.prompt_len`"``); the
+checks that span fields (block hashes must fit the prompt) run in ``__post_init__`` and are answered
+the same way. Unknown fields are ignored. Lengths are tokens; block hashes are unsigned 64-bit ints.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from services.planner.messages import Cluster, Role
+from services.router.kv_index import check_hash
+
+BlockHash = Annotated[int, msgspec.Meta(ge=0)]  # below 2**64 too: msgpack carries no larger int
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+Event = tuple[int, Literal["stored", "evicted"], BlockHash, BlockHash | None]  # (seq, kind, hash, parent)
+
+
+class PlaceArgs(msgspec.Struct):
+    """``place``: where should request ``req_id`` (``prompt_len`` tokens) prefill and decode.
+
+    ``block_hashes``: the prompt's chained full-block hashes (cache-aware placement; needs
+    ``block_size`` >= 1 tokens, and the blocks must fit the prompt); without them the whole prompt is
+    incremental. ``exclude_decode`` / ``exclude_prefill``: worker names that just refused or failed
+    this request. ``req_id`` "" places without a lease (nothing to ``release``).
+    """
+
+    prompt_len: int
+    req_id: str = ""
+    block_hashes: list[BlockHash] | None = None
+    block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    exclude_decode: list[str] = []
+    exclude_prefill: list[str] = []
+
+    def __post_init__(self) -> None:
+        if self.block_hashes is None:
+            return
+        if self.block_size is None:
+            raise ValueError("place with block_hashes needs an integer block_size >= 1 (tokens)")
+        if len(self.block_hashes) * self.block_size > self.prompt_len:
+            raise ValueError(f"{len(self.block_hashes)} block hashes of {self.block_size} tokens do not fit "
+                             f"a {self.prompt_len}-token prompt")
+        for h in self.block_hashes:
+            check_hash(h, "block hash")
+
+
+class ReleaseArgs(msgspec.Struct):
+    """``release``: request ``req_id`` is done; lower its workers' in-flight counts."""
+
+    req_id: str = ""
+
+
+class KvNodeArgs(msgspec.Struct):
+    """Who a ``kv_events`` / ``kv_resync`` call speaks for: worker ``node`` of ``cluster`` in ``role``,
+    and the ``epoch`` of its cache (new when the worker restarts or drops its cache)."""
+
+    node: NonEmpty
+    cluster: Cluster
+    role: Role
+    epoch: NonEmpty
+
+
+class KvEventsArgs(KvNodeArgs):
+    """``kv_events``: one batch of the node's cache events, ``events[i]`` has seq ``first_seq + i``
+    (for an empty batch, the seq it will use next); ``complete`` False when its log overflowed;
+    ``block_size`` (tokens) the size its hashes cover, when it says."""
+
+    first_seq: int
+    events: list[Event]
+    complete: bool = True
+    block_size: int | None = None
+
+
+class KvResyncArgs(KvNodeArgs):
+    """``kv_resync``: part ``part`` (0, 1, ...) of the node's cache snapshot as of event ``seq``,
+    ``entries`` its ``(hash, parent)`` pairs; ``last`` on the final part."""
+
+    seq: int
+    entries: list[tuple[BlockHash, BlockHash | None]]
+    part: int = 0
+    last: bool = True
+    block_size: int | None = None
+
+
+class SetBandwidthArgs(msgspec.Struct):
+    """``set_bandwidth``: the short-timescale prefix rule's regime (plentiful or scarce)."""
+
+    plentiful: bool
+
+
+class SetThresholdArgs(msgspec.Struct):
+    """``set_threshold``: the routing threshold ``t`` in tokens."""
+
+    threshold: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class StatsArgs(msgspec.Struct):
+    """``stats``: ``lengths`` True adds the recent placements' incremental lengths."""
+
+    lengths: bool = False
