@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -60,6 +59,7 @@ from common.lab.cluster import Cluster, free_port  # noqa: E402
 from common.lab.link_proxy import LinkProxy, TokenBucket  # noqa: E402
 from common.rpc.client import RpcClient  # noqa: E402
 from common.rpc.handshake import parse_addr  # noqa: E402
+from services.gateway.metrics import sample_value  # noqa: E402
 
 DECODERS = ("decode", "decode2")  # Cluster service names of the two PD-D workers (worker names decode-0, decode-1)
 PREFILLS = ("prefill_remote", "prefill_local")
@@ -294,8 +294,8 @@ class WanSystem:
     async def gateway_active(self) -> int:
         """The gateway's in-flight gauge (``prfaas_requests_active``)."""
         text = await asyncio.to_thread(_get, self.url + "/metrics")
-        m = re.search(r"^prfaas_requests_active (\d+)$", text, re.M)
-        return int(m.group(1)) if m else -1
+        value = sample_value(text, "prfaas_requests_active")
+        return -1 if value is None else int(value)
 
     async def snapshot(self) -> dict[str, Any]:
         """Stats of every decode worker, both prefill workers and the router, and the gateway's gauge;

@@ -14,7 +14,6 @@ import asyncio
 import functools
 import json
 import random
-import re
 import time
 
 import aiohttp
@@ -23,6 +22,7 @@ import torch
 
 from common.lab.cluster import Cluster
 from common.lab.reference import reference_model
+from services.gateway.metrics import sample_value
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -108,12 +108,12 @@ async def test_pool_is_what_was_asked(small):
     while True:
         async with aiohttp.ClientSession() as session, session.get(small.url + "/metrics") as r:
             text = await r.text()
-        if 'prfaas_decode_kv_blocks_total{worker="decode-0"} 40' in text:
+        if sample_value(text, "prfaas_decode_kv_blocks_total", worker="decode-0") == 40:
             break
         assert time.monotonic() < deadline, text[-2000:]
         await asyncio.sleep(0.2)
-    for name in ("kv_blocks_used", "kv_blocks_free", "batch_size", "step_time_s", "preemptions", "refused", "swapped"):
-        assert re.search(rf'^prfaas_decode_{name}{{worker="decode-0"}} \S+$', text, re.M), name
+    for name in ("kv_blocks_used", "kv_blocks_free", "batch_size", "step_time_s", "preemptions_total", "refused_total", "swapped"):
+        assert sample_value(text, f"prfaas_decode_{name}", worker="decode-0") is not None, name
 
 
 async def test_preemption_swaps_out_and_resumes_exactly(small):
@@ -173,8 +173,7 @@ def pair(tmp_path_factory):
 
 async def metric(cluster: Cluster, name: str) -> float:
     async with aiohttp.ClientSession() as s, s.get(cluster.url + "/metrics") as r:
-        m = re.search(rf"^{name} (\S+)$", await r.text(), re.M)
-    return float(m.group(1))
+        return sample_value(await r.text(), name)
 
 
 async def wait_running(cluster: Cluster, service: str, n: int, timeout: float = 20.0) -> None:

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import random
-import re
 import time
 from typing import Any
 
@@ -28,6 +27,7 @@ import pytest
 
 from common.lab.reference import reference_greedy
 from common.rpc.client import RpcClient
+from services.gateway.metrics import sample_value
 
 LONG = 6000  # tokens: remote route (> t = 1024); prefill takes ~2 s on one CPU thread
 MEDIUM = 1500  # remote route, short prefill
@@ -63,8 +63,7 @@ class Probe:
 
     async def gateway_active(self) -> int:
         async with self.http.get(self.cluster.url + "/metrics") as r:
-            m = re.search(r"^prfaas_requests_active (\d+)$", await r.text(), re.M)
-        return int(m.group(1))
+            return int(sample_value(await r.text(), "prfaas_requests_active"))
 
     async def snapshot(self) -> dict[str, Any]:
         snap = {n: await self.stats(n) for n in self.clients}

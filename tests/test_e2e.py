@@ -11,9 +11,11 @@ import re
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.lab.reference import reference_greedy
 from common.rpc.client import RpcClient
+from services.gateway.metrics import sample_value
 
 LENGTHS = [1, 15, 16, 17, 33, 300, 1100]  # block size 16 (c01: 1, bs-1, bs, bs+1, 2bs+1); 1100 > t = 1024
 NEW_TOKENS = 24
@@ -64,7 +66,8 @@ async def served_model(session, cluster) -> str:
 async def route_counts(session, cluster) -> dict[str, int]:
     async with session.get(cluster.url + "/metrics") as r:
         text = await r.text()
-    return {m[0]: int(m[1]) for m in re.findall(r'prfaas_route_decisions_total\{route="(\w+)"\} (\d+)', text)}
+    return {s.labels["route"]: int(s.value) for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "prfaas_route_decisions_total"}
 
 
 @pytest.mark.parametrize("route", ["local", "remote"])
@@ -249,6 +252,8 @@ async def test_metrics_expose_kv_link_signals_and_worker_load(cluster):
         await asyncio.sleep(1.2)  # one planner report interval
         async with s.get(c.url + "/metrics") as r:
             text = await r.text()
-    assert re.search(r'prfaas_kv_link_bytes_sent_total\{peer="[^"]+",worker="prefill-remote-0"\} [1-9]', text), text
-    assert "prfaas_kv_link_rtt_seconds" in text or "prfaas_kv_link_goodput_bits_per_second" in text
-    assert re.search(r'prfaas_worker_alive\{worker="decode-0",role="decode",cluster="pd"\} 1', text)
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    assert any(s.name == "prfaas_kv_link_bytes_sent_total" and s.labels["worker"] == "prefill-remote-0" and s.labels["peer"]
+               and s.value >= 1 for s in samples), text
+    assert {"prfaas_kv_link_rtt_seconds", "prfaas_kv_link_goodput_bits_per_second"} & {s.name for s in samples}
+    assert sample_value(text, "prfaas_worker_alive", worker="decode-0", role="decode", cluster="pd") == 1

@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 
 from common.lab.cluster import Cluster
+from services.gateway.metrics import sample_value
 from tests.test_admission import (  # tiny-dense greedy references, EOS ignored
     prompt_of,
     reference,
@@ -78,13 +79,11 @@ def cluster(tmp_path_factory):
     c.stop()
 
 
-async def metric(c: Cluster, name: str) -> float:
+async def metric(c: Cluster, name: str, **labels: str) -> float:
     async with aiohttp.ClientSession() as s, s.get(c.url + "/metrics") as r:
-        text = await r.text()
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
+        value = sample_value(await r.text(), name, **labels)
+    assert value is not None, f"{name}{labels} not in /metrics"
+    return value
 
 
 async def test_prefill_killed_mid_transfer_requests_reprefill_locally(cluster):
@@ -110,7 +109,7 @@ async def test_prefill_killed_mid_transfer_requests_reprefill_locally(cluster):
     assert status == 200 and ids == reference(tuple(prompt_of(40, 99)), 4)
     for d in ("decode", "decode2"):
         assert (await wait_drained(cluster, d, timeout=20.0))["kv_blocks_used"] <= base[d] + 4 * 100  # cached prompt blocks only
-    assert await metric(cluster, 'prfaas_gateway_retries_total{reason="prefill_failed"}') >= 1
+    assert await metric(cluster, "prfaas_gateway_retries_total", reason="prefill_failed") >= 1
     cluster.restart("prefill_remote")
     cluster.wait_healthy()
 
@@ -131,7 +130,7 @@ async def test_decode_killed_mid_stream_resumes_on_the_other_decoder(cluster):
     assert killed, "the stream finished before a decoder could be killed"
     assert status == 200 and not err, err
     assert ids == reference(tuple(prompt), 48)
-    assert await metric(cluster, 'prfaas_gateway_retries_total{reason="decode_resumed"}') >= 1
+    assert await metric(cluster, "prfaas_gateway_retries_total", reason="decode_resumed") >= 1
     cluster.restart(killed[0])
     cluster.wait_healthy()
 

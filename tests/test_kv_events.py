@@ -17,7 +17,12 @@ from common.kv.prefix_cache import PrefixCache
 from common.lab.cluster import free_port
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
-from services.gateway.server import _prefix_metrics, _worker_prefix_metrics
+from services.gateway.metrics import (
+    prefix_families,
+    render_families,
+    sample_value,
+    worker_prefix_families,
+)
 from services.planner.server import Planner
 from services.router.server import Router
 
@@ -350,27 +355,29 @@ def test_prefix_metrics_render_router_counters():
     stats = {"prefix": {"requests": 3, "prompt_tokens": 300, "hit_tokens": {"pd": 40, "prfaas": 0}, "decode_hit_tokens": 16,
                         "moves": 1, "guard_skips": 2},
              "kv_index": {"blocks": {"d-0": 5, "pl-0": 7}, "resyncs": 2, "gaps": 1, "events_applied": 9}}
-    lines = _prefix_metrics(stats)
-    for want in ('prfaas_prefix_hit_tokens_total{cluster="pd"} 40', 'prfaas_prefix_hit_tokens_total{cluster="prfaas"} 0',
-                 "prfaas_prefix_prompt_tokens_total 300", "prfaas_prefix_moves_total 1", "prfaas_prefix_requests_total 3",
-                 "prfaas_prefix_decode_hit_tokens_total 16", 'prfaas_kv_index_blocks{node="pl-0"} 7',
-                 'prfaas_kv_index_blocks{node="d-0"} 5', "prfaas_kv_index_resyncs_total 2", "prfaas_kv_index_gaps_total 1"):
-        assert want in lines, want
-    assert _prefix_metrics({"route_decisions": {}}) == []
+    text = render_families(prefix_families(stats)).decode()
+    for name, labels, want in (("prfaas_prefix_hit_tokens_total", {"cluster": "pd"}, 40),
+                               ("prfaas_prefix_hit_tokens_total", {"cluster": "prfaas"}, 0),
+                               ("prfaas_prefix_prompt_tokens_total", {}, 300), ("prfaas_prefix_moves_total", {}, 1),
+                               ("prfaas_prefix_requests_total", {}, 3), ("prfaas_prefix_decode_hit_tokens_total", {}, 16),
+                               ("prfaas_kv_index_blocks", {"node": "pl-0"}, 7), ("prfaas_kv_index_blocks", {"node": "d-0"}, 5),
+                               ("prfaas_kv_index_resyncs_total", {}, 2), ("prfaas_kv_index_gaps_total", {}, 1)):
+        assert sample_value(text, name, **labels) == want, (name, labels)
+    assert prefix_families({"route_decisions": {}}) == []
 
 
 def test_worker_prefix_metrics_render_what_is_present():
     workers = [{"name": "d-0", "stats": {"prefix_cache": {"entries": 5, "hit_blocks": 3, "lookup_blocks": 9, "evictions": 1}}},
                {"name": "pl-0", "stats": {"prefix_cache": {"entries": 2}}},
                {"name": "pr-0", "stats": {"running": 1}}, {"name": "x", "stats": None}]
-    lines = _worker_prefix_metrics(workers)
-    assert 'prfaas_worker_prefix_entries{worker="d-0"} 5' in lines
-    assert 'prfaas_worker_prefix_entries{worker="pl-0"} 2' in lines
-    assert 'prfaas_worker_prefix_hit_blocks_total{worker="d-0"} 3' in lines
-    assert "# TYPE prfaas_worker_prefix_evictions_total counter" in lines
-    assert not any("pr-0" in line or '"x"' in line for line in lines)
-    assert not any("inserted" in line for line in lines)  # nobody reported it
-    assert _worker_prefix_metrics([{"name": "a", "stats": {}}]) == []
+    text = render_families(worker_prefix_families(workers)).decode()
+    assert sample_value(text, "prfaas_worker_prefix_entries", worker="d-0") == 5
+    assert sample_value(text, "prfaas_worker_prefix_entries", worker="pl-0") == 2
+    assert sample_value(text, "prfaas_worker_prefix_hit_blocks_total", worker="d-0") == 3
+    assert "# TYPE prfaas_worker_prefix_evictions_total counter" in text.splitlines()
+    assert "pr-0" not in text and '"x"' not in text
+    assert "inserted" not in text  # nobody reported it
+    assert worker_prefix_families([{"name": "a", "stats": {}}]) == []
 
 
 def test_block_size_from_env(monkeypatch):
@@ -408,9 +415,9 @@ async def test_cluster_routes_a_repeated_prompt_to_the_worker_that_cached_it(hyb
     async def prfaas_hits(s) -> int:
         async with s.get(c.url + "/metrics") as r:
             text = await r.text()
-        m = re.search(r'^prfaas_prefix_hit_tokens_total\{cluster="prfaas"\} (\d+)$', text, re.M)
-        assert m, "prefix hit counter missing from /metrics"
-        return int(m.group(1))
+        value = sample_value(text, "prfaas_prefix_hit_tokens_total", cluster="prfaas")
+        assert value is not None, "prefix hit counter missing from /metrics"
+        return int(value)
 
     async with aiohttp.ClientSession() as s:
         model = await served_model(s, c)

@@ -1,4 +1,4 @@
-"""Tests for services.gateway.openai_api: request validation and OpenAI response shapes."""
+"""Tests for services.gateway.openai: request validation and OpenAI response shapes."""
 
 from __future__ import annotations
 
@@ -12,18 +12,16 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from common.model.sampling import SamplingParams
 from common.model.tokenizer import build_byte_tokenizer
-from services.gateway.openai_api import (
-    GenerateRequest,
-    ModelContext,
-    OpenAIError,
+from services.gateway.openai.chat import parse_chat
+from services.gateway.openai.completions import parse_completion
+from services.gateway.openai.request import GenerateRequest, ModelContext, OpenAIError
+from services.gateway.openai.response import (
     chat_chunk,
     chat_response,
     chat_role_chunk,
     completion_chunk,
     completion_response,
     models_response,
-    parse_chat,
-    parse_completion,
     usage_chunk,
     usage_dict,
 )

@@ -213,7 +213,7 @@ async def test_router_refuses_a_malformed_bandwidth_flag(env):
 
 
 async def test_planner_state_renders_as_metrics_and_status_text(env):
-    from services.gateway.server import planner_lines
+    from services.gateway.metrics import planner_families, render_families, sample_value
     from services.planner.status import render
 
     ctl = Controller(PROFILE, DIST, 100.0, 1024, env.client)
@@ -222,13 +222,13 @@ async def test_planner_state_renders_as_metrics_and_status_text(env):
     for k in range(1, 6):
         await ctl.tick(float(k), workers(goodput_bps=95e9, q_prfaas=40))
     status = await planner.status({})
-    text = "\n".join(planner_lines(status))
-    assert "prfaas_planner_loop_running 1" in text
-    assert f"prfaas_planner_threshold_tokens {env.router.threshold}" in text
-    assert 'prfaas_planner_decisions_total{kind="raise_t"} 1' in text
-    assert "prfaas_planner_bandwidth_plentiful 0" in text
+    text = render_families(planner_families(status)).decode()
+    assert sample_value(text, "prfaas_planner_loop_running") == 1
+    assert sample_value(text, "prfaas_planner_threshold_tokens") == env.router.threshold
+    assert sample_value(text, "prfaas_planner_decisions_total", kind="raise_t") == 1
+    assert sample_value(text, "prfaas_planner_bandwidth_plentiful") == 0
     shown = render(status)
     assert f"threshold t={env.router.threshold}" in shown and "scarce" in shown and "last: offload pressure" in shown
     off = await Planner().status({})
-    assert "prfaas_planner_loop_running 0" in "\n".join(planner_lines(off))
+    assert sample_value(render_families(planner_families(off)).decode(), "prfaas_planner_loop_running") == 0
     assert "loop: off" in render(off)

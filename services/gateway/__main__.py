@@ -1,3 +1,3 @@
-from services.gateway.server import main
+from services.gateway.app import main
 
 main()

@@ -1,0 +1,259 @@
+"""Gateway: the OpenAI-compatible HTTP front door (aiohttp), port 8000 by default like vLLM.
+
+Request lifecycle (who frees what):
+1. Parse and validate the body (``services.gateway.openai``); bad input is a 4xx OpenAI error body, nothing else runs.
+2. ``place`` at the router with the prompt's chained full-block hashes (``PRFAAS_BLOCK_SIZE`` tokens
+   per block): a prefill worker (PrfaaS or PD-P by the cached-prefix threshold rule) and a decode
+   worker, each preferring the one that caches the longest prefix of the prompt.
+3. ``generate`` stream at the decode worker, which drives the prefill and streams tokens back.
+4. Tokens go to the client as one JSON body or as SSE chunks ending in ``data: [DONE]``.
+5. Retryable failures (a refused or dead decode worker, a failed prefill leg, a stream cut by a dying
+   decode worker, an unreachable router) are placed again; see
+   :meth:`services.gateway.dispatch.Dispatcher.generate`.
+   At most ``--max-inflight`` requests are admitted at once; more get 429 with ``Retry-After``.
+6. ``release`` at the router, always, in ``finally``. A client that disconnects cancels the handler
+   (``handler_cancellation``), which closes the decode stream; that sends ``CANCEL`` to the decode
+   worker, which cancels the prefill call, so the request stops everywhere.
+
+This module is the aiohttp application (routes, handlers, health, the process entry); steps 2, 3, 5
+and 6 are :mod:`services.gateway.dispatch`, ``/metrics`` is :mod:`services.gateway.metrics`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+import prometheus_client
+from aiohttp import web
+
+from common.model.loader import load_model_info
+from common.rpc.client import ClientPool, RpcClient
+from common.rpc.errors import RpcError
+from common.runtime import service
+from services.gateway.dispatch import RETRY_REASONS, Dispatcher
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai import response
+from services.gateway.openai.chat import parse_chat
+from services.gateway.openai.completions import parse_completion
+from services.gateway.openai.request import GenerateRequest, ModelContext, OpenAIError
+
+log = logging.getLogger("prfaas.gateway")
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+def _error_response(err: OpenAIError, headers: dict[str, str] | None = None) -> web.Response:
+    return _json(err.body(), err.status, headers)
+
+
+@web.middleware
+async def _json_http_errors(request: web.Request, handler):
+    """aiohttp's own errors (unknown path, wrong method, body too large) as OpenAI JSON error bodies."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        etype = "invalid_request_error" if e.status < 500 else "server_error"
+        err = OpenAIError(status=e.status, message=f"{e.reason}: {request.method} {request.path}", type=etype, param=None,
+                          code=None)
+        return _error_response(err)
+
+
+class Gateway:
+    """The HTTP app and its clients: one to the router, one to the planner, one per decode worker address
+    (the decode pool and the router client are shared with its :class:`Dispatcher`)."""
+
+    def __init__(self, ctx: ModelContext, router_addr: str, planner_addr: str, name: str = "gateway",
+                 request_timeout: float = 600.0, block_size: int | None = None, max_inflight: int = 256,
+                 place_retry_s: float = 15.0):
+        self.ctx = ctx
+        self.name = name
+        self.router = RpcClient(router_addr, service="gateway", name=name, connect_timeout=2.0)
+        self.planner = RpcClient(planner_addr, service="gateway", name=name, connect_timeout=2.0)
+        self.decoders = ClientPool(service="gateway", name=name, connect_timeout=5.0)
+        self.stats = GatewayMetrics(active=lambda: self.dispatch.active, inflight=lambda: self.dispatch.inflight,
+                                    retry_reasons=RETRY_REASONS)
+        self.dispatch = Dispatcher(self.router, self.decoders, self.stats, request_timeout=request_timeout,
+                                   block_size=block_size, max_inflight=max_inflight, place_retry_s=place_retry_s)
+        self.app = web.Application(client_max_size=ctx.max_prompt_bytes + (64 << 10), middlewares=[_json_http_errors])
+        self.app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/metrics", self.metrics),
+        ])
+        self.app.on_cleanup.append(self._cleanup)
+
+    async def _cleanup(self, _app: web.Application) -> None:
+        for c in [self.router, self.planner]:
+            await c.close()
+        await self.decoders.close()
+
+    # -- OpenAI endpoints -------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        return _json(response.models_response(self.ctx.model_id, self.ctx.max_model_len))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "completions", parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "chat", parse_chat)
+
+    async def _handle(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
+        status = 200
+        try:
+            with self.dispatch.admission():
+                body = await request.read()
+                req = parse(body, self.ctx)
+                resp = await (self._stream(request, req) if req.stream else self._unary(req))
+                status = resp.status
+                return resp
+        except OpenAIError as e:
+            status = e.status
+            headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+            return _error_response(e, headers)
+        except ConnectionResetError:
+            status = 499  # the client went away mid-stream; the stream's cleanup already ran
+            log.info("client closed the connection during %s", endpoint)
+            return web.Response(status=499)
+        except asyncio.CancelledError:
+            status = 499  # client closed the connection
+            raise
+        finally:
+            self.stats.count_request(endpoint, status)
+
+    async def _unary(self, req: GenerateRequest) -> web.Response:
+        text, ids, reason, usage = [], [], None, None
+        async for item in self.dispatch.generate(req):
+            text.append(item["text"])
+            ids += item["token_ids"]
+            reason = item["finish_reason"] or reason
+            usage = item.get("usage") or usage
+        prompt_tokens = usage["prompt_tokens"] if usage else len(req.prompt_ids)
+        completion_tokens = usage["completion_tokens"] if usage else 0
+        build = response.completion_response if req.kind == "completion" else response.chat_response
+        body = build(req, "".join(text), reason or "stop", prompt_tokens, completion_tokens)
+        if req.return_token_ids:
+            body["choices"][0]["token_ids"] = ids
+        return _json(body)
+
+    async def _stream(self, request: web.Request, req: GenerateRequest) -> web.StreamResponse:
+        gen = self.dispatch.generate(req)
+        try:
+            first = await gen.__anext__()  # errors before the first token are still plain HTTP errors
+        except StopAsyncIteration:
+            first = None
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+
+        async def send(obj: Any) -> None:
+            await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+        usage = None
+        try:
+            await resp.prepare(request)  # inside the try: a client already gone must still close gen
+            if req.kind == "chat":
+                await send(response.chat_role_chunk(req))
+            item, held_ids = first, []
+            while item is not None:
+                usage = item.get("usage") or usage
+                held_ids += item["token_ids"]
+                if not item["text"] and item["finish_reason"] is None and not req.return_token_ids:
+                    pass  # nothing to show yet (e.g. half of a UTF-8 character is held back)
+                else:
+                    if req.kind == "completion":
+                        chunk = response.completion_chunk(req, item["text"], item["finish_reason"])
+                    else:
+                        delta = {"content": item["text"]} if item["text"] or not item["finish_reason"] else {}
+                        chunk = response.chat_chunk(req, delta, item["finish_reason"])
+                    if req.return_token_ids:
+                        chunk["choices"][0]["token_ids"], held_ids = held_ids, []
+                    await send(chunk)
+                try:
+                    item = await gen.__anext__()
+                except StopAsyncIteration:
+                    item = None
+            if req.include_usage:
+                p = usage["prompt_tokens"] if usage else len(req.prompt_ids)
+                c = usage["completion_tokens"] if usage else 0
+                await send(response.usage_chunk(req, p, c))
+        except OpenAIError as e:
+            await send(e.body())  # mid-stream failure: an SSE error event, then [DONE]
+        finally:
+            await gen.aclose()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # -- operations --------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when the router, the planner and at least one alive prefill and decode worker answer; else 503."""
+        report: dict[str, Any] = {"gateway": True, "model": self.ctx.model_id}
+        try:
+            view = await self.router.call("health", timeout=2.0)
+            report["router"] = True
+            report["planner"] = bool(view["planner"])
+            workers = view["workers"]
+        except (RpcError, asyncio.TimeoutError, OSError) as e:
+            report.update(router=False, planner=False, error=str(e))
+            workers = []
+        report["workers"] = {w["name"]: {"role": w["role"], "cluster": w["cluster"], "alive": w["alive"]} for w in workers}
+        alive = {(w["role"], w["cluster"]) for w in workers if w["alive"]}
+        report["prefill_remote"] = ("prefill", "prfaas") in alive
+        report["prefill_local"] = ("prefill", "pd") in alive
+        report["decode"] = ("decode", "pd") in alive
+        ok = report.get("router") and report.get("planner") and report["decode"] and (report["prefill_remote"] or report["prefill_local"])
+        report["status"] = "ok" if ok else "unavailable"
+        return _json(report, 200 if ok else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text: gateway counters, and the router's, planner's and workers' state relayed."""
+        return web.Response(body=await self.stats.scrape(self.router, self.planner), content_type="text/plain",
+                            charset="utf-8")
+
+
+async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    info = await asyncio.to_thread(load_model_info, args.model, served_name=args.served_model_name)
+    ctx = ModelContext(model_id=info.model_id, tokenizer=info.tokenizer, max_model_len=info.max_model_len,
+                          eos_token_ids=info.eos_token_ids)
+    gw = Gateway(ctx, service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service.require(args, "planner", "PRFAAS_PLANNER_ADDR"),
+                 request_timeout=args.request_timeout, max_inflight=args.max_inflight, place_retry_s=args.place_retry_s)
+    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    print(f"READY gateway on http://{args.host}:{args.port} serving {ctx.model_id}", flush=True)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="PrfaaS OpenAI-compatible gateway")
+    p.add_argument("--host", default=service.env_default("PRFAAS_GATEWAY_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(service.env_default("PRFAAS_GATEWAY_PORT", "8000")))
+    p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"))
+    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
+    p.add_argument("--model", default=service.env_default("PRFAAS_MODEL"))
+    p.add_argument("--served-model-name", default=service.env_default("PRFAAS_SERVED_MODEL_NAME"))
+    p.add_argument("--max-inflight", type=int, default=int(service.env_default("PRFAAS_MAX_INFLIGHT", "256")),
+                   help="requests in flight at once; more are answered 429 with Retry-After at once")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take in all, retries included (504 past it)")
+    p.add_argument("--place-retry-s", type=float, default=15.0,
+                   help="seconds to keep asking an unreachable router (or one with no alive worker) for a placement")
+    args = p.parse_args()
+    service.setup_logging("gateway")
+    prometheus_client.disable_created_metrics()  # /metrics shows each counter's *_total only, no *_created series
+    service.run(lambda stop: amain(args, stop))
+
+
+if __name__ == "__main__":
+    main()
+

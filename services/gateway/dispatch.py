@@ -1,0 +1,252 @@
+"""One request's path behind the gateway's HTTP handlers: admission, placement, the decode stream,
+and the retry / re-place / resume policy with its reasons.
+
+State (owned by :class:`Dispatcher`, one per gateway): ``inflight`` (requests admitted and not yet
+answered, bounded by ``max_inflight``) and ``active`` (attempts streaming from a decode worker).
+Every placement the router made is released at the router by the attempt that asked for it, in a
+``finally`` (also when the placement's answer was lost), so its in-flight counts never leak.
+The decode stream is closed when an attempt ends, which sends ``CANCEL`` to the decode worker.
+Counters of what happened go to :class:`services.gateway.metrics.GatewayMetrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from common.control.kv_events import block_size_from_env
+from common.kv.block_hash import block_hashes
+from common.rpc.client import ClientPool, RpcClient
+from common.rpc.errors import RpcError
+from common.runtime.backoff import Backoff
+from proto.frames import ErrorCode
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai.request import GenerateRequest, OpenAIError
+
+log = logging.getLogger("prfaas.gateway")
+
+# Error codes from services mapped to HTTP statuses.
+HTTP_STATUS = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.OVERLOADED: 429,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.TIMEOUT: 504,
+    ErrorCode.PREFILL_FAILED: 503,
+    ErrorCode.DRAINING: 503,
+}
+
+RETRY_REASONS = ("decode_overloaded", "decode_unavailable", "decode_resumed", "prefill_failed")
+
+
+def service_error(e: RpcError) -> OpenAIError:
+    """The OpenAI error a client sees for a service's error ``e`` (status from :data:`HTTP_STATUS`, else 500)."""
+    status = HTTP_STATUS.get(e.code, 500)
+    etype = "invalid_request_error" if status == 400 else ("server_error" if status >= 500 else "rate_limit_error")
+    return OpenAIError(status=status, message=str(e.message), type=etype, param=None, code=e.code.value)
+
+
+def retry_reason(code: ErrorCode, started: bool, retries: int, decode_excluded: int, max_retries: int,
+                 max_reroutes: int) -> str | None:
+    """Why a failed attempt (error ``code``) is worth another placement: one of :data:`RETRY_REASONS`,
+    or None to give up (see :meth:`Dispatcher.generate`). ``started``: the attempt streamed a token;
+    ``retries``: placements already repeated for this request; ``decode_excluded``: decode workers
+    already excluded."""
+    if retries >= max_retries:
+        return None
+    if started:
+        return "decode_resumed" if code in (ErrorCode.UNAVAILABLE, ErrorCode.DRAINING) else None
+    if code == ErrorCode.PREFILL_FAILED:
+        return "prefill_failed"
+    if code == ErrorCode.OVERLOADED:
+        return "decode_overloaded" if decode_excluded < max_reroutes else None
+    if code in (ErrorCode.DRAINING, ErrorCode.UNAVAILABLE):
+        return "decode_unavailable"
+    return None
+
+
+class Dispatcher:
+    """Admits, places and streams requests: one router client, one client per decode worker address."""
+
+    def __init__(self, router: RpcClient, decoders: ClientPool, metrics: GatewayMetrics, *, request_timeout: float = 600.0,
+                 block_size: int | None = None, max_inflight: int = 256, place_retry_s: float = 15.0):
+        self.router = router
+        self.decoders = decoders
+        self.metrics = metrics
+        self.block_size = block_size if block_size is not None else block_size_from_env()
+        self.request_timeout = request_timeout
+        self.active = 0
+        self.max_reroutes = 2  # decode workers tried after the first one refused (overloaded)
+        self.max_retries = 4  # placements after the first one, for any retryable failure (see generate)
+        self.place_retry_s = place_retry_s
+        self.max_inflight = max_inflight
+        self.inflight = 0  # requests admitted at the gateway and not yet answered
+
+    @contextlib.contextmanager
+    def admission(self) -> Iterator[None]:
+        """Hold one of the ``max_inflight`` places for the body of the ``with``. Raises
+        :class:`OpenAIError` 429 (``overloaded``) at once when all are taken."""
+        if self.inflight >= self.max_inflight:
+            self.metrics.count_rejected()
+            raise OpenAIError(status=429, message=f"{self.inflight} requests are in flight (the gateway's limit); "
+                              "retry after the Retry-After header's seconds", type="rate_limit_error", param=None,
+                              code="overloaded")
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        """Yield decode stream items for ``req``; places it first and releases it at the end.
+
+        Failures the client should see only as a delay are retried, at most ``max_retries`` times
+        in all, while the request's deadline (``request_timeout`` s) allows:
+
+        - ``overloaded`` or ``draining`` from a decode worker before its first token (its KV pool
+          and admission queue are full, or it drains for a role change), or a decode worker that
+          cannot be reached: that worker is excluded and the request placed again. The overload
+          refusal has its own budget, ``max_reroutes``; when no other decode worker is left the
+          refusal goes to the client (429 with ``Retry-After``).
+        - ``prefill_failed`` (the prefill worker died, was unreachable, or its KV transfer stalled
+          or was aborted; nothing was streamed): that prefill worker is excluded and the request
+          placed again, on another PrfaaS worker or, if none is left, on the local PD-P.
+        - The decode worker's stream breaks after tokens were streamed (``unavailable``: it died or
+          its connection dropped; ``draining``: it handed the request off): the request resumes on
+          another decode worker with ``input_ids = prompt + tokens streamed so far`` and
+          ``resume`` (:meth:`DecodeWorker.generate`), so the client's stream just continues, exactly for greedy
+          and for seeded sampling (per-position seeds, ``common.model.sampling.shifted_seed``).
+
+        Anything else, or a retry past the budget or the deadline, raises
+        :class:`OpenAIError` (a stream already started turns it into an SSE error event)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout
+        excluded_decode: list[str] = []
+        excluded_prefill: list[str] = []
+        refusal: RpcError | None = None
+        generated: list[int] = []  # tokens already yielded to the client
+        retries = 0
+        hashes, hashed_len = None, -1  # block hashes of the input, recomputed only when a resume lengthens it
+        while True:
+            input_ids = req.prompt_ids + generated
+            if len(input_ids) != hashed_len:
+                hashes, hashed_len = await self._block_hashes(input_ids), len(input_ids)
+            placement = await self.place(req, excluded_decode, refusal, hashes, excluded_prefill, input_ids, deadline)
+            started = False
+            self.active += 1
+            try:
+                decoder = self.decoders.get(placement["decode"]["addr"])
+                args = {
+                    "req_id": req.request_id,
+                    "input_ids": input_ids,
+                    "sampling": req.sampling.to_wire(),
+                    "prefill_addr": placement["prefill"]["addr"],
+                    "route": placement["route"],
+                    "prefix_source": (placement.get("prefix_source") or {}).get("addr"),
+                }
+                if generated:
+                    args["resume"] = {"prompt_len": len(req.prompt_ids), "generated_ids": list(generated)}
+                async with asyncio.timeout_at(deadline):
+                    async with contextlib.aclosing(decoder.stream("generate", args)) as items:  # CANCEL at once on close
+                        async for item in items:
+                            started = True
+                            generated += item["token_ids"]
+                            yield item
+                            if item["finish_reason"] is not None:
+                                break  # final: an error after it (e.g. a hand-off racing the stream's end) changes nothing
+                return
+            except RpcError as e:
+                why = retry_reason(e.code, started, retries, len(excluded_decode), self.max_retries, self.max_reroutes)
+                if why is None:
+                    raise service_error(e) from None
+                retries += 1
+                self.metrics.count_retry(why)
+                if why == "prefill_failed":
+                    excluded_prefill.append(placement["prefill"]["name"])
+                else:
+                    excluded_decode.append(placement["decode"]["name"])
+                if why == "decode_overloaded":
+                    self.metrics.count_reroute()
+                    refusal = e
+                log.warning("request %s: %s on %s; placing it again (%s, %d tokens streamed so far)", req.request_id,
+                            e, placement["prefill" if why == "prefill_failed" else "decode"]["name"], why, len(generated))
+                continue
+            except asyncio.TimeoutError:
+                raise OpenAIError(status=504, message=f"request exceeded {self.request_timeout}s", type="server_error", param=None, code="timeout") from None
+            finally:
+                self.active -= 1
+                await self._release(req)
+
+    async def _release(self, req: GenerateRequest) -> None:
+        """``release`` at the router, shielded from cancellation; a failure is ignored (the lease expires)."""
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self.router.call("release", {"req_id": req.request_id}, timeout=2.0))
+
+    async def _block_hashes(self, prompt_ids: list[int]) -> list[int] | None:
+        """The prompt's chained full-block hashes for the router's prefix lookup (off the event loop
+        for long prompts: about 0.2 µs per token), or None if the ids cannot be hashed (placed without)."""
+        try:
+            if len(prompt_ids) < 8192:
+                return block_hashes(prompt_ids, self.block_size)
+            return await asyncio.to_thread(block_hashes, prompt_ids, self.block_size)
+        except ValueError as e:
+            log.warning("prompt not hashed for prefix routing: %s", e)
+            return None
+
+    async def place(self, req: GenerateRequest, excluded: list[str], refusal: RpcError | None,
+                    hashes: list[int] | None = None, excluded_prefill: list[str] | None = None,
+                    input_ids: list[int] | None = None, deadline: float | None = None) -> dict[str, Any]:
+        """Ask the router for a placement of ``input_ids`` (default: the prompt) avoiding the decode
+        workers in ``excluded`` (the last of which refused with ``refusal``) and the prefill workers in
+        ``excluded_prefill``, cache-aware when ``hashes`` are given.
+
+        A router that cannot be reached, does not answer, or has no alive worker yet (it restarted,
+        or workers are re-registering) is asked again with backoff (0.1 s doubling to 1 s) for up to
+        ``place_retry_s`` seconds (and never past ``deadline``, event-loop time): the client sees a
+        delay. When the exclusions leave no prefill worker, they are dropped (in place: the caller's
+        list is cleared) and the router asked again, since the fault may have passed. Raises
+        :class:`OpenAIError` after that, or at once when the router rejects the request, or when no
+        decode worker is left outside the exclusions."""
+        ids = req.prompt_ids if input_ids is None else input_ids
+        args: dict[str, Any] = {"req_id": req.request_id, "prompt_len": len(ids), "exclude_decode": excluded,
+                                "exclude_prefill": excluded_prefill or []}
+        if hashes is not None:
+            args.update(block_hashes=hashes, block_size=self.block_size)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.place_retry_s
+        if deadline is not None:
+            give_up = min(give_up, deadline)
+        backoff = Backoff(0.1, 1.0, 2.0, deadline=give_up, clock=loop.time)
+        while True:
+            try:
+                return await self.router.call("place", args, timeout=10.0)
+            except RpcError as e:
+                if e.code != ErrorCode.UNAVAILABLE:
+                    raise service_error(e) from None
+                if refusal is not None:
+                    raise service_error(refusal) from None  # every decode worker refused: say so
+                delay = backoff.next_delay()
+                if excluded_prefill and not excluded and delay is not None:
+                    # Every prefill worker failed this request once (e.g. a reset link): the fault may
+                    # have passed, so the next attempt may use any of them again.
+                    log.info("request %s: every prefill worker was excluded (%s); trying them all again", req.request_id,
+                             ", ".join(excluded_prefill))
+                    excluded_prefill.clear()
+                    args["exclude_prefill"] = []
+                elif excluded or excluded_prefill or delay is None:
+                    raise service_error(e) from None
+                self.metrics.count_place_retry()
+            except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+                # The router may have placed the request before its answer was lost (client gone, or
+                # timeout): release it, or its in-flight counts stay until the lease expires.
+                await self._release(req)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                delay = backoff.next_delay()
+                if delay is None:
+                    raise OpenAIError(status=503, message="router did not answer in time", type="server_error", param=None,
+                                      code="unavailable") from None
+                self.metrics.count_place_retry()
+            await asyncio.sleep(delay)

@@ -1,0 +1,109 @@
+"""``POST /v1/completions``: the ``prompt`` field (text or token ids, one prompt) and the
+completion-only fields (``echo``, ``logprobs``, ``best_of``, ``suffix``), into a :class:`GenerateRequest`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.gateway.openai.fields import (
+    bad_request,
+    build_request,
+    check_neutral,
+    check_prompt_bytes,
+    is_int,
+    parse_common,
+    parse_max_tokens,
+    type_name,
+    unsupported,
+)
+from services.gateway.openai.request import GenerateRequest, ModelContext
+
+_ONE_PROMPT = "Only one prompt per request is supported; send one request per prompt."
+
+
+def _check_ids(ids: list[Any], vocab: int) -> list[int]:
+    for i, t in enumerate(ids):
+        if not is_int(t):
+            raise bad_request(
+                f"'prompt' token ids must be integers; entry {i} is {type_name(t)}.",
+                param="prompt",
+            )
+        if not 0 <= t < vocab:
+            raise bad_request(
+                f"'prompt' token id {t} at position {i} is out of the vocabulary range [0, {vocab}).",
+                param="prompt",
+            )
+    return list(ids)
+
+
+def _completion_prompt_ids(prompt: Any, ctx: ModelContext) -> list[int]:
+    """Tokenize / validate the ``prompt`` field into one list of token ids."""
+    if prompt is None:
+        raise bad_request("'prompt' is required.", param="prompt")
+    text: str | None = None
+    ids: list[Any] | None = None
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise bad_request("'prompt' must not be empty.", param="prompt")
+        first = prompt[0]
+        if isinstance(first, str):
+            if len(prompt) > 1:
+                raise bad_request(_ONE_PROMPT, param="prompt")
+            text = first
+        elif isinstance(first, list):
+            if len(prompt) > 1:
+                raise bad_request(_ONE_PROMPT, param="prompt")
+            ids = first
+        elif is_int(first):
+            ids = prompt
+        else:
+            raise bad_request(
+                "'prompt' must be a string, an array of one string, an array of token ids, "
+                f"or an array of one array of token ids; got an array of {type_name(first)}.",
+                param="prompt",
+            )
+    else:
+        raise bad_request(
+            f"'prompt' must be a string or an array, got {type_name(prompt)}.", param="prompt"
+        )
+
+    if text is not None:
+        if not text:
+            raise bad_request("'prompt' must not be empty.", param="prompt")
+        check_prompt_bytes(text, ctx, "prompt")
+        out = list(ctx.tokenizer.encode(text))
+        if not out:
+            raise bad_request("'prompt' encodes to no tokens.", param="prompt")
+        return out
+    assert ids is not None
+    if not ids:
+        raise bad_request("'prompt' must not be empty.", param="prompt")
+    return _check_ids(ids, len(ctx.tokenizer))
+
+
+def parse_completion(body: bytes | str, ctx: ModelContext) -> GenerateRequest:
+    """Parse and validate a ``POST /v1/completions`` body.
+
+    ``prompt`` may be a string, ``[string]``, a list of token ids or ``[[ids]]``; more than one
+    prompt is a 400. ``max_tokens`` defaults to ``ctx.default_max_tokens_completion`` (clamped to the
+    context left). Raises :class:`OpenAIError` (400, or 404 for an unknown model).
+    """
+    common = parse_common(body, ctx, _reject_unsupported_completion)
+    requested = parse_max_tokens(common.data, "max_tokens")
+    prompt_ids = _completion_prompt_ids(common.data.get("prompt"), ctx)
+    return build_request("completion", "cmpl", common, prompt_ids, requested, "max_tokens",
+                         ctx.default_max_tokens_completion, "prompt", ctx)
+
+
+def _reject_unsupported_completion(data: dict[str, Any]) -> None:
+    """Completion-only fields rejected unless neutral: ``echo``, ``logprobs``, ``best_of``, ``suffix``."""
+    check_neutral(data, "echo", "a boolean", lambda v: not v)
+    if data.get("logprobs") is not None:
+        raise unsupported("logprobs")
+    check_neutral(data, "best_of", "an integer", lambda v: v == 1, "only best_of=1 is accepted")
+    suffix = data.get("suffix")
+    if suffix is not None and suffix != "":
+        raise unsupported("suffix")
