@@ -44,9 +44,6 @@ import time
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 MiB = 1 << 20
 WARMUP = 3  # steps before the measured ones, for every method alike
 FULL_CONFIGS = [(b, c) for b in (1, 8, 32) for c in (512, 4096)]
@@ -259,10 +256,10 @@ class Role:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--batch", str(batch), "--ctx", str(ctx),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
                "--threads", str(args.threads), "--block-size", str(args.block_size)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
+        env = dict(os.environ, TRANSFORMERS_VERBOSITY="error")
         self.name = f"{role} b={batch} ctx={ctx}"
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, env=env, cwd=str(ROOT))
+                                  text=True, env=env)
         self.lines: list[str] = []
 
     def _line(self, prefix: str) -> str:
