@@ -35,6 +35,7 @@ from common.lab.cluster import free_port
 from common.lab.procs import spawn, stop, wait_line
 
 MODEL = "tiny-hybrid"
+ROLES = "common.lab.overlap"  # this module, run as the role processes (see main)
 
 
 async def client(decode: str, prefill: str, prompt_len: int, reps: int) -> None:
@@ -121,13 +122,13 @@ class Site:
             self.lab.shape(int(rate_bps))
             return
         stop(self.proxy)
-        self.proxy = spawn([sys.executable, "-m", __name__, "--role", "proxy", "--listen",
+        self.proxy = spawn([sys.executable, "-m", ROLES, "--role", "proxy", "--listen",
                                self.kv_public, "--target", self.kv, "--rate", str(rate_bps)])
         wait_line(self.proxy, "READY", 60)
 
 
 def run_client(site: Site, prompt_len: int, reps: int) -> list[dict]:
-    p = spawn([sys.executable, "-m", __name__, "--role", "client", "--decode", site.decode,
+    p = spawn([sys.executable, "-m", ROLES, "--role", "client", "--decode", site.decode,
                   "--prefill", site.prefill, "--prompt-len", str(prompt_len), "--reps", str(reps)], "local", site.lab)
     try:
         return json.loads(wait_line(p, "RESULT ", 900))

@@ -142,6 +142,7 @@ class Harness:
         for spec in specs:
             tasks.append(asyncio.create_task(self._one(spec, ctx)))
             await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
+        return list(await asyncio.gather(*tasks))
 
 
 async def run_matrix(opts: Options, names: Sequence[str], lab=None, out=print) -> list[Row]:
