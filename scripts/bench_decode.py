@@ -44,9 +44,6 @@ import time
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 MiB = 1 << 20
 WARMUP = 3  # steps before the measured ones, for every method alike
 FULL_CONFIGS = [(b, c) for b in (1, 8, 32) for c in (512, 4096)]
@@ -111,7 +108,7 @@ def pool_bytes_for(specs, batch: int, tokens: int, block_size: int) -> int:
 async def worker_round(worker, specs, args, rnd: int) -> dict:
     """One batch of requests through ``worker``, each injected as if its transfer had just finished."""
     from common.model.sampling import SamplingParams
-    from services.decode.request import DecodeRequest
+    from services.decode.request import DecodeRequest, StreamError
 
     store = worker.store
     batch, ctx, steps = args.batch, args.ctx, args.warmup + args.steps
@@ -134,8 +131,8 @@ async def worker_round(worker, specs, args, rnd: int) -> dict:
         while True:
             item = await req.out.get()
             times.append(time.perf_counter())
-            if "error" in item:
-                raise RuntimeError(f"{req.req_id}: {item['error']}")
+            if isinstance(item, StreamError):
+                raise RuntimeError(f"{req.req_id}: {item.message}")
             if req is reqs[0]:  # once per step: every row grew before the step ran
                 peak_pool = max(peak_pool, store.stats()["bytes_used"])
             if item["finish_reason"] is not None:
@@ -146,18 +143,18 @@ async def worker_round(worker, specs, args, rnd: int) -> dict:
     for req in reqs:  # step 4: the batch loop owns the blocks from here
         req.in_loop = True
         req.admitted_at = now
-        worker.running[req.req_id] = req
-    worker._wakeup.set()
+        worker.sched.running[req.req_id] = req
+    worker.batch.wake()
     per_row = await asyncio.gather(*consumers)
     deadline = time.monotonic() + 10
-    while worker.running and time.monotonic() < deadline:  # finished rows are retired at the next loop turn
+    while worker.sched.running and time.monotonic() < deadline:  # finished rows are retired at the next loop turn
         await asyncio.sleep(0.001)
     ends = [max(t[s] for t in per_row) for s in range(steps)]
     return {
         "step_s": step_times(ends, args.warmup),
         "tokens": [r.generated[1:] for r in reqs],
         "pool_peak_bytes": peak_pool,
-        "pool_freed": store.stats()["pages_used"] == 0 and not worker.running,
+        "pool_freed": store.stats()["pages_used"] == 0 and not worker.sched.running,
     }
 
 
@@ -259,10 +256,10 @@ class Role:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--role", role, "--batch", str(batch), "--ctx", str(ctx),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--model", args.model,
                "--threads", str(args.threads), "--block-size", str(args.block_size)]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TRANSFORMERS_VERBOSITY="error")
+        env = dict(os.environ, TRANSFORMERS_VERBOSITY="error")
         self.name = f"{role} b={batch} ctx={ctx}"
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, env=env, cwd=str(ROOT))
+                                  text=True, env=env)
         self.lines: list[str] = []
 
     def _line(self, prefix: str) -> str:

@@ -1,7 +1,8 @@
 """Prefix cache benchmark: a real conversation trace replayed through the whole system, cache on against off.
 
-The workload is ``mooncake_conversation_trace.jsonl`` (one hour of production conversation traffic; see
-``shared/traces/README.md``). It carries no text: each request lists one hash id per 512-token block,
+The workload is ``mooncake_conversation_trace.jsonl`` (one hour of production conversation traffic), shipped
+gzip-compressed in ``common/lab/data/`` (see its README for the source and licence; ``common/lab/trace.py``
+holds the pure scaling below). It carries no text: each request lists one hash id per 512-token block,
 and requests that share leading ids share that prefix. The replay turns ids into tokens so that equal
 ids are equal tokens, then runs the same requests twice, each time on a freshly started system (HTTP
 to the gateway): once with every prefix cache on, once with ``PRFAAS_PREFIX_CACHE=0`` (the baseline).
@@ -49,124 +50,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import json
 import math
 import statistics
-import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from common.lab.cluster import Cluster
+from common.lab.completions import stream_once
+from common.lab.trace import (
+    BLOCK,
+    SCALE,
+    TRACE,
+    Request,
+    conversation,
+    ideal_hits,
+    ideal_rate,
+    load_trace,
+    scale,
+    select,
+    whole_trace_ideal,
+)
 
-from measure_e2e import stream_once  # noqa: E402
-
-from common.lab.cluster import Cluster  # noqa: E402
-
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-TRACE_BLOCK = 512  # tokens per hash id in the trace
-BLOCK = 16  # tokens per KV block (PRFAAS_BLOCK_SIZE): one trace block becomes one KV block
-SCALE = TRACE_BLOCK // BLOCK
 QUICK_REQUESTS = 150
 WARMUP_TOKENS = 300
 REQUEST_TIMEOUT_S = 120.0
-
-
-# ----------------------------------------------------------------------------------------------
-# the workload, pure: trace rows -> scaled requests, ideal hits, dependencies
-
-@dataclass
-class Request:
-    """One replayed request: ``tokens`` (scaled prompt), ``ids`` (the trace hash ids it covers),
-    ``max_tokens``, ``ideal_hit`` (tokens an infinite cache holds), ``deps`` (replay indices to wait for)."""
-
-    trace_index: int
-    tokens: list[int]
-    ids: list[int]
-    max_tokens: int
-    capped: bool
-    ideal_hit: int = 0
-    deps: tuple[int, ...] = ()
-
-
-def load_trace(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def conversation(row: dict) -> int:
-    """The conversation a trace row belongs to: its second hash id (every row starts with id 0)."""
-    ids = row["hash_ids"]
-    return ids[1] if len(ids) > 1 else ids[0]
-
-
-def select(trace: list[dict], n: int, seed: int) -> list[int]:
-    """Indices (trace order) of whole conversations, taken in a seeded order until ``n`` rows are reached."""
-    by_conv: dict[int, list[int]] = {}
-    for i, row in enumerate(trace):
-        by_conv.setdefault(conversation(row), []).append(i)
-    order = sorted(by_conv, key=lambda c: hashlib.blake2b(f"{seed}:{c}".encode(), digest_size=8).digest())
-    picked: list[int] = []
-    for c in order:
-        if len(picked) >= n:
-            break
-        picked += by_conv[c]
-    return sorted(picked)
-
-
-def block_tokens(h: int, seed: int) -> list[int]:
-    """The 16 tokens of trace block ``h``: byte ids from a digest of ``h``, so equal ids are equal tokens."""
-    return list(hashlib.blake2b(f"{seed}:{h}".encode(), digest_size=BLOCK).digest())
-
-
-def scale(i: int, row: dict, seed: int, max_input: int, max_output: int) -> Request:
-    """Trace row ``i`` at 1/32: ``ceil(len / 32)`` tokens capped at ``max_input``, one KV block per id."""
-    full = math.ceil(row["input_length"] / SCALE)
-    length = min(full, max_input)
-    ids = row["hash_ids"][: math.ceil(length / BLOCK)]
-    tokens = [t for h in ids for t in block_tokens(h, seed)][:length]
-    out = min(max_output, max(1, math.ceil(row["output_length"] / SCALE)))
-    return Request(i, tokens, ids, out, capped=full > length)
-
-
-def ideal_hits(reqs: list[Request]) -> None:
-    """Fill ``ideal_hit`` (infinite cache, prefix-closed: the leading run of ids seen earlier, capped at
-    len - 1) and ``deps`` (the earlier requests that first sent the ids of that run)."""
-    first: dict[int, int] = {}
-    for j, r in enumerate(reqs):
-        run = 0
-        while run < len(r.ids) and r.ids[run] in first:
-            run += 1
-        r.ideal_hit = min(run * BLOCK, len(r.tokens) - 1)
-        r.deps = tuple(sorted({first[h] for h in r.ids[:run]}))
-        for h in r.ids:
-            first.setdefault(h, j)
-
-
-def ideal_rate(reqs: list[Request]) -> float:
-    return sum(r.ideal_hit for r in reqs) / sum(len(r.tokens) for r in reqs)
-
-
-def whole_trace_ideal(trace: list[dict], max_input: int) -> float:
-    """The ideal hit rate of the whole trace at the same scale (ids only, no tokens)."""
-    seen: set[int] = set()
-    hit = total = 0
-    for row in trace:
-        length = min(math.ceil(row["input_length"] / SCALE), max_input)
-        ids = row["hash_ids"][: math.ceil(length / BLOCK)]
-        run = 0
-        while run < len(ids) and ids[run] in seen:
-            run += 1
-        hit += min(run * BLOCK, length - 1)
-        total += length
-        seen.update(ids)
-    return hit / total
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,7 +221,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests; under 3 minutes on 2 cores")
     p.add_argument("--model", default="tiny-hybrid", help="tiny-hybrid (default), tiny-dense or a checkpoint directory")
-    p.add_argument("--trace", type=Path, default=TRACE, help="the Mooncake conversation trace (JSON lines)")
+    p.add_argument("--trace", type=Path, default=TRACE, help="the Mooncake conversation trace (JSON lines, .gz or plain; default: the copy shipped in common/lab/data)")
     p.add_argument("--requests", type=int, default=600, help="requests to replay, whole conversations (default 600)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (default 4)")
     p.add_argument("--max-input", type=int, default=2048, help="cap on a scaled prompt, tokens (default 2048)")

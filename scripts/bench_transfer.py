@@ -37,11 +37,10 @@ import time
 import tracemalloc
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from common.lab.cluster import free_port  # noqa: E402
+from common.lab import netlab
+from common.lab.cluster import free_port
+from common.lab.overlap import overlap
+from common.lab.procs import spawn, stop, wait_line
 
 MiB = 1 << 20
 WARMUP = 2  # runs before the measured ones, for the engine and the baselines alike
@@ -345,40 +344,6 @@ def role_cmd(*args: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), *args]
 
 
-def spawn(cmd: list[str], ns=None, lab=None, stdin=None) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if lab is not None:
-        return lab.run(ns, cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(ROOT))
-    return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(ROOT))
-
-
-def wait_line(p: subprocess.Popen, prefix: str, timeout: float = 900.0) -> str:
-    deadline = time.monotonic() + timeout
-    lines = []
-    while time.monotonic() < deadline:
-        line = p.stdout.readline()
-        if not line:
-            if p.poll() is not None:
-                raise RuntimeError(f"process exited ({p.returncode}):\n" + "".join(lines[-30:]))
-            continue
-        lines.append(line)
-        if line.startswith(prefix):
-            return line[len(prefix):].strip()
-    raise TimeoutError(f"no {prefix!r} line:\n" + "".join(lines[-30:]))
-
-
-def stop(*procs) -> None:
-    for p in procs:
-        if p is not None and p.poll() is None:
-            p.terminate()
-    for p in procs:
-        if p is not None:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
 def run_pair(recv_args: list[str], send_args: list[str], plan: list[dict], lab=None) -> list[dict]:
     recv = spawn(role_cmd(*recv_args), "local", lab)
     send = None
@@ -489,8 +454,6 @@ def copies() -> None:
 
 
 def shaped(quick: bool) -> float:
-    import netlab
-
     ok, why = netlab.netns_available()
     if not ok:
         print(f"\n== Shaped link: skipped ({why}) ==")
@@ -551,8 +514,6 @@ def main() -> None:
     sh = shaped(args.quick) if "shaped" not in skip else float("nan")
     ov = float("nan")
     if "overlap" not in skip:
-        from bench_overlap import overlap
-
         ov = overlap(args.quick)
     print(f"\n(total {time.monotonic() - t0:.0f} s)")
     print(f"loopback_ratio={lo:.3f} shaped_ratio={sh:.3f} overlap_ratio={ov:.3f}")

@@ -13,47 +13,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common.lab.cluster import Cluster  # noqa: E402
-from common.model.sampling import SamplingParams  # noqa: E402
-from common.rpc.client import RpcClient  # noqa: E402
-
-
-async def stream_once(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
-    """One streaming request: returns (TTFT s, total s, completion tokens). Raises ``RuntimeError`` on
-    an HTTP error or an error event in the stream."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
-    t0 = time.perf_counter()
-    first = None
-    n = 0
-    async with session.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            for c in chunk.get("choices", []):
-                k = len(c.get("token_ids") or [])
-                if k and first is None:
-                    first = time.perf_counter() - t0
-                n += k
-    return first or float("nan"), time.perf_counter() - t0, n
+from common.lab.cluster import Cluster
+from common.lab.completions import stream_once
+from common.model.sampling import SamplingParams
+from common.rpc.client import RpcClient
 
 
 async def overlap_once(cluster: Cluster, prompt: list[int]) -> dict:

@@ -46,12 +46,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common.lab.cluster import Cluster  # noqa: E402
-from common.model.sampling import SamplingParams  # noqa: E402
-from common.rpc.client import RpcClient  # noqa: E402
-from services.planner import throughput as tm  # noqa: E402
+from common.lab.cluster import Cluster
+from common.model.sampling import SamplingParams
+from common.rpc.client import RpcClient
+from services.planner import throughput as tm
 
 VOCAB = 256  # prompt tokens are drawn from the byte range, valid for every embedded model
 ITEM_TIMEOUT_S = 300.0  # one stream item (a whole prefill, for the first) may take this long

@@ -35,13 +35,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from services.planner import throughput as tm
 
-from services.planner import throughput as tm  # noqa: E402
-
-PROFILE = ROOT / "services" / "planner" / "profiles" / "h200_table5.json"
+PROFILE = Path(tm.__file__).resolve().parent / "profiles" / "h200_table5.json"
 
 WORKLOAD = tm.TruncatedLogNormal(mu=9.90, sigma=1.00, lo=128, hi=131072)
 L_OUT = 1024.0  # tokens

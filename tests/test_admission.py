@@ -22,7 +22,7 @@ import torch
 
 from common.lab.cluster import Cluster
 from common.lab.reference import reference_model
-from services.gateway.metrics import sample_value
+from common.lab.scrape import sample_value
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,4 +1,4 @@
-"""Chaos harness (scripts/chaos.py) in CI: a trimmed matrix over the userspace link proxies, no root.
+"""Chaos harness (common/lab/chaos, CLI scripts/chaos.py) in CI: a trimmed matrix over the userspace link proxies, no root.
 
 One system (two datacenters on loopback, every cross-datacenter path through a LinkProxy) serves
 every scenario in turn: delay, a 5 s blackhole, SIGKILL of the PrfaaS prefill worker mid-transfer,
@@ -27,9 +27,11 @@ import pytest
 from aiohttp import web
 
 from common.lab import netlab
-from scripts import chaos
-from scripts.chaos import BY_NAME, Harness, Options, PromptPool, Spec, run_request
-from scripts.chaos_topology import WanLink
+from common.lab.chaos.harness import Harness
+from common.lab.chaos.report import table
+from common.lab.chaos.requests import PromptPool, Spec, run_request
+from common.lab.chaos.scenarios import BY_NAME, Options
+from common.lab.topology import WanLink
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUESTS = 60  # per scenario in CI (the script's matrix sends 100)
@@ -229,7 +231,7 @@ def harness(tmp_path_factory):
 
 def _check(row) -> None:
     """Nothing lost, hung, leaked or wrong; every request the fault did not touch completed exactly."""
-    report = chaos.table([row], None)
+    report = table([row], None)
     c = row.counts
     assert row.requests == REQUESTS, report
     assert c["lost"] == 0 and c["hang"] == 0, report
@@ -274,7 +276,7 @@ def test_decode_worker_killed_mid_stream(harness):
 def test_client_disconnects(harness):
     row = harness("disconnects")
     _check(row)
-    assert row.counts["abandoned"] >= REQUESTS // 5, chaos.table([row], None)
+    assert row.counts["abandoned"] >= REQUESTS // 5, table([row], None)
     _note(row, r"clients left at: .*decode=.*first_token=.*place=")
 
 
@@ -282,7 +284,7 @@ def test_overload(harness):
     row = harness("overload")
     _check(row)
     c = row.counts
-    assert c["ok"] + c["error"] == REQUESTS and c["ok"] > 0, chaos.table([row], None)
+    assert c["ok"] + c["error"] == REQUESTS and c["ok"] > 0, table([row], None)
     # refusals are 429 (admission bound) or 503 with an OpenAI error body, before any token
     assert all(re.match(r"HTTP (429|503) ", msg) and "no Retry-After" not in msg for msg in row.errors), row.errors
 

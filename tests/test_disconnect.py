@@ -26,8 +26,8 @@ import aiohttp
 import pytest
 
 from common.lab.reference import reference_greedy
+from common.lab.scrape import sample_value
 from common.rpc.client import RpcClient
-from services.gateway.metrics import sample_value
 
 LONG = 6000  # tokens: remote route (> t = 1024); prefill takes ~2 s on one CPU thread
 MEDIUM = 1500  # remote route, short prefill

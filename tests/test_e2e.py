@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.lab.reference import reference_greedy
+from common.lab.scrape import sample_value
 from common.rpc.client import RpcClient
-from services.gateway.metrics import sample_value
 
 LENGTHS = [1, 15, 16, 17, 33, 300, 1100]  # block size 16 (c01: 1, bs-1, bs, bs+1, 2bs+1); 1100 > t = 1024
 NEW_TOKENS = 24

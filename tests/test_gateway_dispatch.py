@@ -7,10 +7,11 @@ import copy
 
 import pytest
 
+from common.lab.scrape import sample_value
 from common.rpc.errors import RpcError, Unavailable
 from proto.frames import ErrorCode
 from services.gateway.dispatch import RETRY_REASONS, Dispatcher, retry_reason
-from services.gateway.metrics import GatewayMetrics, render_families, sample_value
+from services.gateway.metrics import GatewayMetrics, render_families
 from services.gateway.openai.request import GenerateRequest, OpenAIError
 
 

@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 
 from common.lab.cluster import Cluster
-from services.gateway.metrics import sample_value
+from common.lab.scrape import sample_value
 from tests.test_admission import (  # tiny-dense greedy references, EOS ignored
     prompt_of,
     reference,

@@ -15,14 +15,10 @@ from common.kv.block_hash import block_hashes
 from common.kv.block_pool import BlockPool
 from common.kv.prefix_cache import PrefixCache
 from common.lab.cluster import free_port
+from common.lab.scrape import sample_value
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
-from services.gateway.metrics import (
-    prefix_families,
-    render_families,
-    sample_value,
-    worker_prefix_families,
-)
+from services.gateway.metrics import prefix_families, render_families, worker_prefix_families
 from services.planner.server import Planner
 from services.router.server import Router
 

@@ -210,9 +210,9 @@ def test_exec_prefix_runs_the_command_in_place_inside_the_namespace():
 
 
 def test_run_in_lab_tears_everything_down_after_a_failing_command():
-    """scripts/chaos_topology.run_in_lab: the command runs in the local namespace and finds the lab;
+    """common/lab/topology.run_in_lab: the command runs in the local namespace and finds the lab;
     when it fails, its exit status comes back and both namespaces, with what ran in them, are gone."""
-    from scripts.chaos_topology import LAB_ENV, run_in_lab
+    from common.lab.topology import LAB_ENV, run_in_lab
 
     prefix = _prefix()
     script = (f"import os, subprocess, sys; assert os.environ['{LAB_ENV}'].split()[0] == '{prefix}'; "

@@ -213,7 +213,8 @@ async def test_router_refuses_a_malformed_bandwidth_flag(env):
 
 
 async def test_planner_state_renders_as_metrics_and_status_text(env):
-    from services.gateway.metrics import planner_families, render_families, sample_value
+    from common.lab.scrape import sample_value
+    from services.gateway.metrics import planner_families, render_families
     from services.planner.status import render
 
     ctl = Controller(PROFILE, DIST, 100.0, 1024, env.client)

@@ -17,9 +17,9 @@ Library::
 
 CLI::
 
-    python common/lab/netlab.py check                       # root? ip? netns? netem?
-    python common/lab/netlab.py up [--prefix P] [--rate-mbit 100] [--delay-ms 20]
-    python common/lab/netlab.py down [--prefix P]           # also cleans up after a crashed run
+    python -m common.lab.netlab check                       # root? ip? netns? netem?
+    python -m common.lab.netlab up [--prefix P] [--rate-mbit 100] [--delay-ms 20]
+    python -m common.lab.netlab down [--prefix P]           # also cleans up after a crashed run
 
 Requirements: root (``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``) and iproute2 (``ip``, ``tc``).
 
@@ -448,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for side in SIDES:
         print(f"{lab.ns[side]}: {lab.addr(side)} on {lab.veth[side]}  "
               f"(run: ip netns exec {lab.ns[side]} CMD)")
-    print(f"remove with: python {sys.argv[0]} down --prefix {args.prefix}")
+    print(f"remove with: python -m common.lab.netlab down --prefix {args.prefix}")
     return 0
 
 

@@ -7,7 +7,7 @@ gateway's counters (requests by endpoint and status, retries by reason, reroutes
 :meth:`GatewayMetrics.scrape` asks the router (``stats``) and the planner (``status``, ``view``) for a
 snapshot, turns it into metric families (the pure ``*_families`` functions below) and renders those
 with the gateway's own through ``generate_latest``. A peer that does not answer leaves its metrics
-out and a comment line at the end says so. :func:`sample_value` reads a sample back from the text.
+out and a comment line at the end says so.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
@@ -109,17 +108,6 @@ def render_families(families: Iterable[Metric]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(families))
     return generate_latest(registry)
-
-
-def sample_value(text: str, name: str, **labels: str) -> float | None:
-    """The value of the sample ``name`` (as written, e.g. ``prfaas_requests_total``) whose labels are
-    exactly ``labels`` in the Prometheus ``text``, or None when there is none. Raises ValueError for
-    text that does not parse."""
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and s.labels == labels:
-                return s.value
-    return None
 
 
 def _family(kind: str, name: str, help_text: str, labels: Sequence[str] = (),

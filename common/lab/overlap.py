@@ -1,0 +1,205 @@
+"""Overlap of KV streaming with prefill compute, on the default model over a shaped link.
+
+A remote prefill worker ("prfaas" side) and a decode worker ("local" side) are joined by a link whose
+rate is set so that moving the prompt's KVCache takes about as long as computing it. The same prompt
+is then served three ways, each measured as TTFT at a client beside the decode worker:
+- chunked: a chunked prefill; each chunk's K/V leaves while the next chunk computes;
+- layer: one-pass prefill; each layer's state leaves as soon as that layer is done;
+- after: the whole KVCache is sent once prefill ends (no pipelining).
+``overlap_ratio`` = chunked TTFT / max(prefill, transfer), where prefill is the compute time of the
+one-pass prefill and transfer the time the non-pipelined send took, both measured in this run.
+
+The link is two network namespaces with ``tc`` tbf when root and ``ip netns`` are available, and a
+userspace rate-capped proxy on loopback otherwise. :func:`overlap` runs it all (used by
+``scripts/bench_overlap.py`` and ``scripts/bench_transfer.py``); the client and proxy roles it starts
+are this module run as ``python -m common.lab.overlap --role client|proxy ...``.
+
+Ownership: a :class:`Site` owns the processes it starts and the lab it makes; leaving its ``with``
+block stops them and deletes the lab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+from common.lab import netlab
+from common.lab.cluster import free_port
+from common.lab.procs import spawn, stop, wait_line
+
+MODEL = "tiny-hybrid"
+ROLES = "common.lab.overlap"  # this module, run as the role processes (see main)
+
+
+async def client(decode: str, prefill: str, prompt_len: int, reps: int) -> None:
+    """Role: time ``generate`` (max_tokens 1) against the decode worker; prints one JSON line."""
+    from common.model.sampling import SamplingParams
+    from common.rpc.client import RpcClient
+
+    c = RpcClient(decode, service="bench", name="bench-client", connect_timeout=120)
+    out = []
+    rng = random.Random(0)
+    for r in range(reps):
+        prompt = [rng.randrange(256) for _ in range(prompt_len)]
+        args = {"req_id": f"ov-{r}-{time.monotonic()}", "input_ids": prompt, "prefill_addr": prefill,
+                "sampling": SamplingParams(max_tokens=1, temperature=0).to_wire()}
+        t0 = time.monotonic()
+        async for item in c.stream("generate", args, connect_timeout=120):
+            now = time.monotonic()
+            ttft = now - t0
+            t = item["timings"]
+            # None when the first token came while the transfer's tail was still landing: the time
+            # the token reached us bounds it (CLOCK_MONOTONIC is one clock for processes on a host).
+            t["last_received_at"] = t["last_received_at"] or now
+            out.append({"ttft_s": ttft, "prefill_s": t["prefill_s"], "kv_bytes": t["kv_bytes"],
+                        "transfer_tail_s": t["last_received_at"] - t["last_computed_at"],
+                        "send_window_s": t["last_received_at"] - (t["last_computed_at"] - t["prefill_s"])})
+    print("RESULT " + json.dumps(out), flush=True)
+    await c.close()
+
+
+def proxy_role(listen: str, target: str, rate_bps: float) -> None:
+    """Role: a rate-capped userspace proxy (when namespaces are not available)."""
+    import uvloop
+
+    from common.lab.link_proxy import LinkProxy
+    from common.rpc.handshake import parse_addr
+
+    async def run() -> None:
+        lh, lp = parse_addr(listen)
+        th, tp = parse_addr(target)
+        p = LinkProxy(lh, lp, th, tp, rate_bps=rate_bps, max_buffer_bytes=64 << 20)
+        await p.start()
+        print("READY", flush=True)
+        await asyncio.Event().wait()
+
+    uvloop.run(run())
+
+
+class Site:
+    """Where the processes run: two namespaces with a tbf-shaped veth, or loopback plus a proxy."""
+
+    def __init__(self) -> None:
+        ok, why = netlab.netns_available()
+        self.lab = netlab.TwoDatacenters(prefix="prfaas-ovl") if ok else None
+        self.why = why
+        self.proxy = None
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "Site":
+        if self.lab is not None:
+            self.lab.__enter__()
+            self.local, self.remote = self.lab.addr("local"), self.lab.addr("prfaas")
+        else:
+            self.local = self.remote = "127.0.0.1"
+        self.planner = f"{self.local}:{free_port() if self.lab is None else 7200}"
+        self.decode = f"{self.local}:{free_port() if self.lab is None else 7400}"
+        self.kv = f"{self.local}:{free_port() if self.lab is None else 7401}"
+        self.kv_public = self.kv if self.lab is not None else f"127.0.0.1:{free_port()}"
+        self.prefill = f"{self.remote}:{free_port() if self.lab is None else 7300}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stop(*self.procs, self.proxy)
+        if self.lab is not None:
+            self.lab.__exit__(*exc)
+
+    def start(self, side: str, argv: list[str], ready: str = "READY") -> subprocess.Popen:
+        p = spawn([sys.executable, "-m", *argv], side, self.lab)
+        self.procs.append(p)
+        wait_line(p, ready, 300)
+        return p
+
+    def shape(self, rate_bps: float) -> None:
+        if self.lab is not None:
+            self.lab.shape(int(rate_bps))
+            return
+        stop(self.proxy)
+        self.proxy = spawn([sys.executable, "-m", ROLES, "--role", "proxy", "--listen",
+                               self.kv_public, "--target", self.kv, "--rate", str(rate_bps)])
+        wait_line(self.proxy, "READY", 60)
+
+
+def run_client(site: Site, prompt_len: int, reps: int) -> list[dict]:
+    p = spawn([sys.executable, "-m", ROLES, "--role", "client", "--decode", site.decode,
+                  "--prefill", site.prefill, "--prompt-len", str(prompt_len), "--reps", str(reps)], "local", site.lab)
+    try:
+        return json.loads(wait_line(p, "RESULT ", 900))
+    finally:
+        stop(p)
+
+
+def overlap(quick: bool) -> float:
+    """Run the three modes; print a table; return the overlap ratio (see the module docstring)."""
+    prompt_len = 6000 if quick else 8000
+    reps = 2 if quick else 3
+    os.environ.setdefault("PRFAAS_THREADS", "1")
+    # Every mode prefills the same prompts: with prefix caches on, the repeats would hit and skip most
+    # of the compute and the transfer. This measures the pipeline of full prefills, so they are off.
+    os.environ["PRFAAS_PREFIX_CACHE"] = "0"
+    with Site() as site:
+        if site.lab is None:
+            print(f"\n(overlap: namespaces unavailable ({site.why}); using a userspace rate-capped proxy)")
+        common = ["--model", MODEL, "--planner", site.planner]
+        site.start("local", ["services.planner", "--listen", site.planner])
+        site.start("local", ["services.decode", "--name", "decode-ovl", "--listen", site.decode, "--kv-listen", site.kv,
+                             "--kv-advertise", site.kv_public, *common])
+        site.shape(10e9 if site.lab is None else 10_000_000_000)
+        results: dict[str, list[dict]] = {}
+        rate = None
+        for mode, flags in (("layer", ["--kv-stream", "layer"]), ("after", ["--kv-stream", "after"]),
+                            ("chunked", ["--kv-stream", "layer", "--prefill-chunk-tokens", "512"])):
+            pre = site.start("prfaas", ["services.prefill", "--name", f"prefill-{mode}", "--cluster", "prfaas",
+                                        "--listen", site.prefill, *common, *flags])
+            if rate is None:  # calibrate on an unshaped link: the compute time and the KV size
+                cal = run_client(site, prompt_len, 2)
+                prefill_s = statistics.median(r["prefill_s"] for r in cal)
+                kv_bytes = cal[-1]["kv_bytes"]
+                rate = kv_bytes * 8 / prefill_s / 0.95  # TCP payload is ~95% of the tbf rate
+                site.shape(rate)
+            results[mode] = run_client(site, prompt_len, reps)
+            stop(pre)
+            site.procs.remove(pre)
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items()}
+    prefill = med["layer"]["prefill_s"]
+    transfer = med["after"]["transfer_tail_s"]
+    bound = max(prefill, transfer)
+    print(f"\n== Overlap: {prompt_len}-token remote prefill on {MODEL}, KV {med['layer']['kv_bytes'] / 2**20:.1f} MiB, "
+          f"link {rate / 1e6:.1f} Mbit/s ({'tc tbf' if site.lab else 'userspace proxy'}) ==")
+    print(f"prefill compute {prefill:.3f} s, transfer alone {transfer:.3f} s, max = {bound:.3f} s")
+    print(f"{'mode':<9} {'TTFT s':>8} {'TTFT / max(prefill, transfer)':>30} {'prefill s':>10} {'tail after compute s':>21}")
+    for mode in ("chunked", "layer", "after"):
+        m = med[mode]
+        print(f"{mode:<9} {m['ttft_s']:>8.3f} {m['ttft_s'] / bound:>30.3f} {m['prefill_s']:>10.3f} {m['transfer_tail_s']:>21.3f}")
+    return med["chunked"]["ttft_s"] / bound
+
+
+def main() -> None:
+    """The role processes :func:`overlap` starts (``--role client`` or ``--role proxy``)."""
+    p = argparse.ArgumentParser(description="A role process of the overlap benchmark (started by common.lab.overlap.overlap).")
+    p.add_argument("--role", choices=("client", "proxy"), required=True)
+    p.add_argument("--decode")
+    p.add_argument("--prefill")
+    p.add_argument("--prompt-len", type=int)
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--listen")
+    p.add_argument("--target")
+    p.add_argument("--rate", type=float)
+    args = p.parse_args()
+    if args.role == "client":
+        import uvloop
+
+        uvloop.run(client(args.decode, args.prefill, args.prompt_len, args.reps))
+    else:
+        proxy_role(args.listen, args.target, args.rate)
+
+
+if __name__ == "__main__":
+    main()
