@@ -59,7 +59,7 @@ class Kind(enum.IntEnum):
     KV_ACK = 17  # receiver holds every byte and the KV_DONE of a transfer: {"req_id", "bytes"}
 
 
-class ErrorCode(str, enum.Enum):
+class ErrorCode(str, enum.Enum):  # noqa: UP042 - StrEnum would change str()/format() of members (str(X) is "ErrorCode.X" here)
     """Error codes carried in ERROR frames (``header["code"]``)."""
 
     BAD_FRAME = "bad_frame"
@@ -285,7 +285,7 @@ def parse_header(kind: Kind, header_bytes: bytes, max_len: int = DEFAULT_MAX_HEA
             max_map_len=limit // 2,
             max_ext_len=0,  # no ext types (timestamps included) on this wire
         )
-    except Exception as e:  # msgpack raises several unrelated types for malformed input
+    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types for malformed input
         raise BadHeader(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise BadHeader(f"header must be a map, got {type(header).__name__}")

@@ -19,8 +19,8 @@ the worker: when the last row's stream item is read). Each process does one warm
 apart: a fresh process's allocator makes the naive loop about twice as slow) and then ``--rounds``
 measured runs, the methods taking turns run by run so that load from elsewhere on the machine falls
 on all three alike. Tokens/s = batch / the median step time of the method's fastest measured run (load
-from other processes only ever slows a run down), the same way for all three. Peak RSS is the process's high-water mark minus its RSS right after the model
-loaded, reported next to the bytes the worker's pool accounts for (pages in use x page bytes, at peak).
+from other processes only ever slows a run down), the same way for all three. Peak RSS is the process's high-water mark
+minus its RSS right after the model loaded, reported next to the bytes the worker's pool accounts for (pages in use x page bytes, at peak).
 
 The last line is ``decode_ratio=<x> concat_speedup=<y>``, both at batch 8, context 4096:
 - decode_ratio: worker tokens/s / static-cache loop tokens/s (target: >= 0.85);
@@ -147,7 +147,8 @@ async def worker_round(worker, specs, args, rnd: int) -> dict:
     worker.batch.wake()
     per_row = await asyncio.gather(*consumers)
     deadline = time.monotonic() + 10
-    while worker.sched.running and time.monotonic() < deadline:  # finished rows are retired at the next loop turn
+    # finished rows are retired at the next loop turn; the scheduler owns `running` and signals nothing when it empties
+    while worker.sched.running and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.001)
     ends = [max(t[s] for t in per_row) for s in range(steps)]
     return {

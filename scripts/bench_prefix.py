@@ -221,7 +221,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests; under 3 minutes on 2 cores")
     p.add_argument("--model", default="tiny-hybrid", help="tiny-hybrid (default), tiny-dense or a checkpoint directory")
-    p.add_argument("--trace", type=Path, default=TRACE, help="the Mooncake conversation trace (JSON lines, .gz or plain; default: the copy shipped in common/lab/data)")
+    p.add_argument("--trace", type=Path, default=TRACE,
+                   help="the Mooncake conversation trace (JSON lines, .gz or plain; default: the copy shipped in common/lab/data)")
     p.add_argument("--requests", type=int, default=600, help="requests to replay, whole conversations (default 600)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (default 4)")
     p.add_argument("--max-input", type=int, default=2048, help="cap on a scaled prompt, tokens (default 2048)")

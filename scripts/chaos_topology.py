@@ -15,8 +15,8 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from common.lab.topology import LAB_ENV, WanSystem, lab_from_env, run_in_lab
 
@@ -48,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI (see the module docstring); returns the exit status."""
     ap = argparse.ArgumentParser(description="Run PrfaaS over two datacenters on one machine until Ctrl-C.")
     ap.add_argument("--netns", action="store_true", help="two network namespaces and a veth (root); default loopback + proxies")
-    ap.add_argument("--model", default="tiny-hybrid", help="tiny-hybrid (the system's default, as in the README), tiny-dense or a checkpoint directory")
+    ap.add_argument("--model", default="tiny-hybrid",
+                    help="tiny-hybrid (the system's default, as in the README), tiny-dense or a checkpoint directory")
     ap.add_argument("--threshold", type=int, default=256)
     ap.add_argument("--rtt-ms", type=float, default=0.0)
     ap.add_argument("--jitter-ms", type=float, default=0.0, help="one-way delay variation, ms")

@@ -100,7 +100,7 @@ def case_study(max_iter: int = 50, rel_tol: float = 1e-6) -> CaseStudy:
     # Invariant: t_fit is the threshold at which (ii) is imposed; stop when the optimizer's t
     # under that fit equals t_fit.
     t_fit = math.exp(WORKLOAD.mu)
-    for it in range(1, max_iter + 1):
+    for it in range(1, max_iter + 1):  # noqa: B007 - `it` is read after the loop (iterations taken)
         a, b = fit_affine(WORKLOAD.split(t_fit)[1])
         h20 = h20_profile(a, b, h200)
         op = tm.optimize(N_PRFAAS, N_PD, h200, h20, WORKLOAD, link_gbps=LINK_GBPS, l_out=L_OUT)

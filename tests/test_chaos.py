@@ -130,12 +130,15 @@ async def test_wan_link_shares_one_rate_cap_per_direction_and_delays_each_way():
     """Two paths toward the local side share the link's cap (together ~ the cap, not twice it);
     the one-way delay applies each way (a round trip takes 2x)."""
     got: list[int] = []
+    both_in = asyncio.Event()
 
     async def sink(reader, writer):
         n = 0
         while data := await reader.read(1 << 16):
             n += len(data)
         got.append(n)
+        if len(got) >= 2:
+            both_in.set()
         writer.close()
 
     async def echo(reader, writer):
@@ -165,8 +168,7 @@ async def test_wan_link_shares_one_rate_cap_per_direction_and_delays_each_way():
 
         t0 = asyncio.get_running_loop().time()
         await asyncio.gather(push(a), push(b))
-        while len(got) < 2:
-            await asyncio.sleep(0.01)
+        await both_in.wait()
         dt = asyncio.get_running_loop().time() - t0
         assert got == [size, size]
         # 3 MB at 5 MB/s is 0.6 s (less one 256 KiB burst); two separate caps would take half that

@@ -206,7 +206,7 @@ async def test_disconnect_before_prefill_starts(hybrid_cluster, probe, model):
         await probe.wait_until("prefill_remote", lambda s: s["running"] == 1, what="occupant running")
         queued = body_of(model, prompt_of(LONG, seed=100 + rep), 2000)
         await abandon_before_response(
-            c, queued, lambda: probe.wait_until("prefill_remote", lambda s: s["waiting"] == 1, what="second request queued"))
+            c, queued, lambda: probe.wait_until("prefill_remote", lambda st: st["waiting"] == 1, what="second request queued"))
         # Dropped from the queue while the occupant still computes, not when the slot frees up.
         s = await probe.wait_until("prefill_remote", lambda s: s["waiting"] == 0, what="queue emptied")
         assert s["completed"] == before["prefill_remote"]["completed"], \
@@ -236,7 +236,7 @@ async def test_disconnect_during_prefill_stops_compute(hybrid_cluster, probe, mo
         before = await probe.snapshot()
         started: list[float] = []
 
-        async def during_prefill():
+        async def during_prefill(started=started, delay=delay):  # awaited within this iteration
             await probe.wait_until("prefill_remote", lambda s: s["running"] == 1, what="prefill running")
             started.append(time.monotonic())
             await asyncio.sleep(delay)

@@ -153,7 +153,8 @@ async def test_openai_client_streaming_and_not(cluster):
         assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens <= 5
         chunks = [ch async for ch in await client.completions.create(model=model, prompt="Hello", max_tokens=5, temperature=0, stream=True)]
         assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
-        chat = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi there"}], max_tokens=6, temperature=0)
+        chat = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi there"}], max_tokens=6,
+                                                    temperature=0)
         assert chat.choices[0].message.role == "assistant"
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "Hi there"}], max_tokens=6, temperature=0, stream=True,
@@ -212,7 +213,8 @@ async def test_c04_max_tokens_variants(cluster, route):
             assert status == 200 and data["usage"]["completion_tokens"] == 16, data
             # max_tokens 1: exactly one token, from prefill, and no decode step
             steps = (await rpc(c, "decode", "stats"))["steps"]
-            status, data = await completion(s, c, {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "return_token_ids": True})
+            status, data = await completion(s, c, {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                   "return_token_ids": True})
             assert status == 200 and data["usage"]["completion_tokens"] == 1 and len(data["choices"][0]["token_ids"]) == 1
             assert data["choices"][0]["token_ids"] == reference_greedy(spec, prompt, 1)
             assert (await rpc(c, "decode", "stats"))["steps"] == steps

@@ -1,5 +1,5 @@
-"""Unit tests for ``common/transfer/ranges.py`` and ``common/transfer/assembly.py`` (no sockets): layouts, byte ranges of whole tensors and of
-sequence chunks, deterministic splitting, layout validation, and :class:`KvAssembly` reassembly
+"""Unit tests for ``common/transfer/ranges.py`` and ``common/transfer/assembly.py`` (no sockets): layouts, byte ranges of whole
+tensors and of sequence chunks, deterministic splitting, layout validation, and :class:`KvAssembly` reassembly
 (shuffled, duplicated and overlapping pieces; readiness; errors)."""
 
 from __future__ import annotations
@@ -301,8 +301,8 @@ def make_model(kinds: str, seed: int, L: int = 37) -> list[dict[str, torch.Tenso
     out = []
     for i, k in enumerate(kinds):
         s = seed * 100 + i
-        out.append({"A": lambda: attention_state(s, seq=L), "H": lambda: attention_state(s, seq=L, dtype=torch.float16),
-                    "L": lambda: linear_state(s), "E": lambda: {}}[k]())
+        out.append({"A": lambda s=s: attention_state(s, seq=L), "H": lambda s=s: attention_state(s, seq=L, dtype=torch.float16),
+                    "L": lambda s=s: linear_state(s), "E": lambda: {}}[k]())
     return out
 
 

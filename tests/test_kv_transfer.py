@@ -325,7 +325,8 @@ async def test_receiver_protocol_shuffled_frames_in_random_reads(seed):
     data_frames = []
     for i, state in enumerate(layers):
         for off, view in split_ranges(ranges_of(layouts[i], state), rng.choice([100, 1000, 3000])):
-            data_frames.append(b"".join(bytes(p) for p in encode_frame_parts(Kind.KV_LAYER, {"req_id": "q", "layer": i, "offset": off}, [view])))
+            parts = encode_frame_parts(Kind.KV_LAYER, {"req_id": "q", "layer": i, "offset": off}, [view])
+            data_frames.append(b"".join(bytes(p) for p in parts))
     data_frames += rng.sample(data_frames, len(data_frames) // 5)  # resends
     data_frames.append(encode_frame(Kind.KV_LAYER, {"req_id": "other", "layer": 0, "offset": 0}, b"x" * 777))
     data_frames.append(encode_frame(Kind.PING, {"t": 1.5}))
@@ -702,7 +703,7 @@ async def test_close_while_redialling(env, tls_files):
         await asyncio.sleep(delay)
         try:
             await asyncio.wait_for(link.close(), 3)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise AssertionError(f"close() hung (close {delay}s after a failed dial)") from None
         assert not link.conns
 

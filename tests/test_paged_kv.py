@@ -89,13 +89,13 @@ class Env:
         return self._refs[key]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _env(spec: str) -> Env:
     ref = reference_model(spec)
     lm = load_model(spec)  # a separate instance: set_attn_implementation changes the model object
     assert lm.model is not ref.model
     be = TorchBackend(lm, threads=1)
-    be.state_specs  # learned before the switch (a plain prefill either way)
+    _ = be.state_specs  # learned before the switch (a plain prefill either way)
     lm.model.set_attn_implementation(ATTN_IMPL)
     install_layer_hooks(be._decoder_layers())
     assert lm.model.config._attn_implementation == ATTN_IMPL
@@ -136,7 +136,7 @@ def check_tokens(env: Env, ids: list[int], got: list[int], want: list[int], labe
             msg = (f"near-tie accepted [{env.spec} {label}] at new token {j} (prompt {len(ids)} tokens): "
                    f"paged {g}, reference {w}, reference top-2 {top2} differ by {gap:.3g} < {NEAR_TIE}")
             print(msg)
-            warnings.warn(msg)
+            warnings.warn(msg, stacklevel=1)
             NEAR_TIES.append(msg)
             return msg
         pytest.fail(f"[{env.spec} {label}] prompt of {len(ids)} tokens: new token {j} is {g}, reference {w} "

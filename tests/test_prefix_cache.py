@@ -1,5 +1,6 @@
 """Tests for common.kv.prefix_cache (and block_hash, prefix_entries, prefix_events): chained hashes,
-exact hits and block ids, shared refcounts, state checkpoints, the pure insert planner, LRU leaf-only eviction, the event log, and a randomized run against a real BlockPool."""
+exact hits and block ids, shared refcounts, state checkpoints, the pure insert planner, LRU leaf-only eviction, the event log,
+and a randomized run against a real BlockPool."""
 
 from __future__ import annotations
 

@@ -117,8 +117,8 @@ async def test_stale_or_bad_move_refused(cluster):
     with pytest.raises(RpcError, match="cannot change role"):
         await cluster.call("planner", "move_worker", {"name": "decode-0", "to_role": "prefill"})
     # The same refusal through the command line, as an operator sees it.
-    cli = subprocess.run([sys.executable, "-m", "services.planner.status", "--planner", cluster.addrs["planner"],
-                          "--move", "decode-0=prefill"], capture_output=True, text=True, timeout=60)
+    cli = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.planner.status", "--planner", cluster.addrs["planner"],
+                                                   "--move", "decode-0=prefill"], capture_output=True, text=True, timeout=60)
     assert cli.returncode != 0 and "cannot change role" in cli.stderr, (cli.stdout, cli.stderr)
     # A command with an old epoch straight at the worker is refused: only newer epochs flip it.
     with pytest.raises(RpcError, match="stale epoch"):

@@ -1,7 +1,7 @@
 """Start the whole PrfaaS system as real subprocesses on free ports, the way honcho would.
 
-Used by the end-to-end tests and by scripts (it lives in ``common/lab`` so that both can import it). Each service gets its addresses from flags, exactly as
-in the Procfile; ``Cluster.stop`` terminates them all (SIGTERM, then SIGKILL after a grace period).
+Used by the end-to-end tests and by scripts (it lives in ``common/lab`` so that both can import it). Each service gets its
+addresses from flags, exactly as in the Procfile; ``Cluster.stop`` terminates them all (SIGTERM, then SIGKILL after a grace period).
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ class Cluster:
         model = ["--model", self.model]
         cmds = {
             "planner": py + ["services.planner", "--listen", a["planner"]],
-            "router": py + ["services.router", "--listen", a["router"], "--planner", a["planner"], "--threshold", str(self.threshold)] + list(self.router_args),
+            "router": py + ["services.router", "--listen", a["router"], "--planner", a["planner"],
+                            "--threshold", str(self.threshold)] + list(self.router_args),
             "gateway": py + ["services.gateway", "--host", gw_host, "--port", str(gw_port), "--router", a["router"],
                              "--planner", a["planner"]] + model,
             "prefill_remote": py + ["services.prefill", "--name", "prefill-remote-0", "--cluster", "prfaas", "--listen",
@@ -102,10 +103,11 @@ class Cluster:
                             "--planner", a["planner"], "--router", a["router"]] + model
         if self.second_decode_args is not None:
             cmds["decode2"] = py + ["services.decode", "--name", "decode-1", "--listen", a["decode2"], "--kv-listen",
-                                    a["decode2_kv"], "--planner", a["planner"], "--router", a["router"]] + model + list(self.second_decode_args)
+                                    a["decode2_kv"], "--planner", a["planner"], "--router", a["router"]] + model \
+                + list(self.second_decode_args)
         return {n: list(self.wrap.get(n, ())) + c + list(self.extra_args.get(n, ())) for n, c in cmds.items()}
 
-    def start(self, timeout: float = 180.0) -> "Cluster":
+    def start(self, timeout: float = 180.0) -> Cluster:
         """Start every service (all at once: order must not matter) and wait for ``GET /health`` = 200
         with every started worker alive in the report.
 

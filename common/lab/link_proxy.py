@@ -62,7 +62,7 @@ async def _wait_closed(writer: asyncio.StreamWriter, timeout_s: float = 1.0) -> 
     exception was never retrieved" for it)."""
     try:
         await asyncio.wait_for(writer.wait_closed(), timeout_s)
-    except (Exception, asyncio.CancelledError):
+    except (Exception, asyncio.CancelledError):  # noqa: BLE001 - cleanup: whatever the close carries is dropped
         pass
 
 
@@ -349,11 +349,11 @@ class LinkProxy:
         if self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), 5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         self._tasks.clear()
 
-    async def __aenter__(self) -> "LinkProxy":
+    async def __aenter__(self) -> LinkProxy:
         await self.start()
         return self
 
@@ -386,7 +386,7 @@ class LinkProxy:
         try:
             target = await asyncio.wait_for(
                 asyncio.open_connection(self.target_host, self.target_port), self.connect_timeout_s)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             self.connections_failed += 1
             _abort_with_rst(writer)
             return
@@ -442,7 +442,7 @@ class LinkProxy:
                 await fifo.put((last, data), len(data))
         except asyncio.CancelledError:
             raise
-        except Exception:  # reset or error from this side: pass it on as a RST to the other
+        except Exception:  # noqa: BLE001 - reset or error from this side: pass it on as a RST to the other
             conn.abort()
 
     async def _write(self, conn: _Conn, fifo: _ByteFifo, writer: asyncio.StreamWriter, direction: str) -> None:
@@ -480,5 +480,5 @@ class LinkProxy:
                     await writer.drain()
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception:  # noqa: BLE001 - any write-side error ends this connection only (RST both ways)
             conn.abort()

@@ -198,7 +198,8 @@ class TorchBackend(Backend):
 
         def record(i: int, state: LayerState, _seq_from: int | None) -> None:
             specs[i] = {
-                name: (str(t.dtype).removeprefix("torch."), [-1 if (name in ("k", "v") and j == 2) else int(d) for j, d in enumerate(t.shape)])
+                name: (str(t.dtype).removeprefix("torch."),
+                       [-1 if (name in ("k", "v") and j == 2) else int(d) for j, d in enumerate(t.shape)])
                 for name, t in state.items()
             }
 

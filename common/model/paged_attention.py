@@ -178,7 +178,7 @@ def decode_step(model: torch.nn.Module, store: PagedKvStore, seqs: list[PagedSeq
             out = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, prfaas_paged=meta)
     finally:
         _STEP.before_layer = None
-    for i, states in gathered.items():
+    for i in gathered:
         layer = cache.layers[i]
         for name, arena in store.states[i].items():
             kind, _, j = name.partition(".")

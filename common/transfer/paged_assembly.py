@@ -23,8 +23,8 @@ class PagedAssembly(KvAssembly):
     """A transfer whose destination is a request's blocks and slot in a :class:`PagedKvStore`.
 
     ``expected``: the layouts the decode worker computed for the tokens it needs
-    (``Backend.layer_layouts(prompt_len - token_base)``); ``KV_BEGIN`` must announce exactly these. Each ``KV_LAYER`` payload lands in place through
-    :meth:`PagedKvStore.byte_pieces`. ``layer_flags[i]`` (a ``threading.Event``) mirrors
+    (``Backend.layer_layouts(prompt_len - token_base)``); ``KV_BEGIN`` must announce exactly these. Each ``KV_LAYER`` payload
+    lands in place through :meth:`PagedKvStore.byte_pieces`. ``layer_flags[i]`` (a ``threading.Event``) mirrors
     ``layer_ready[i]`` for the compute thread, and is also set on abort so a waiter never hangs;
     ``on_change`` (if set) is called on the event loop when the transfer completes or fails.
 

@@ -124,7 +124,7 @@ class KvLink:
                     if e.code is not ErrorCode.UNAVAILABLE:
                         raise
                     last = e
-                except (OSError, asyncio.TimeoutError, ProtocolError) as e:
+                except (TimeoutError, OSError, ProtocolError) as e:
                     last = e
                 if self._live():
                     return  # run with fewer connections; the ping loop keeps trying
@@ -147,7 +147,7 @@ class KvLink:
         for c in idle:
             c.ping()
         deadline = time.monotonic() + min(self.ping_timeout, 1.0)
-        while time.monotonic() < deadline and any(c.alive and c.ping_sent is not None for c in idle):
+        while time.monotonic() < deadline and any(c.alive and c.ping_sent is not None for c in idle):  # noqa: ASYNC110 - no pong event
             await asyncio.sleep(0.005)
         for c in idle:
             if c.alive and c.ping_sent is not None:
@@ -216,7 +216,7 @@ class KvLink:
             c.writer.writelines(encode_frame_parts(Kind.KV_LAYER, {"req_id": tr.req_id, "layer": layer, "offset": offset}, [view]))
             try:
                 await asyncio.wait_for(c.writer.drain(), self.stall_timeout)
-            except (asyncio.TimeoutError, ConnectionError, OSError) as e:
+            except (TimeoutError, ConnectionError, OSError) as e:
                 if not c.alive:  # already failed (wait_for can swallow _fail's cancel): the chunk moved
                     return
                 c.current = None
@@ -292,7 +292,7 @@ class KvLink:
                 try:  # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel racing the admission
                     async with asyncio.timeout(max(0.01, remaining)):
                         await wait_set_or_dead(tr.admitted, conn)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise TransferRefused(f"KV receiver {self.addr} did not admit {req_id} within {deadline_s}s") from None
                 if not tr.admitted.is_set():
                     continue  # the connection that carried KV_BEGIN failed: send it again on another

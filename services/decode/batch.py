@@ -187,7 +187,7 @@ class BatchLoop:
                     return
                 r.fail(f.code, f.message)
                 continue
-            await asyncio.to_thread(lambda: [self.store.write_layer(seq, i, st) for i, st in enumerate(layers)])
+            await asyncio.to_thread(lambda seq=seq, layers=layers: [self.store.write_layer(seq, i, st) for i, st in enumerate(layers)])
             seq.length = length
             self.sched.swapped_in(r)
             r.seq, r.swapped = seq, None

@@ -173,8 +173,9 @@ class Dispatcher:
                 log.warning("request %s: %s on %s; placing it again (%s, %d tokens streamed so far)", req.request_id,
                             e, placement["prefill" if why == "prefill_failed" else "decode"]["name"], why, len(generated))
                 continue
-            except asyncio.TimeoutError:
-                raise OpenAIError(status=504, message=f"request exceeded {self.request_timeout}s", type="server_error", param=None, code="timeout") from None
+            except TimeoutError:
+                raise OpenAIError(status=504, message=f"request exceeded {self.request_timeout}s", type="server_error", param=None,
+                                  code="timeout") from None
             finally:
                 self.active -= 1
                 await self._release(req)
@@ -238,7 +239,7 @@ class Dispatcher:
                 elif excluded or excluded_prefill or delay is None:
                     raise service_error(e) from None
                 self.metrics.count_place_retry()
-            except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+            except (TimeoutError, asyncio.CancelledError) as e:
                 # The router may have placed the request before its answer was lost (client gone, or
                 # timeout): release it, or its in-flight counts stay until the lease expires.
                 await self._release(req)

@@ -129,7 +129,7 @@ class PdWorker:
         """Stop serving (calls in flight are cancelled), end a switch in progress (one past its drain
         is let finish), stop reporting and close the hosted role."""
         await self.server.close()
-        while self._committing and self._driver is not None and not self._driver.done():
+        while self._committing and self._driver is not None and not self._driver.done():  # noqa: ASYNC110 - two conditions, no event
             await asyncio.sleep(POLL_S)  # let a switch past its drain finish: never close half a role
         await service.stop_task(self._driver)
         if self.agent is not None:

@@ -106,7 +106,8 @@ class Router:
         self.server = RpcServer(
             "router", name,
             handlers={"place": self.place, "release": self.release, "stats": self.stats, "health": self.health,
-                      "set_threshold": self.set_threshold, "set_bandwidth": self.set_bandwidth, "kv_events": self.kv_events, "kv_resync": self.kv_resync},
+                      "set_threshold": self.set_threshold, "set_bandwidth": self.set_bandwidth, "kv_events": self.kv_events,
+                      "kv_resync": self.kv_resync},
         )
         self._task: asyncio.Task | None = None
 
@@ -339,7 +340,7 @@ class Router:
         planner_ok = True
         try:
             await self.refresh_view()
-        except (RpcError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, RpcError, OSError):
             planner_ok = False
         return {"planner": planner_ok, "workers": self.workers}
 
@@ -361,7 +362,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description="PrfaaS router")
     p.add_argument("--listen", default=service.env_default("PRFAAS_ROUTER_ADDR"))
     p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
-    p.add_argument("--threshold", type=int, default=int(service.env_default("PRFAAS_THRESHOLD_TOKENS", str(placement.DEFAULT_THRESHOLD_TOKENS))),
+    p.add_argument("--threshold", type=int,
+                   default=int(service.env_default("PRFAAS_THRESHOLD_TOKENS", str(placement.DEFAULT_THRESHOLD_TOKENS))),
                    help="t: incremental prefill tokens above which prefill goes to the PrfaaS cluster")
     p.add_argument("--bandwidth-plentiful", action="store_true",
                    default=service.env_default("PRFAAS_BANDWIDTH_PLENTIFUL", "0") not in ("0", "false", "no"),

@@ -107,7 +107,7 @@ def render_chat_prompt(messages: list[dict[str, str]], tokenizer: Any) -> str:
     """
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # jinja errors, e.g. a template's raise_exception on role order
+    except Exception as e:  # noqa: BLE001 - any jinja error (e.g. a template's raise_exception on role order) is a 400
         raise bad_request(f"The messages could not be rendered with the chat template: {e}",
                    param="messages") from None
     if not isinstance(text, str):
