@@ -47,8 +47,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import Any, Awaitable, Sequence
+from typing import Any
 
 from common.lab.chaos.harness import run_matrix
 from common.lab.chaos.report import summary_line, table

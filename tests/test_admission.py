@@ -36,7 +36,7 @@ def prompt_of(n: int, seed: int) -> list[int]:
     return [rng.randrange(0, 256) for _ in range(n)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(prompt: tuple[int, ...], n: int) -> list[int]:
     """Greedy tokens from ``model.generate`` in this process, EOS ignored (the requests set ignore_eos)."""
     lm = reference_model(SPEC)

@@ -36,12 +36,12 @@ PAD = 259
 LENGTHS = [1, 16, 33]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def loaded(spec: str) -> LoadedModel:
     return load_model(spec)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def backend(spec: str) -> TorchBackend:
     return TorchBackend(loaded(spec))
 
@@ -51,7 +51,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(spec: str, ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     lm = loaded(spec)
     x = torch.tensor([list(ids)])
@@ -214,7 +214,7 @@ STORE_BYTES = 64 << 20
 BLOCK = 16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def paged(spec: str) -> PagedKvStore:
     """One pool per spec, shared by the decode tests (each gives back everything it takes)."""
     return backend(spec).paged_store(STORE_BYTES, BLOCK)

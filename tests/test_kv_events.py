@@ -71,7 +71,7 @@ class Env:
         self.router: Router | None = None
         self.client: RpcClient | None = None
 
-    async def start(self) -> "Env":
+    async def start(self) -> Env:
         await self.planner.server.start("127.0.0.1", int(self.planner_addr.rsplit(":", 1)[1]))
         await self.start_router()
         return self

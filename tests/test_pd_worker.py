@@ -70,7 +70,7 @@ class System:
                           a["pd-b_kv"]] + SMALL + common,
         }
 
-    def start(self, timeout: float = 180.0, tries: int = 3) -> "System":
+    def start(self, timeout: float = 180.0, tries: int = 3) -> System:
         """Start every process and wait until the planner sees every worker alive. A port taken by
         another program between ``free_port`` and the bind (tests run in parallel here) is retried
         on fresh ports, ``tries`` times in all."""
@@ -85,7 +85,7 @@ class System:
                 self._plan()
         raise AssertionError("unreachable")
 
-    def _start(self, timeout: float) -> "System":
+    def _start(self, timeout: float) -> System:
         env = dict(os.environ, PYTHONUNBUFFERED="1", PRFAAS_THREADS="1")
         for name, cmd in self.commands.items():
             out = open(self.log_dir / f"{name}.log", "wb")
@@ -102,7 +102,7 @@ class System:
                 view = asyncio.run(self.call("planner", "view"))
                 if workers <= {w["name"] for w in view["workers"] if w["alive"]}:
                     return self
-            except (RpcError, OSError, asyncio.TimeoutError):
+            except (TimeoutError, RpcError, OSError):
                 pass
             if time.monotonic() > deadline:
                 self.stop()

@@ -115,7 +115,7 @@ class KvEventPublisher:
                                                  "part": 0, "last": True}, timeout=CALL_TIMEOUT_S)
             log.info("router told that %s's %s prefix cache is gone", self.node, self.role)
             return True
-        except (RpcError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, RpcError, OSError) as e:
             log.warning("could not tell the router that %s's %s prefix cache is gone: %s", self.node, self.role, e)
             return False
         finally:
@@ -144,7 +144,7 @@ class KvEventPublisher:
             except RpcError as e:
                 self.failures += 1
                 log.warning("router refused %s's kv events: %s", self.node, e)
-            except (asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, OSError) as e:
                 self.failures += 1
                 if not self._down:  # once per outage, not once per interval
                     log.warning("router unreachable for kv events (%s); retrying every %.1fs", e, self.interval)

@@ -62,7 +62,7 @@ class PlannerAgent:
             if self.registered:
                 log.warning("planner report failed (%s); re-registering", e)
             self.registered = False
-        except (asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, OSError) as e:
             self.registered = False
             log.warning("planner unreachable: %s", str(e) or type(e).__name__)
         except Exception:  # e.g. a failing stats(): log it and keep reporting, never die silently

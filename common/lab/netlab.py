@@ -82,7 +82,8 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 SIDES = ("prfaas", "local")
 _VETH = {"prfaas": "veth-prfaas", "local": "veth-local"}  # interface names inside each namespace
@@ -179,13 +180,13 @@ def netns_available() -> tuple[bool, str]:
         _ip("netns", "delete", probe, check=False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tbf_available() -> bool:
     """Whether ``tc qdisc add ... tbf`` works (probed on a veth in a throwaway namespace)."""
     return _probe_qdisc(["tbf", "rate", "10mbit", "burst", "32kb", "limit", "64kb"])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def netem_available() -> bool:
     """Whether ``tc qdisc add ... netem`` works (the ``sch_netem`` module), probed on a throwaway
     veth in a throwaway namespace that is deleted afterwards. Cached for the process."""
@@ -261,7 +262,7 @@ class TwoDatacenters:
         self.needs_userspace_proxy: list[str] = []
 
     # ----------------------------------------------------------------- lifecycle
-    def up(self) -> "TwoDatacenters":
+    def up(self) -> TwoDatacenters:
         """Create both namespaces, the veth pair with its addresses, and bring all links up."""
         ok, reason = netns_available()
         if not ok:
@@ -311,7 +312,7 @@ class TwoDatacenters:
             _delete_ns(ns)
         self._created.clear()
 
-    def __enter__(self) -> "TwoDatacenters":
+    def __enter__(self) -> TwoDatacenters:
         return self.up()
 
     def __exit__(self, *exc) -> None:

@@ -93,7 +93,7 @@ class Site:
         self.proxy = None
         self.procs: list[subprocess.Popen] = []
 
-    def __enter__(self) -> "Site":
+    def __enter__(self) -> Site:
         if self.lab is not None:
             self.lab.__enter__()
             self.local, self.remote = self.lab.addr("local"), self.lab.addr("prfaas")

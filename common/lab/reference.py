@@ -13,7 +13,7 @@ import torch
 from common.model.loader import LoadedModel, load_model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_model(spec: str) -> LoadedModel:
     """The model ``spec`` (embedded name or checkpoint path) loaded once in this process, one torch thread."""
     torch.set_num_threads(1)

@@ -48,9 +48,10 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from common.lab import netlab
 from common.lab.cluster import Cluster, free_port
@@ -186,7 +187,7 @@ class WanSystem:
     _netem: bool = False
 
     # ------------------------------------------------------------------ lifecycle
-    async def start(self, timeout: float = 180.0) -> "WanSystem":
+    async def start(self, timeout: float = 180.0) -> WanSystem:
         """Start the proxies, then every service, and wait until all workers are alive. Raises
         ``RuntimeError``/``TimeoutError`` from :meth:`Cluster.start` (logs in ``log_dir``)."""
         if self.log_dir is None:

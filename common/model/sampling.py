@@ -56,7 +56,7 @@ class SamplingParams:
         return d
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> "SamplingParams":
+    def from_wire(cls, d: dict[str, Any]) -> SamplingParams:
         """Inverse of :meth:`to_wire`. Raises ``TypeError``/``ValueError`` on a malformed dict."""
         return cls(
             max_tokens=int(d["max_tokens"]),

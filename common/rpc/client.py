@@ -95,7 +95,7 @@ class RpcClient:
                     if e.code is not ErrorCode.UNAVAILABLE and e.code is not ErrorCode.TIMEOUT:
                         raise
                     last = e
-                except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ProtocolError) as e:
+                except (TimeoutError, OSError, asyncio.IncompleteReadError, ProtocolError) as e:
                     last = e
                 if not await backoff.sleep():
                     break

@@ -153,7 +153,7 @@ class RpcServer:
         """Answer the dialler's HELLO (see :class:`HelloListener`); True if the peer is accepted."""
         try:
             frame = await asyncio.wait_for(read_frame(conn.reader, max_payload=self.max_payload), HANDSHAKE_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await conn.send(hello_timeout_frame())
             return False
         if frame is None:

@@ -67,7 +67,7 @@ def live_call_tasks(method: str) -> int:
     return sum(1 for t in asyncio.all_tasks() if tag in t.get_name() and not t.done())
 
 
-async def stop_task(task: "asyncio.Task | None") -> None:
+async def stop_task(task: asyncio.Task | None) -> None:
     """Cancel a background task and wait until it has finished (None: nothing to do)."""
     import contextlib
 

@@ -167,7 +167,7 @@ class KvReceiver:
                     self.release(req_id, reason=f"its KV lease expired after {self.lease_s:g}s")
 
     # -- frame handling (called by connections, synchronously) -------------------------------
-    def on_begin(self, conn: "_KvConnection", h: dict[str, Any]) -> None:
+    def on_begin(self, conn: _KvConnection, h: dict[str, Any]) -> None:
         req_id = str(h["req_id"])
         res = self.reservations.get(req_id)
         if res is None:
@@ -190,7 +190,7 @@ class KvReceiver:
         res = self.reservations.get(str(req_id))
         return None if res is None else res.asm
 
-    def maybe_ack(self, conn: "_KvConnection", asm: KvAssembly, again: bool = False) -> None:
+    def maybe_ack(self, conn: _KvConnection, asm: KvAssembly, again: bool = False) -> None:
         """Send ``KV_ACK`` once the transfer is complete; ``again`` re-sends it (a repeated ``KV_DONE``
         means the sender lost the first ACK with a connection)."""
         if asm.complete and asm.error is None and (again or not getattr(asm, "acked", False)):

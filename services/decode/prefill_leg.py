@@ -52,7 +52,7 @@ class PrefillLeg:
     def client(self, addr: str) -> RpcClient:
         return self._clients.get(addr)
 
-    def start(self, req_id: str, addr: str, asm: PagedAssembly, args: dict[str, Any]) -> "PrefillCall":
+    def start(self, req_id: str, addr: str, asm: PagedAssembly, args: dict[str, Any]) -> PrefillCall:
         """Send ``prefill`` (``args``) to ``addr`` and start watching ``asm`` for stalls."""
         return PrefillCall(self, req_id, addr, asm, args)
 
@@ -95,7 +95,7 @@ class PrefillLeg:
             self.stall_probes += 1
             try:
                 await self.client(addr).call("health", {}, timeout=probe_s)
-            except (Unavailable, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, Unavailable, OSError) as e:
                 if asm.done.is_set() or asm.idle_s() < stall:
                     continue  # it moved while we asked
                 self.kv_stalls += 1

@@ -201,7 +201,7 @@ class Gateway:
             report["router"] = True
             report["planner"] = bool(view["planner"])
             workers = view["workers"]
-        except (RpcError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, RpcError, OSError) as e:
             report.update(router=False, planner=False, error=str(e))
             workers = []
         report["workers"] = {w["name"]: {"role": w["role"], "cluster": w["cluster"], "alive": w["alive"]} for w in workers}

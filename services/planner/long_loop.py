@@ -45,7 +45,7 @@ class LongSignals:
 
     @classmethod
     def from_evaluation(cls, ev: tm.Evaluation, n_p: int, n_d: int, q_pdp: float = 0.0,
-                        q_decode: float = 0.0) -> "LongSignals":
+                        q_decode: float = 0.0) -> LongSignals:
         """From ``throughput.evaluate`` at the current split and t (an unused stage counts 0)."""
         return cls(ev.theta_prfaas if ev.p > 0 else 0.0, ev.theta_pdp if ev.p < 1 else 0.0,
                    ev.theta_pdd, n_p, n_d, q_pdp, q_decode)

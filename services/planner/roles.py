@@ -168,7 +168,7 @@ class RoleMover:
             ans = await self.client(w["addr"]).call(
                 "switch_role", {"epoch": epoch, "to_role": to_role, "drain_timeout_s": self.drain_timeout_s},
                 timeout=self.drain_timeout_s + 60.0)
-        except (RpcError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, RpcError, OSError) as e:
             self.counts["failed"] += 1
             self.last["outcome"] = f"failed: {e}"
             log.warning("role change of %s (epoch %d) failed: %s", w["name"], epoch, e)

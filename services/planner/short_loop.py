@@ -28,8 +28,9 @@ plentiful" flag the router's prefix rule reads.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from services.planner import throughput as tm
 
@@ -64,7 +65,7 @@ class ModelThreshold:
             self._cache[k] = float(tm.best_threshold(dep, self.dist, self.grid).t)
         return self._cache[k]
 
-    def with_split(self, n_p: int, n_d: int) -> "ModelThreshold":
+    def with_split(self, n_p: int, n_d: int) -> ModelThreshold:
         """The same model after a role change (new PD-P / PD-D counts)."""
         return ModelThreshold(replace(self.dep, n_p=n_p, n_d=n_d), self.dist, grid=self.grid,
                               quantum_gbps=self.quantum_gbps, max_cache=self.max_cache)

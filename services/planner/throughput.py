@@ -30,8 +30,9 @@ A length distribution exposes ``split(t) -> (p, l_short, l_long)`` with ``p = P(
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -91,7 +92,7 @@ class HardwareProfile:
             raise ProfileError("decode_tokens_per_s", "must be positive")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "HardwareProfile":
+    def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
         """Build from the JSON object documented in the module docstring."""
         for key in ("lengths", "prefill_s", "kv_bytes"):
             if key not in d:

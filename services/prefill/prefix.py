@@ -101,7 +101,7 @@ class PrefillPrefix:
             async with asyncio.timeout(timeout):
                 async for item in peer.stream("export_prefix", {"hashes": hashes, "from_block": have}):
                     items.append(item)
-        except (RpcError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, RpcError, OSError) as e:
             log.warning("pulling a cached prefix from %s failed: %s", source, e)
             return 0
         got = [it for it in items if "block" in it]

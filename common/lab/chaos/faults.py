@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 from common.lab.chaos.scenarios import Options
 from common.lab.topology import WanSystem

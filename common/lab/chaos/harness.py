@@ -11,7 +11,7 @@ import asyncio
 import random
 import time
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 import aiohttp
 

@@ -71,7 +71,7 @@ class Options:
     seed: int = 7
     log_dir: Path | None = None
 
-    def trim(self) -> "Options":
+    def trim(self) -> Options:
         """The cheaper workload of ``--quick`` and CI: long prompts 300-800 tokens, 8-12 new tokens,
         fewer distinct prompts (fewer references to compute)."""
         self.long_tokens, self.max_tokens, self.n_short, self.n_long = (300, 800), (8, 12), 16, 10
