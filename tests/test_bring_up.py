@@ -1,4 +1,4 @@
-"""Tests for ``common/runtime/bring_up.py``: the worker bring-up/teardown sequence, with a stand-in
+"""Tests for ``common/worker/bring_up.py``: the worker bring-up/teardown sequence, with a stand-in
 worker and backend (no model), a real RPC server on 127.0.0.1 and a planner address nobody serves."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from common.lab.cluster import free_port
 from common.rpc.client import RpcClient
-from common.runtime.bring_up import WorkerAddrs, load_worker, ready_line, serve_worker
+from common.worker.bring_up import WorkerAddrs, load_worker, ready_line, serve_worker
 
 pytestmark = pytest.mark.timeout(20)
 

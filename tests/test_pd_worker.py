@@ -347,7 +347,7 @@ async def test_prefill_role_after_decode_serves_a_real_decode_worker(system):
 async def in_process(role: str, report_interval: float = 30.0):
     """An in-process planner and PD worker ``pd-x`` (by default reporting every 30 s, so that only
     immediate reports and re-registrations reach the planner in a test); yields (planner, worker, client)."""
-    from common.runtime.bring_up import load_backend
+    from common.worker.bring_up import load_backend
     from services.pd.__main__ import make_parser
     from services.pd.worker import PdWorker
     from services.planner.server import Planner

@@ -6,8 +6,8 @@ import argparse
 import asyncio
 
 from common.rpc.handshake import parse_addr
-from common.runtime.bring_up import load_worker, serve_worker, worker_main
-from common.runtime.worker_flags import (
+from common.worker.bring_up import load_worker, serve_worker, worker_main
+from common.worker.flags import (
     add_block_size_flag,
     add_decode_flags,
     add_worker_flags,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 
 from common.rpc import auth as peer_auth
-from common.runtime.worker_flags import tls_server_context
 from common.transfer.receiver import KvReceiver
+from common.worker.flags import tls_server_context
 from services.decode.worker import DecodeWorker
 
 
 def decode_worker_from_args(args: argparse.Namespace, backend, kv_listen: str):
     """``(receiver, worker)``: a :class:`~common.transfer.receiver.KvReceiver` (not started) and the
     :class:`~services.decode.worker.DecodeWorker` over it (not started), configured by
-    :func:`common.runtime.worker_flags.add_decode_flags`'s flags; the worker advertises ``--kv-advertise`` or ``kv_listen``, and
+    :func:`common.worker.flags.add_decode_flags`'s flags; the worker advertises ``--kv-advertise`` or ``kv_listen``, and
     ``--kv-advertise-remote`` to PrfaaS prefill workers when set."""
     receiver = KvReceiver(args.name, backend.loaded.fingerprint, backend.num_layers, budget_bytes=args.kv_budget_bytes,
                           lease_s=args.kv_lease_s, secret=peer_auth.load_secret(), ssl=tls_server_context(args))

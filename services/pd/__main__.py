@@ -7,13 +7,13 @@ import argparse
 import asyncio
 
 from common.runtime import service
-from common.runtime.bring_up import (
+from common.worker.bring_up import (
     load_worker,
     ready_line,
     serve_until_stopped,
     worker_main,
 )
-from common.runtime.worker_flags import (
+from common.worker.flags import (
     add_block_size_flag,
     add_decode_flags,
     add_prefill_flags,

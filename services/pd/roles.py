@@ -14,7 +14,7 @@ from collections.abc import Callable
 from common.model.backend import Backend
 from common.rpc.handshake import parse_addr
 from common.runtime.backoff import Backoff
-from common.runtime.bring_up import report_with_publisher, start_kv_publisher
+from common.worker.bring_up import report_with_publisher, start_kv_publisher
 from services.decode.setup import decode_worker_from_args
 from services.prefill.setup import prefill_worker_from_args
 

@@ -6,12 +6,12 @@ import argparse
 
 from common.rpc import auth as peer_auth
 from common.runtime import service
-from common.runtime.worker_flags import tls_client_context
+from common.worker.flags import tls_client_context
 from services.prefill.worker import PrefillWorker
 
 
 def prefill_worker_from_args(args: argparse.Namespace, backend):
-    """A :class:`~services.prefill.worker.PrefillWorker` configured by :func:`common.runtime.worker_flags.add_prefill_flags`'s flags
+    """A :class:`~services.prefill.worker.PrefillWorker` configured by :func:`common.worker.flags.add_prefill_flags`'s flags
     (``PRFAAS_PREFIX_CACHE=0`` turns its prefix cache off)."""
     return PrefillWorker(
         backend, args.name, prefill_chunk_tokens=args.prefill_chunk_tokens, kv_stream=args.kv_stream, block_size=args.block_size,

@@ -1,6 +1,6 @@
 """Command-line flags shared by the worker processes (prefill, decode, and the PD worker that hosts
 either role), each defaulting from the environment, and the TLS contexts built from them. The
-bring-up sequence that uses them is :mod:`common.runtime.bring_up`."""
+bring-up sequence that uses them is :mod:`common.worker.bring_up`."""
 
 from __future__ import annotations
 
