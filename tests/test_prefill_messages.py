@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.lab.faults import Faults
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from common.rpc.server import RpcServer
 from proto.frames import ErrorCode
 from services.prefill.__main__ import _health
+from services.prefill.faults import Faults
 from services.prefill.worker import PrefillWorker
 
 pytestmark = pytest.mark.timeout(20)

@@ -32,7 +32,6 @@ import time
 from typing import Any
 
 from common.kv.prefix_cache import PrefixCache
-from common.lab.faults import Faults, FaultsDisabled
 from common.model.backend import Backend
 from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, sample_next
@@ -43,6 +42,7 @@ from common.runtime import service
 from common.transfer.ranges import tensor_ranges
 from common.transfer.sender import KvLink
 from proto.frames import ErrorCode
+from services.prefill.faults import Faults, FaultsDisabled
 from services.prefill.messages import ExportPrefixArgs, InjectFaultArgs, PrefillArgs
 from services.prefill.prefix import Hit, PrefillPrefix
 
@@ -111,7 +111,7 @@ class PrefillWorker:
 
     @takes(InjectFaultArgs)
     async def inject_fault(self, args: InjectFaultArgs) -> dict[str, Any]:
-        """RPC for tests: see :class:`~common.lab.faults.Faults`. Refused (``bad_request``) unless
+        """RPC for tests: see :class:`~services.prefill.faults.Faults`. Refused (``bad_request``) unless
         injection is enabled."""
         try:
             return self.faults.configure({"corrupt_layer": args.corrupt_layer})
