@@ -21,7 +21,7 @@ from common.lab.reference import reference_greedy
 
 BS = 16  # block size (tokens), the system default
 NEW = 32
-LENGTHS = [1, BS - 1, BS, BS + 1, 2 * BS + 1, 1100]  # 1100 > the default threshold t = 1024
+LENGTHS = [1, BS - 1, BS, BS + 1, 2 * BS, 2 * BS + 1, 1100, 1104]  # 1100, 1104 (= 69 blocks) > the default threshold t = 1024
 
 
 def prompt_of(n: int, seed: int) -> list[int]:

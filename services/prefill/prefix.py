@@ -29,6 +29,24 @@ from common.rpc.errors import RpcError
 log = logging.getLogger("prfaas.prefill")
 
 
+def checkpoint_positions(prompt_len: int, block_size: int, hit_blocks: int, every: int) -> list[int]:
+    """Token positions (multiples of ``block_size``) after which a hybrid model's prefill keeps its
+    linear states, so a later prompt can resume there (a prefix hit needs K/V blocks *and* the states
+    at its end).
+
+    ``hit_blocks`` full blocks were resumed from the cache (their checkpoints exist). Positions are:
+    every ``every``-th block; the prompt's last full block (a longer prompt extending this one resumes
+    there); and the last block a repeat of this same prompt can use, ``(prompt_len - 1) // block_size``
+    (a prefill always computes at least the last token, so when ``prompt_len`` is a multiple of
+    ``block_size`` that is one block short of the last full one). Sorted, each above ``hit_blocks``.
+    """
+    full = prompt_len // block_size
+    reusable = (prompt_len - 1) // block_size if prompt_len else 0
+    ends = {full, reusable} - {0}
+    return sorted({k * block_size for k in range(hit_blocks + 1, full + 1) if k % every == 0}
+                  | {k * block_size for k in ends if k > hit_blocks})
+
+
 class Hit:
     """A prefix-cache hit of one prefill: ``tokens`` cached tokens, their ``prefix`` states (copies,
     one per layer, see :meth:`common.model.backend.TorchBackend.prefill`), the pinned ``blocks``;
@@ -146,9 +164,7 @@ class PrefillPrefix:
                           {name: t[slot].unsqueeze(0).clone() for name, t in store.states[i].items()}
                           for i in range(len(store.specs))]
         if store.linear_layers:
-            full = len(hit.hashes)
-            hit.checkpoints = sorted({k * bs for k in range(n + 1, full + 1) if k % self.checkpoint_every == 0} |
-                                     ({full * bs} if full > n else set()))
+            hit.checkpoints = checkpoint_positions(len(input_ids), bs, n, self.checkpoint_every)
         return hit
 
     def store_prompt(self, hit: Hit, final_kv: dict[int, dict], checkpoints: dict[int, dict]) -> None:
