@@ -67,3 +67,11 @@ def check_layouts(layouts: Any, num_layers: int, max_total: int) -> list[Layout]
     if total > max_total:
         raise KvError(f"layouts need {total} bytes, more than the {max_total} reserved")
     return layouts
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous tensor ``t`` as a flat ``memoryview`` of its own memory (no copy;
+    empty for an empty tensor). Raises :class:`KvError` for a non-contiguous tensor."""
+    if not t.is_contiguous():
+        raise KvError("tensor bytes must come from contiguous memory")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")

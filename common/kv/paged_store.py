@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from common.kv.block_pool import BlockPool, PoolExhausted
-from common.kv.layout import DTYPES
+from common.kv.layout import DTYPES, byte_view
 
 LayerState = dict[str, torch.Tensor]
 
@@ -198,7 +198,7 @@ class PagedKvStore:
             if layer not in self.k:
                 raise ValueError(f"layer {layer} is not an attention layer")
             arena = (self.k if name == "k" else self.v)[layer]
-            flat = _bytes_of(arena)
+            flat = byte_view(arena)
             bb = self.block_bytes
             head_bytes = seq_len * self.head_dim * self.dtype.itemsize
             head_stride = self.num_pages * bb  # bytes between heads in the arena
@@ -223,7 +223,7 @@ class PagedKvStore:
             return [flat[a:b] for a, b in spans]
         if seq.slot is None or layer not in self.states or name not in self.states[layer]:
             raise ValueError(f"layer {layer} has no state {name!r}")
-        row = _bytes_of(self.states[layer][name][seq.slot])
+        row = byte_view(self.states[layer][name][seq.slot])
         if offset < 0 or offset + n > len(row):
             raise ValueError(f"{name}[{offset}:{offset + n}] outside its {len(row)} bytes")
         return [row[offset : offset + n]]
@@ -269,7 +269,3 @@ class PagedKvStore:
         for name, t in self.states.get(layer, {}).items():
             out[name] = t[seq.slot].unsqueeze(0).clone()
         return out
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")

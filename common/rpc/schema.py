@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -30,6 +30,14 @@ F = TypeVar("F", bound=Callable[..., Any])
 S = TypeVar("S", bound=msgspec.Struct)
 
 _ATTR = "__rpc_args__"
+
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+"""An unsigned 64-bit int (e.g. a chained block hash): msgpack carries no int above ``2**64 - 1``, and
+msgspec takes no upper bound that large, so only the lower bound is stated."""
+
+
+class NoArgs(msgspec.Struct):
+    """Arguments of a method that takes none (``health``, ``status``, ``view``); extra fields are ignored."""
 
 
 def takes(args_type: type[msgspec.Struct]) -> Callable[[F], F]:

@@ -18,17 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from common.kv.layout import DTYPES, KvError, Layout, dtype_name
+from common.kv.layout import DTYPES, KvError, Layout, byte_view, dtype_name
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # bytes per KV_LAYER frame at most
 
 Range = tuple[int, memoryview]  # (offset in the layer buffer, bytes)
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    if not t.is_contiguous():
-        raise KvError("tensor ranges must come from contiguous memory")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
 def tensor_ranges(layout: Layout, name: str, tensor: torch.Tensor, seq_from: int | None = None, base: int = 0) -> list[Range]:
@@ -49,7 +43,7 @@ def tensor_ranges(layout: Layout, name: str, tensor: torch.Tensor, seq_from: int
     if seq_from is None and base == 0:
         if list(tensor.shape) != desc["shape"]:
             raise KvError(f"{name}: shape {list(tensor.shape)} != layout {desc['shape']}")
-        return [(desc["offset"], _byte_view(tensor.contiguous()))]
+        return [(desc["offset"], byte_view(tensor.contiguous()))]
     seq_from = base if seq_from is None else seq_from
     _, heads, total_len, d = desc["shape"]
     if tensor.dim() != 4 or tensor.shape[1] != heads or tensor.shape[3] != d or tensor.shape[2] - base > total_len:
@@ -62,7 +56,7 @@ def tensor_ranges(layout: Layout, name: str, tensor: torch.Tensor, seq_from: int
     for h in range(heads):
         rows = tensor[0, h, seq_from:t_len]
         if rows.numel():
-            out.append((desc["offset"] + (h * total_len + seq_from - base) * d * item, _byte_view(rows.contiguous())))
+            out.append((desc["offset"] + (h * total_len + seq_from - base) * d * item, byte_view(rows.contiguous())))
     return out
 
 

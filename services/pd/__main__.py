@@ -19,7 +19,8 @@ from common.worker.flags import (
     add_prefill_flags,
     add_worker_flags,
 )
-from services.pd.worker import ROLES, PdWorker
+from services.pd.worker import PdWorker
+from services.planner.messages import ROLES
 
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:

@@ -5,11 +5,11 @@ The role methods it forwards (``prefill``, ``generate``, ...) keep the hosted wo
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 
-ROLES = ("prefill", "decode")
+from services.planner.messages import Role
 
 
 class SwitchRoleArgs(msgspec.Struct):
@@ -18,5 +18,5 @@ class SwitchRoleArgs(msgspec.Struct):
     A finite ``drain_timeout_s`` is checked by the handler (:func:`services.pd.switch.drain_timeout_of`)."""
 
     epoch: int
-    to_role: Literal["prefill", "decode"]
+    to_role: Role
     drain_timeout_s: Annotated[float, msgspec.Meta(ge=0)] | None = None

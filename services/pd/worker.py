@@ -61,9 +61,10 @@ from common.rpc.schema import convert_call, takes
 from common.rpc.server import RpcServer
 from common.runtime import service
 from proto.frames import ErrorCode
-from services.pd.messages import ROLES, SwitchRoleArgs
+from services.pd.messages import SwitchRoleArgs
 from services.pd.roles import DecodeRole, PrefillRole, build_role, close_role
 from services.pd.switch import RoleCall, Superseded, Switch, drain_timeout_of
+from services.planner.messages import ROLES
 
 log = logging.getLogger("prfaas.pd")
 

@@ -19,10 +19,6 @@ ROLES: tuple[str, ...] = get_args(Role)
 CLUSTERS: tuple[str, ...] = get_args(Cluster)
 
 
-class NoArgs(msgspec.Struct):
-    """Arguments of a method that takes none (``view``, ``status``, ``health``); extra fields are ignored."""
-
-
 class RegisterArgs(msgspec.Struct):
     """``register``: a worker announces itself. ``addr``/``kv_addr`` are ``host:port`` (``kv_addr``
     None for a worker without a KV listener); ``fingerprint`` its model identity; ``stats`` its first

@@ -24,12 +24,12 @@ from typing import Any
 from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.rpc.handshake import parse_addr
-from common.rpc.schema import takes
+from common.rpc.schema import NoArgs, takes
 from common.rpc.server import RpcServer
 from common.runtime import service
 from proto.frames import ErrorCode
 from services.planner.long_loop import LongConfig, LongLoop
-from services.planner.messages import MoveWorkerArgs, NoArgs, RegisterArgs, ReportArgs
+from services.planner.messages import MoveWorkerArgs, RegisterArgs, ReportArgs
 from services.planner.registry import RegistrationError, WorkerRegistry
 from services.planner.roles import RoleMover
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from common.rpc.schema import takes
+from common.rpc.schema import NoArgs, takes
 from common.worker.bring_up import load_worker, serve_worker, worker_main
 from common.worker.flags import (
     add_block_size_flag,
     add_prefill_flags,
     add_worker_flags,
 )
-from services.prefill.messages import HealthArgs
 from services.prefill.setup import prefill_worker_from_args
 
 
@@ -27,8 +26,8 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         stream_handlers={"export_prefix": worker.export_prefix}, closers=[worker.close])
 
 
-@takes(HealthArgs)
-async def _health(args: HealthArgs) -> dict:
+@takes(NoArgs)
+async def _health(args: NoArgs) -> dict:
     return {"ok": True}
 
 

@@ -12,9 +12,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-U64 = Annotated[int, msgspec.Meta(ge=0)]
-"""An unsigned 64-bit int: msgpack carries no int above 2**64 - 1, and msgspec takes no upper bound that large,
-so only the lower bound is stated."""
+from common.rpc.schema import U64
 
 
 class PrefillArgs(msgspec.Struct):
@@ -45,7 +43,3 @@ class InjectFaultArgs(msgspec.Struct):
     before it is sent, or None to stop."""
 
     corrupt_layer: int | None = None
-
-
-class HealthArgs(msgspec.Struct):
-    """``health``: no arguments (extra fields are ignored)."""

@@ -14,10 +14,11 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from common.rpc.schema import U64
 from services.planner.messages import Cluster, Role
 from services.router.kv_index import check_hash
 
-BlockHash = Annotated[int, msgspec.Meta(ge=0)]  # below 2**64 too: msgpack carries no larger int
+BlockHash = U64  # a chained block hash
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 Event = tuple[int, Literal["stored", "evicted"], BlockHash, BlockHash | None]  # (seq, kind, hash, parent)
 

@@ -37,11 +37,11 @@ from typing import Any
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from common.rpc.handshake import parse_addr
-from common.rpc.schema import takes
+from common.rpc.schema import NoArgs, takes
 from common.rpc.server import RpcServer
 from common.runtime import service
 from proto.frames import ErrorCode
-from services.planner.messages import CLUSTERS, NoArgs
+from services.planner.messages import CLUSTERS
 from services.router import placement
 from services.router.kv_index import KvIndex
 from services.router.messages import (
