@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from common.kv.block_hash import block_hashes
 from common.kv.layout import KvError
 from common.kv.paged_store import PagedKvStore, PoolExhausted
 from common.kv.prefix_cache import PrefixCache
@@ -110,10 +109,10 @@ class BatchLoop:
         """The transfer is over: drop its reservation (the blocks stay with the request) and offer the
         prompt's full blocks to the prefix cache (it takes its own reference on new ones)."""
         self.receiver.release(r.req_id)
-        if self.prefix_cache is not None and r.input_ids:
-            hashes = block_hashes(r.input_ids, self.store.block_size)
+        if self.prefix_cache is not None and r.prompt_hashes:
+            hashes = r.prompt_hashes
             self.prefix_cache.insert(hashes, r.seq.blocks[: len(hashes)])
-            r.input_ids = []
+            r.prompt_hashes = []
 
     async def _early_step(self, req: DecodeRequest) -> None:
         """First step of ``req`` alone, each layer waiting for its KVCache (the transfer's tail)."""

@@ -58,7 +58,7 @@ class DecodeRequest:
         self.admitted_at = 0.0
         self.in_loop = False  # the batch loop owns (and will free) its blocks
         self.no_early = False
-        self.input_ids: list[int] = []  # the prompt, until its blocks are offered to the prefix cache
+        self.prompt_hashes: list[int] = []  # the prompt's full-block hashes, until its blocks are offered to the prefix cache
 
     @property
     def done(self) -> bool:

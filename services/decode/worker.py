@@ -194,10 +194,10 @@ class DecodeWorker:
         seq.cached_tokens = len(prefix) * bs
         return seq
 
-    async def _admit(self, req_id: str, input_ids: list[int]) -> PagedSeq:
-        """Blocks for the prompt (see :meth:`_reserve`), now or after a bounded FIFO wait.
+    async def _admit(self, req_id: str, input_ids: list[int], hashes: list[int]) -> PagedSeq:
+        """Blocks for the prompt (see :meth:`_reserve`; ``hashes``: its full-block hashes, empty without
+        a prefix cache), now or after a bounded FIFO wait.
         Raises :class:`RpcError` (``bad_request``: never fits; ``overloaded``: queue full or deadline)."""
-        hashes = block_hashes(input_ids, self.store.block_size) if self.prefix_cache is not None else []
         refuse = self.sched.never_fits(len(input_ids) + 1)
         if refuse is not None:
             self.refused += 1
@@ -289,9 +289,11 @@ class DecodeWorker:
         leg: PrefillCall | None = None
         asm: PagedAssembly | None = None
         try:
-            req.seq = await self._admit(req_id, input_ids)  # 1. pre-allocate
+            # hashed once: the admission's prefix lookup and, after the transfer, the prefix cache's insert
+            hashes = block_hashes(input_ids, self.store.block_size) if self.prefix_cache is not None else []
+            req.seq = await self._admit(req_id, input_ids, hashes)  # 1. pre-allocate
             req.admitted_at = time.monotonic()
-            req.input_ids = input_ids
+            req.prompt_hashes = hashes
             kv_from = req.seq.cached_tokens  # only the suffix crosses the link
             self.prompt_tokens += len(input_ids)
             self.prefix_hit_tokens += kv_from
