@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from common.lab.cluster import ROOT, Cluster, free_port
+from common.lab.cluster import Cluster, free_port
+from common.lab.procs import ROOT
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 

@@ -19,8 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: services run with it as their working directory
-
+from common.lab.procs import ROOT
+from common.lab.procs import stop as stop_procs
 
 # Below the kernel's ephemeral range (32768-60999 by default): a port picked there could be taken, before
 # the service binds it, by the local end of some outgoing connection.
@@ -160,14 +160,7 @@ class Cluster:
         """Start service ``name`` again with the same command, addresses and flags (stopping it first
         if it still runs), log appended; waits for its new READY line (needs ``log_dir``) and returns
         the seconds that took. Raises ``RuntimeError`` if it exits first, ``TimeoutError`` after ``timeout``."""
-        old = self.procs.get(name)
-        if old is not None and old.poll() is None:
-            old.terminate()
-            try:
-                old.wait(10)
-            except subprocess.TimeoutExpired:
-                old.kill()
-                old.wait()
+        stop_procs(self.procs.get(name), grace=10.0)
         ready_before = self.log(name).count("READY")
         t0 = time.monotonic()
         self._spawn(name, "ab")
@@ -228,16 +221,8 @@ class Cluster:
             return 0, b""
 
     def stop(self, grace: float = 10.0) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        """SIGTERM every service, SIGKILL those still running ``grace`` seconds later."""
+        stop_procs(*self.procs.values(), grace=grace)
 
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace") if self.log_dir else ""

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
-from common.lab.cluster import ROOT
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: processes run with it as their working directory
 
 
 def spawn(cmd: list[str], ns: str | None = None, lab=None, stdin=None) -> subprocess.Popen:
@@ -42,15 +43,17 @@ def wait_line(p: subprocess.Popen, prefix: str, timeout: float = 900.0) -> str:
     raise TimeoutError(f"no {prefix!r} line:\n" + "".join(lines[-30:]))
 
 
-def stop(*procs: subprocess.Popen | None) -> None:
-    """SIGTERM every process still running (``None`` entries are skipped), then wait up to 5 s for each
-    and SIGKILL those that have not exited."""
-    for p in procs:
-        if p is not None and p.poll() is None:
+def stop(*procs: subprocess.Popen | None, grace: float = 5.0) -> None:
+    """SIGTERM every process still running (``None`` entries are skipped), give them ``grace`` seconds
+    in all to exit, then SIGKILL and reap those that have not."""
+    live = [p for p in procs if p is not None]
+    for p in live:
+        if p.poll() is None:
             p.terminate()
-    for p in procs:
-        if p is not None:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    deadline = time.monotonic() + grace
+    for p in live:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
