@@ -1,8 +1,8 @@
 """The compute seam: prefill layer by layer, and one decode step over a batch.
 
 Services never touch the model directly; they call a :class:`Backend`. :class:`TorchBackend` runs
-the real transformers model. Backends are picked by name from :data:`BACKENDS` (a later backend
-replays measured accelerator timings and KV sizes, so many emulated workers fit on one machine).
+the real transformers model; :class:`~common.model.emulated.EmulatedBackend` replays an accelerator's
+measured timings and KV sizes. Backends are picked by name from :data:`BACKENDS`.
 
 Layer states (what crosses the wire), per layer ``i``, as a dict of name to tensor, batch dim 1:
 - attention layer: ``"k"``, ``"v"``: ``[1, kv_heads, seq, head_dim]``, after RoPE;
@@ -74,6 +74,16 @@ class Backend(ABC):
         """Feed ``tokens[r]`` to ``seqs[r]`` (``PagedSeq``); returns float32 logits ``[rows, vocab]``."""
 
 
+def chunk_bounds(n: int, prefix_len: int, chunk_tokens: int, checkpoints: Iterable[int]) -> tuple[list[tuple[int, int]], set[int]]:
+    """The chunks ``[(a, b), ...]`` a prefill of tokens ``[prefix_len, n)`` computes, in order: cut every
+    ``chunk_tokens`` (0: one chunk) and at each checkpoint position inside; and the set of checkpoint
+    positions in ``(prefix_len, n]`` (a chunk ends at each)."""
+    step = chunk_tokens if chunk_tokens > 0 else n
+    cuts = set(range(prefix_len, n, step)) | {c for c in checkpoints if prefix_len < c < n}
+    starts = sorted(cuts | {prefix_len})
+    return list(zip(starts, starts[1:] + [n])), {c for c in checkpoints if prefix_len < c <= n}
+
+
 def _has_kv(layer) -> bool:
     return getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None and layer.keys.numel() > 0
 
@@ -129,11 +139,7 @@ class TorchBackend(Backend):
             raise ValueError(f"a prefix of {prefix_len} tokens leaves nothing to compute in a prompt of {n}")
         cache = self._cache_with_prefix(prefix) if prefix_len else DynamicCache(config=self.config)
         layers = self._decoder_layers()
-        step = chunk_tokens if chunk_tokens > 0 else n
-        cuts = set(range(prefix_len, n, step)) | {c for c in checkpoints if prefix_len < c < n}
-        starts = sorted(cuts | {prefix_len})
-        bounds = list(zip(starts, starts[1:] + [n]))
-        marks = {c for c in checkpoints if prefix_len < c <= n}
+        bounds, marks = chunk_bounds(n, prefix_len, chunk_tokens, checkpoints)
         current = {"a": 0, "final": True}
         kinds = self.loaded.layer_types
         per_chunk = len(bounds) > 1 or prefix_len > 0
@@ -226,7 +232,15 @@ class TorchBackend(Backend):
             return decode_step(self.model, store, seqs, tokens, wait_layer)
 
 
-BACKENDS: dict[str, Callable[..., Backend]] = {"torch": TorchBackend}
+def _emulated(loaded: LoadedModel | None, **kwargs) -> Backend:
+    from common.model.emulated import emulated_backend  # the emulated backend builds on this module
+
+    return emulated_backend(loaded, **kwargs)
+
+
+BACKENDS: dict[str, Callable[..., Backend]] = {"torch": TorchBackend, "emulated": _emulated}
+"""Backends by name: ``torch`` runs the model; ``emulated`` replays a hardware profile's timings and
+KV sizes (``common/model/emulated.py``), so many instances of a cluster fit on one machine."""
 
 
 def make_backend(name: str, loaded: LoadedModel, **kwargs) -> Backend:

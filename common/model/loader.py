@@ -8,6 +8,8 @@ Specs:
 - ``tiny-hybrid`` (default): Qwen3-Next layout, gated DeltaNet linear attention and full attention
   at 3:1 (the paper's KDA:MLA ratio), 8 layers, hidden 256, dense MLP.
 - ``tiny-dense``: Llama layout, 4 layers, hidden 256, 2 KV heads.
+- ``emulated``: no weights; the workers run the emulated backend (``common/model/emulated.py``), and
+  the gateway only needs its tokenizer and context length from :func:`load_model_info`.
 - a directory path: a local checkpoint (``config.json``, safetensors, tokenizer files) of a supported
   family (:data:`SUPPORTED_FAMILIES`).
 """
@@ -144,6 +146,10 @@ class ModelInfo:
 def load_model_info(spec: str | None = None, *, served_name: str | None = None) -> ModelInfo:
     """Load only the tokenizer and config of ``spec`` (see :func:`load_model`). Raises :class:`ModelLoadError`."""
     spec = spec or os.environ.get("PRFAAS_MODEL") or DEFAULT_MODEL
+    if spec == "emulated":  # the emulated backend's model (common/model/emulated.py): byte tokenizer, no weights
+        from common.model.emulated import EMULATED_EOS, EMULATED_MAX_MODEL_LEN
+
+        return ModelInfo(build_byte_tokenizer(), served_name or "prfaas/emulated", EMULATED_MAX_MODEL_LEN, list(EMULATED_EOS))
     if spec in ("tiny-hybrid", "tiny-dense"):
         config, tokenizer = tiny_config(spec), build_byte_tokenizer()
         return ModelInfo(tokenizer, served_name or f"prfaas/{spec}", TINY_MAX_MODEL_LEN, _eos_ids(config, tokenizer))

@@ -48,8 +48,11 @@ class WorkerAddrs(NamedTuple):
 
 
 def load_backend(args: argparse.Namespace) -> Backend:
-    """Load the model named by ``args.model`` and wrap it in the chosen backend (blocking: seconds).
-    Raises ``ModelLoadError`` for an unknown model, ``ValueError`` for an unknown backend."""
+    """Load the model named by ``args.model`` and wrap it in the chosen backend (blocking: seconds);
+    the ``emulated`` backend loads no model (``--emulated-profile``, see ``common/model/emulated.py``).
+    Raises ``ModelLoadError`` for an unknown model, ``ValueError`` for an unknown backend or a bad profile."""
+    if args.backend == "emulated":  # no weights: the profile and the scales define the emulated model
+        return make_backend("emulated", None, profile=args.emulated_profile, served_name=args.served_model_name)
     loaded = load_model(args.model, served_name=args.served_model_name)
     return make_backend(args.backend, loaded, threads=args.threads or None)
 

@@ -22,6 +22,9 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
                    help="tiny-hybrid (default), tiny-dense, or a local Hugging Face checkpoint directory")
     p.add_argument("--served-model-name", default=service.env_default("PRFAAS_SERVED_MODEL_NAME"))
     p.add_argument("--backend", default=service.env_default("PRFAAS_BACKEND", "torch"), choices=sorted(BACKENDS))
+    p.add_argument("--emulated-profile", default=service.env_default("PRFAAS_EMU_PROFILE"),
+                   help="--backend emulated: this instance's hardware profile (a JSON path, or a name in "
+                        "services/planner/profiles, e.g. h200_table5); scales from PRFAAS_EMU_* (common/model/emulated.py)")
     p.add_argument("--threads", type=int, default=int(service.env_default("PRFAAS_THREADS", "0")),
                    help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--report-interval", type=float, default=0.5, help="seconds between load reports to the planner")
@@ -72,6 +75,8 @@ def add_decode_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-t
                         "if it does not answer, the request fails as prefill_failed; 0 disables")
     p.add_argument("--kv-budget-bytes", type=int, default=int(service.env_default("PRFAAS_KV_BUDGET_BYTES", str(4 << 30))),
                    help="the KV block pool's budget in bytes (KV blocks and linear-state slots together)")
+    p.add_argument("--max-num-seqs", type=int, default=int(service.env_default("PRFAAS_MAX_NUM_SEQS", "0")),
+                   help="most rows in the decode batch (vLLM's max_num_seqs; BS_max in the paper); 0: bounded by the pool only")
     p.add_argument("--max-waiting", type=int, default=64, help="requests that may wait for KV blocks at once")
     p.add_argument("--admission-timeout", type=float, default=30.0,
                    help="seconds a request may wait for KV blocks before it is refused (overloaded)")

@@ -98,10 +98,16 @@ class DecodeScheduler(Generic[R]):
 
     ``pool``: the worker's :class:`BlockPool`, read only (sizes and free pages); ``state_slots``: 1 when
     each request takes a state slot (hybrid models), else 0; ``max_waiting``: the admission queue's
-    bound (requests); ``admission_timeout``: seconds a request may wait in it.
+    bound (requests); ``admission_timeout``: seconds a request may wait in it; ``max_running``: most
+    rows in the batch (vLLM's ``max_num_seqs``, the paper's ``BS_max``; 0: only the pool bounds it).
+    A joiner whose KVCache is in waits in ``joining`` while the batch is full.
     """
 
-    def __init__(self, pool: BlockPool, state_slots: int, max_waiting: int = 64, admission_timeout: float = 30.0):
+    def __init__(self, pool: BlockPool, state_slots: int, max_waiting: int = 64, admission_timeout: float = 30.0,
+                 max_running: int = 0):
+        if max_running < 0:
+            raise ValueError(f"max_running must be >= 0, got {max_running}")
+        self.max_running = max_running
         self.pool = pool
         self.state_slots = state_slots
         self.max_waiting = max_waiting
@@ -115,6 +121,11 @@ class DecodeScheduler(Generic[R]):
     def idle(self) -> bool:
         """Nothing to step, join or swap in: the batch loop may sleep until woken."""
         return not self.running and not self.joining and not self.swapped
+
+    @property
+    def batch_full(self) -> bool:
+        """The batch holds ``max_running`` rows: no joiner may join until one leaves."""
+        return 0 < self.max_running <= len(self.running)
 
     # -- admission ---------------------------------------------------------------------------
     def never_fits(self, tokens: int) -> Refuse | None:
@@ -181,14 +192,15 @@ class DecodeScheduler(Generic[R]):
 
     def take_joining(self) -> Composition[R]:
         """Joiners whose transfer failed leave (``unavailable``); those whose KVCache is all in join
-        the running batch, in arrival order. If then nothing runs, the first joiner that has not
+        the running batch, in arrival order, while it has fewer than ``max_running`` rows. If then nothing
+        runs, the first joiner that has not
         tried an early step leaves ``joining`` to take one (its transfer's tail may still be landing)."""
         c: Composition[R] = Composition()
         for r in list(self.joining):
             if r.transfer_error is not None:
                 self.joining.remove(r)
                 c.failed.append(Fail(r, ErrorCode.UNAVAILABLE, f"transfer of {r.req_id} failed: {r.transfer_error}"))
-            elif r.transfer_complete:
+            elif r.transfer_complete and not self.batch_full:
                 self.joining.remove(r)
                 self.running[r.req_id] = r
                 c.joined.append(r)

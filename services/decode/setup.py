@@ -20,6 +20,7 @@ def decode_worker_from_args(args: argparse.Namespace, backend, kv_listen: str):
     worker = DecodeWorker(backend, args.name, args.kv_advertise or kv_listen, receiver, prefill_timeout=args.prefill_timeout,
                           kv_addr_remote=args.kv_advertise_remote,
                           kv_pool_bytes=args.kv_budget_bytes, block_size=args.block_size, max_waiting=args.max_waiting,
-                          admission_timeout=args.admission_timeout, prefix_cache=args.prefix_cache == "on",
+                          admission_timeout=args.admission_timeout, max_num_seqs=args.max_num_seqs,
+                          prefix_cache=args.prefix_cache == "on",
                           kv_stall_timeout=args.kv_receive_stall_timeout)
     return receiver, worker

@@ -94,12 +94,13 @@ class DecodeWorker:
     ``kv_stall_timeout`` (seconds; 0 disables) is the stall deadline: a transfer that makes no
     progress that long while its prefill worker does not answer a ``health`` probe either fails
     (``prefill_failed`` before the first token); ``max_waiting`` and ``admission_timeout`` (seconds)
-    bound the admission queue.
+    bound the admission queue; ``max_num_seqs`` caps the batch (rows; 0: the pool alone bounds it).
     """
 
     def __init__(self, backend: Backend, name: str, kv_addr: str, receiver: KvReceiver, prefill_timeout: float = 300.0,
                  kv_pool_bytes: int = 1 << 30, block_size: int = 16, max_waiting: int = 64, admission_timeout: float = 30.0,
-                 prefix_cache: bool = True, kv_stall_timeout: float = 10.0, kv_addr_remote: str | None = None):
+                 prefix_cache: bool = True, kv_stall_timeout: float = 10.0, kv_addr_remote: str | None = None,
+                 max_num_seqs: int = 0):
         self.backend = backend
         self.name = name
         self.kv_addr = kv_addr
@@ -107,7 +108,7 @@ class DecodeWorker:
         self.receiver = receiver
         self.store = backend.paged_store(kv_pool_bytes, block_size)
         self.sched: DecodeScheduler[DecodeRequest] = DecodeScheduler(
-            self.store.pool, 1 if self.store.linear_layers else 0, max_waiting, admission_timeout)
+            self.store.pool, 1 if self.store.linear_layers else 0, max_waiting, admission_timeout, max_num_seqs)
         self.prefill = PrefillLeg(name, prefill_timeout, kv_stall_timeout)
         # Prompt blocks stay cached after their request (shared by reference, evicted LRU under
         # pressure); a later prompt with the same prefix has only its suffix transferred.
