@@ -172,3 +172,18 @@ def test_idle_only_when_every_batch_queue_is_empty(where):
     r = FakeRow("r")
     {"running": lambda: s.running.update(r=r), "joining": lambda: s.join(r), "swapped": lambda: s.swapped_out(r)}[where]()
     assert not s.idle
+
+
+def test_max_running_caps_the_batch_and_joiners_wait_their_turn():
+    s = scheduler.DecodeScheduler(BlockPool(10, block_size=4), 0, 2, 30.0, max_running=2)
+    rows = [FakeRow(f"r{i}", admitted_at=i, transfer_complete=True) for i in range(3)]
+    for r in rows:
+        s.join(r)
+    c = s.take_joining()
+    assert [r.req_id for r in c.joined] == ["r0", "r1"] and s.batch_full
+    assert list(s.joining) == [rows[2]] and c.early is None
+    rows[0].done = True
+    assert s.retire_done() == [rows[0]]
+    assert [r.req_id for r in s.take_joining().joined] == ["r2"]
+    with pytest.raises(ValueError):
+        scheduler.DecodeScheduler(BlockPool(10, block_size=4), 0, max_running=-1)

@@ -156,7 +156,9 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         router = RpcClient(service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service="planner", name=args.name)
         lengths = profile["lengths"]
         dist = tm.TruncatedLogNormal(mu=args.length_mu if args.length_mu is not None else math.log(max(lengths) / 4),
-                                     sigma=args.length_sigma, lo=min(lengths), hi=max(lengths))
+                                     sigma=args.length_sigma,
+                                     lo=args.length_lo if args.length_lo is not None else min(lengths),
+                                     hi=args.length_hi if args.length_hi is not None else max(lengths))
         controller = Controller(profile, dist, args.link_gbps, args.l_out, router,
                                 prfaas_profile=load_profile(args.prfaas_profile) if args.prfaas_profile else None)
         if args.long_loop == "on":
@@ -193,6 +195,10 @@ def main() -> None:
     p.add_argument("--l-out", type=float, default=256.0, help="mean output length, tokens (paper: L_out)")
     p.add_argument("--length-mu", type=float, default=None, help="prompt lengths ~ log-normal: mu (default ln(max/4))")
     p.add_argument("--length-sigma", type=float, default=1.0, help="prompt lengths ~ log-normal: sigma")
+    p.add_argument("--length-lo", type=float, default=None,
+                   help="prompt lengths: lower truncation, tokens (default: the profile's shortest)")
+    p.add_argument("--length-hi", type=float, default=None,
+                   help="prompt lengths: upper truncation, tokens (default: the profile's longest)")
     p.add_argument("--loop-interval", type=float, default=1.0, help="seconds between short-loop ticks")
     p.add_argument("--long-loop", choices=["on", "off"], default="on",
                    help="with --profile: move switchable PD workers between prefill and decode when eq. 8 is out of balance")

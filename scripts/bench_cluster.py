@@ -1,0 +1,399 @@
+"""Measured, not modelled: the paper's Table 6 and the dual-timescale planner on the running system.
+
+Usage: python scripts/bench_cluster.py [--quick] [--time-scale S] [--out runs/bench_cluster]
+
+The real gateway, router, planner, transfer engine, KV pools and link, with the accelerators emulated
+(``common/model/emulated.py``; the cluster is ``common/lab/emulated_cluster.py``). The PrfaaS cluster
+(8xH200 instances, paper Table 5) sits behind a userspace link proxy capped at the paper's 100 Gbps
+VPC times ``byte_scale * time_scale``; the PD cluster is 8xH20 (the profile
+``scripts/reproduce_table6.py --write-h20`` fits to Table 6). Scales (see the emulated backend's
+docstring): time x S (default 5), prompt tokens x32 (a 16-token block is the trace's 512-token block),
+output tokens x64 (16 carried tokens stand for the paper's 1024), KV bytes x~1.5e-4. Every figure
+below is unscaled.
+
+Workload (paper §5): prompt lengths ~ log-normal(9.90, 1.00) truncated to [128, 128K] tokens, 1024
+output tokens, Poisson arrivals.
+
+SLO, per request: decode >= 40 tokens/s from its first token to its last (the paper's), and
+TTFT <= 5 s + 2 x T_H20(l), where T_H20(l) is the request's own prefill time on the PD cluster's
+hardware. Why: a TTFT bound must scale with the prompt (a 128K prompt takes 19 s to prefill on an
+H20 instance, a 1K prompt 0.5 s), and an interactive service lets a request wait about as long as
+its own compute plus a few seconds (SLO scale 2, as in DistServe's attainment curves). The bound is
+the same for all three configurations, so it cannot favour one of them.
+
+Measured capacity: for each configuration, Poisson rates around the model's Lambda_max (three in
+--quick), each run for a window of emulated seconds; the capacity is where the share of requests
+meeting the SLO crosses 90 %, interpolated between the bracketing rates. Near capacity a finite
+window understates queue growth (a queue that grows without bound still meets the SLO for a while),
+which is the main limit of these figures besides the noise of a shared 2-core machine (our
+overheads are multiplied by S in emulated time).
+
+Scenarios: Table 6 (three configurations), bandwidth swing (dual-timescale planner against a static
+threshold and the low-bandwidth oracle). The swing runs on a 32 Gbps link dropping to 8 Gbps: on the
+full 100 Gbps VPC a quarter (25 Gbps) still exceeds the PrfaaS egress (13 Gbps), so nothing would
+have to change.
+
+The last line is exactly:
+``prfaas_vs_homog=<x> prfaas_vs_naive=<y> model_error=<max |measured/model - 1|> p90_ttft_cut=<z>
+swing_dynamic_vs_oracle=<w> swing_static_vs_oracle=<v>``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from common.lab.emulated_cluster import PAPER_SHAPES, EmulatedCluster, Workload
+from common.lab.emulated_load import Slo, drive, poisson_arrivals, prompt_tokens, sample_lengths, summarize
+from common.model.emulated import Scales
+from services.planner import throughput as tm
+
+SLO = Slo(decode_tokens_per_s=40.0, ttft_base_s=5.0, ttft_factor=2.0)
+WORKLOAD = Workload()
+
+
+def slo_for(cluster: EmulatedCluster) -> Slo:
+    return SLO
+
+
+def ttft_budget(cluster: EmulatedCluster):
+    """T_pd(l): the PD cluster's own prefill seconds of an unscaled length (the SLO's scale)."""
+    return cluster.pd_hw.t_prefill
+
+
+# ------------------------------------------------------------------------------------------ model
+
+
+def model_lambdas(link_gbps: float = 100.0) -> dict[str, dict]:
+    """The throughput model's view of the three configurations (paper eqs. 3-8), unscaled."""
+    from common.model.emulated import EmulatedProfile
+
+    def hw(name: str) -> tm.HardwareProfile:
+        p = EmulatedProfile.from_file(name)
+        d = p.throughput_profile(Scales(time_scale=1.0, token_scale=1, byte_scale=1.0))
+        d["kv_bytes"] = [p.s_kv(l) for l in p.lengths]  # the table itself, unscaled
+        return tm.HardwareProfile.from_dict(d)
+
+    h200, h20 = hw("h200_table5"), hw("h20_table6_fit")
+    dist = tm.TruncatedLogNormal(WORKLOAD.mu, WORKLOAD.sigma, WORKLOAD.lo, WORKLOAD.hi)
+    out = {}
+    for key, shape in PAPER_SHAPES.items():
+        dep = tm.Deployment(shape.n_prfaas, shape.n_p, shape.n_d, h200 if shape.n_prfaas else None,
+                            h20 if shape.n_p else None, h20, link_gbps, WORKLOAD.l_out)
+        ev = tm.best_threshold(dep, dist)
+        out[key] = {"lambda": ev.lambda_max, "t": ev.t if shape.n_prfaas and shape.n_p else None, "p": ev.p,
+                    "egress_gbps": ev.egress_gbps}
+    return out
+
+
+# ------------------------------------------------------------------------------------------ runs
+
+
+class Runner:
+    """Runs Poisson load against one started cluster and keeps every outcome (for the plots)."""
+
+    def __init__(self, cluster: EmulatedCluster, seed: int = 1):
+        self.c, self.seed = cluster, seed
+
+    def requests(self, rate: float, window_s: float, seed: int, mu: float = WORKLOAD.mu):
+        arr = poisson_arrivals(rate, window_s, seed)
+        ls = sample_lengths(len(arr), mu, WORKLOAD.sigma, WORKLOAD.lo, WORKLOAD.hi, seed + 1)
+        return arr, ls, [prompt_tokens(self.c.carried(l), seed * 100003 + i) for i, l in enumerate(ls)]
+
+    async def point(self, rate: float, window_s: float, seed: int, label: str) -> dict:
+        """One Poisson run at ``rate`` req/s over ``window_s`` emulated seconds; its figures."""
+        c = self.c
+        arr, ls, prompts = self.requests(rate, window_s, seed)
+        st0, b0, t0 = await c.router_stats(), c.kv_wire_bytes(), time.monotonic()
+        with tqdm(total=len(arr), desc=f"{label} @ {rate:.2f} req/s", leave=False, file=sys.stderr) as bar:
+            outs = await drive(c.url, c.scales, arr, prompts, ls, c.max_tokens, ttft_budget(c), progress=bar.update)
+        wall = time.monotonic() - t0
+        st1, b1 = await c.router_stats(), c.kv_wire_bytes()
+        d0, d1 = st0["route_decisions"], st1["route_decisions"]
+        remote = d1.get("remote", 0) - d0.get("remote", 0)
+        total = sum(d1.values()) - sum(d0.values())
+        s = summarize(outs, slo_for(c), window_s)
+        return {"rate": rate, "window_s": window_s, **asdict(s), "p": remote / total if total else math.nan,
+                "t_tokens": st1["threshold_tokens"] * c.scales.token_scale if c.shape.n_prfaas and c.shape.n_p else None,
+                "egress_gbps": c.unscaled_gbps(b1 - b0, wall), "outcomes": [asdict(o) for o in outs]}
+
+
+def capacity(points: list[dict], target: float = 0.9) -> tuple[float, str]:
+    """Highest rate meeting ``target`` attainment, interpolated between bracketing points; the note says
+    whether it is bracketed (``""``), a lower bound (``">="``) or an upper bound (``"<="``)."""
+    pts = sorted(points, key=lambda p: p["rate"])
+    ok = [p for p in pts if p["attainment"] >= target]
+    if not ok:
+        return pts[0]["rate"], "<="
+    best = max(ok, key=lambda p: p["rate"])
+    above = [p for p in pts if p["rate"] > best["rate"]]
+    if not above:
+        return best["rate"], ">="
+    nxt = above[0]
+    a0, a1 = best["attainment"], nxt["attainment"]
+    frac = (a0 - target) / (a0 - a1) if a0 > a1 else 0.0
+    return best["rate"] + frac * (nxt["rate"] - best["rate"]), ""
+
+
+async def table6(args, scales: Scales, model: dict, out: Path) -> dict:
+    """Sweep each configuration; homogeneous first, its capacity is the common rate of the others."""
+    res: dict[str, dict] = {}
+    factors = (0.85, 1.0, 1.12) if args.quick else (0.7, 0.8, 0.9, 1.0, 1.1, 1.2)
+    common = None
+    for key in ("homog", "prfaas", "naive"):
+        shape = PAPER_SHAPES[key]
+        thr = {"homog": 1 << 30, "naive": 0, "prfaas": round(model["prfaas"]["t"] / scales.token_scale)}[key]
+        c = EmulatedCluster(shape, scales, WORKLOAD, threshold=thr, planner_loop=key == "prfaas",
+                            log_dir=out / f"logs-{key}")
+        await c.start()
+        try:
+            runner = Runner(c)
+            await runner.point(model[key]["lambda"] * 0.5, 30.0, 7, f"{key} warm-up")
+            rates = [model[key]["lambda"] * f for f in factors]
+            if common is not None:
+                rates.append(common)
+            pts = []
+            for k, r in enumerate(sorted(rates)):
+                pts.append(await runner.point(r, args.window, 11 + k, key))
+            cap, note = capacity([p for p in pts if p["rate"] != common] or pts)
+            if key == "homog":
+                common = cap
+                pts_common = min(pts, key=lambda p: abs(p["rate"] - cap))
+            else:
+                pts_common = next(p for p in pts if p["rate"] == common)
+            at_cap = min(pts, key=lambda p: abs(p["rate"] - cap))
+            res[key] = {"shape": shape.label(), "capacity": cap, "capacity_note": note, "model": model[key],
+                        "points": pts, "at_common": pts_common, "at_capacity": at_cap}
+        finally:
+            await c.stop()
+    res["common_rate"] = common
+    return res
+
+
+async def swing(args, scales: Scales, out: Path) -> dict:
+    """Bandwidth swing on PrfaaS-PD 4/3/5: high / low (a quarter) / high, same arrivals in three runs."""
+    base = 32.0
+    low = base / 4
+    phases = [("high", base, 90.0), ("low", low, 150.0), ("high2", base, 90.0)] if args.quick else \
+        [("high", base, 180.0), ("low", low, 300.0), ("high2", base, 180.0)]
+    dist = tm.TruncatedLogNormal(WORKLOAD.mu, WORKLOAD.sigma, WORKLOAD.lo, WORKLOAD.hi)
+    t_full = tm_threshold(base, dist)
+    t_low = tm_threshold(low, dist)
+    rate = args.swing_rate
+    results = {}
+    for mode in ("dynamic", "static", "oracle"):
+        c = EmulatedCluster(PAPER_SHAPES["prfaas"], scales, WORKLOAD, link_gbps=base, planner_loop=mode == "dynamic",
+                            threshold=round((t_low if mode == "oracle" else t_full) / scales.token_scale),
+                            log_dir=out / f"logs-swing-{mode}")
+        await c.start()
+        try:
+            results[mode] = await swing_run(c, mode, rate, phases)
+        finally:
+            await c.stop()
+    return {"rate": rate, "t_full": t_full, "t_low": t_low, "phases": phases, "runs": results}
+
+
+async def _sample(c: EmulatedCluster, t0: float, timeline: list[dict], stop: asyncio.Event) -> None:
+    """Every 0.5 s real: the router's threshold and the link's KV egress since the last sample."""
+    sc = c.scales
+    b_prev, t_prev = c.kv_wire_bytes(), time.monotonic()
+    while not stop.is_set():
+        await asyncio.sleep(0.5)
+        st = await c.router_stats()
+        b, now = c.kv_wire_bytes(), time.monotonic()
+        timeline.append({"t": (now - t0) * sc.time_scale, "threshold": st["threshold_tokens"] * sc.token_scale,
+                         "egress_gbps": c.unscaled_gbps(b - b_prev, now - t_prev)})
+        b_prev, t_prev = b, now
+
+
+async def _shape_link(c: EmulatedCluster, t0: float, phases: list[tuple[str, float, float]]) -> None:
+    """Set the link to each phase's Gbps at its start (emulated seconds after ``t0``)."""
+    at = 0.0
+    for _name, gbps, dur in phases:
+        c.set_link(gbps)
+        at += dur
+        await asyncio.sleep(max(0.0, t0 + at / c.scales.time_scale - time.monotonic()))
+
+
+async def swing_run(c: EmulatedCluster, mode: str, rate: float, phases: list[tuple[str, float, float]]) -> dict:
+    """One run of the swing on a started cluster: the same seeded arrivals whatever the mode."""
+    runner = Runner(c)
+    await runner.point(rate * 0.5, 30.0, 7, f"swing {mode} warm-up")
+    arr, ls, prompts = runner.requests(rate, sum(p[2] for p in phases), 23)
+    timeline: list[dict] = []
+    stop = asyncio.Event()
+    t0 = time.monotonic()
+    aux = [asyncio.create_task(_sample(c, t0, timeline, stop)), asyncio.create_task(_shape_link(c, t0, phases))]
+    try:
+        with tqdm(total=len(arr), desc=f"swing {mode}", leave=False, file=sys.stderr) as bar:
+            outs = await drive(c.url, c.scales, arr, prompts, ls, c.max_tokens, ttft_budget(c), progress=bar.update)
+    finally:
+        stop.set()
+        for t in aux:
+            t.cancel()
+    per_phase, start = {}, 0.0
+    for name, gbps, dur in phases:
+        s = summarize([o for o in outs if start <= o.arrival < start + dur], SLO, dur)
+        per_phase[name] = {"gbps": gbps, "goodput": s.goodput, "ttft_p90": s.ttft_p90, "attainment": s.attainment,
+                           "n": s.n, "exact": s.exact}
+        start += dur
+    return {"phases": per_phase, "timeline": timeline, "outcomes": [asdict(o) for o in outs]}
+
+
+def tm_threshold(link_gbps: float, dist) -> float:
+    from common.model.emulated import EmulatedProfile
+
+    def hw(name: str) -> tm.HardwareProfile:
+        p = EmulatedProfile.from_file(name)
+        d = p.throughput_profile(Scales(time_scale=1.0, token_scale=1, byte_scale=1.0))
+        d["kv_bytes"] = [p.s_kv(l) for l in p.lengths]
+        return tm.HardwareProfile.from_dict(d)
+
+    s = PAPER_SHAPES["prfaas"]
+    dep = tm.Deployment(s.n_prfaas, s.n_p, s.n_d, hw("h200_table5"), hw("h20_table6_fit"), hw("h20_table6_fit"),
+                        link_gbps * 0.8, WORKLOAD.l_out)
+    return tm.best_threshold(dep, dist).t
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def plots(t6: dict, sw: dict | None, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+
+    def finish(fig, ax, xlabel: str, ylabel: str, name: str) -> None:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.savefig(out / name, dpi=120, bbox_inches="tight")
+        paths.append(str(out / name))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in ("prfaas", "homog", "naive"):
+        pts = sorted(t6[key]["points"], key=lambda p: p["rate"])
+        lam = t6[key]["model"]["lambda"]
+        ax.plot([p["rate"] for p in pts], [p["goodput"] for p in pts], "o-", label=f"{PAPER_SHAPES[key].name} (model {lam:.2f})")
+    finish(fig, ax, "offered load (req/s)", "goodput (req/s meeting the SLO)", "goodput_vs_load.png")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in ("prfaas", "homog", "naive"):
+        ttft = sorted(o["ttft"] for o in t6[key]["at_common"]["outcomes"] if o["ttft"] is not None)
+        ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=PAPER_SHAPES[key].name)
+    ax.set_xscale("log")
+    finish(fig, ax, f"TTFT (s) at {t6['common_rate']:.2f} req/s", "CDF", "ttft_cdf.png")
+    if sw:
+        fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+        for mode, run in sw["runs"].items():
+            tl = run["timeline"]
+            a1.plot([x["t"] for x in tl], [x["egress_gbps"] for x in tl], label=mode)
+            a2.plot([x["t"] for x in tl], [x["threshold"] for x in tl], label=mode)
+        at = 0.0
+        for _name, gbps, dur in sw["phases"]:
+            a1.hlines(gbps, at, at + dur, colors="k", linestyles="dashed")
+            at += dur
+        a1.set_ylabel("PrfaaS egress (Gbps)")
+        a2.set_ylabel("threshold t (tokens)")
+        a2.set_xlabel("time (emulated s)")
+        a1.legend()
+        a2.legend()
+        p = out / "swing_timeline.png"
+        fig.savefig(p, dpi=120, bbox_inches="tight")
+        paths.append(str(p))
+    plt.close("all")
+    return paths
+
+
+def render(t6: dict, sw: dict | None) -> tuple[list[str], dict]:
+    lines = ["Table 6, measured on the running system (emulated accelerators) beside the model",
+             f"{'':22}{'PrfaaS-PD':>22}{'Homog PD':>22}{'Naive het':>22}"]
+
+    def row(name, f):
+        lines.append(f"{name:22}" + "".join(f"{f(k):>22}" for k in ("prfaas", "homog", "naive")))
+
+    row("N_prfaas/N_p/N_d", lambda k: t6[k]["shape"])
+    row("Lambda measured", lambda k: f"{t6[k]['capacity_note']}{t6[k]['capacity']:.2f}")
+    row("Lambda model", lambda k: f"{t6[k]['model']['lambda']:.2f}")
+    row("measured/model", lambda k: f"{t6[k]['capacity'] / t6[k]['model']['lambda']:.3f}")
+    cr = t6["common_rate"]
+    row(f"TTFT mean @{cr:.2f}", lambda k: f"{t6[k]['at_common']['ttft_mean']:.2f} s")
+    row(f"TTFT P90 @{cr:.2f}", lambda k: f"{t6[k]['at_common']['ttft_p90']:.2f} s")
+    row("egress @cap (Gbps)", lambda k: f"{t6[k]['at_capacity']['egress_gbps']:.2f} / {t6[k]['model']['egress_gbps']:.2f}")
+    row("p meas / model", lambda k: f"{t6[k]['at_capacity']['p']:.3f} / {t6[k]['model']['p']:.3f}")
+    row("t meas / model", lambda k: "-" if t6[k]["model"]["t"] is None
+        else f"{t6[k]['at_capacity']['t_tokens']} / {t6[k]['model']['t']:.0f}")
+    row("exact / requests", lambda k: f"{sum(p['exact'] for p in t6[k]['points'])}/{sum(p['n'] for p in t6[k]['points'])}")
+    figures = {
+        "prfaas_vs_homog": t6["prfaas"]["capacity"] / t6["homog"]["capacity"],
+        "prfaas_vs_naive": t6["prfaas"]["capacity"] / t6["naive"]["capacity"],
+        "model_error": max(abs(t6[k]["capacity"] / t6[k]["model"]["lambda"] - 1) for k in ("prfaas", "homog", "naive")),
+        "p90_ttft_cut": 1 - t6["prfaas"]["at_common"]["ttft_p90"] / t6["homog"]["at_common"]["ttft_p90"],
+    }
+    lines.append(f"paper: PrfaaS/homog 1.54 (model here {t6['prfaas']['model']['lambda'] / t6['homog']['model']['lambda']:.2f}), "
+                 f"PrfaaS/naive 1.32, P90 TTFT cut 64 %")
+    if sw:
+        lines += ["", f"Bandwidth swing at {sw['rate']:.2f} req/s (t full {sw['t_full']:.0f}, t low {sw['t_low']:.0f} tokens)",
+                  f"{'run':10}" + "".join(f"{n + ' goodput':>16}{n + ' P90':>12}" for n, _g, _d in sw["phases"])]
+        for mode, run in sw["runs"].items():
+            lines.append(f"{mode:10}" + "".join(f"{run['phases'][n]['goodput']:>16.3f}{run['phases'][n]['ttft_p90']:>11.1f}s"
+                                                for n, _g, _d in sw["phases"]))
+        r = sw["runs"]
+        o = r["oracle"]["phases"]["low"]["goodput"]
+        figures["swing_dynamic_vs_oracle"] = r["dynamic"]["phases"]["low"]["goodput"] / o if o else math.nan
+        figures["swing_static_vs_oracle"] = r["static"]["phases"]["low"]["goodput"] / o if o else math.nan
+        hs = r["static"]["phases"]["high"]["goodput"]
+        lines.append(f"high phase: dynamic / static = {r['dynamic']['phases']['high']['goodput'] / hs if hs else math.nan:.3f}")
+    else:
+        figures["swing_dynamic_vs_oracle"] = figures["swing_static_vs_oracle"] = math.nan
+    return lines, figures
+
+
+async def amain(args) -> int:
+    out = Path(args.out)
+    scales = Scales(time_scale=args.time_scale, token_scale=32, byte_scale=1.5e-4, output_scale=64)
+    model = model_lambdas()
+    t0 = time.monotonic()
+    t6 = await table6(args, scales, model, out)
+    sw = None if args.no_swing else await swing(args, scales, out)
+    lines, fig = render(t6, sw)
+    report(out, {"table6": t6, "swing": sw, "figures": fig, "scales": asdict(scales)}, lines, time.monotonic() - t0)
+    return 0
+
+
+def report(out: Path, results: dict, lines: list[str], took_s: float) -> None:
+    (out / "results.json").write_text(json.dumps(results))
+    paths = plots(results["table6"], results["swing"], out)
+    print("\n".join(lines))
+    print(f"plots: {', '.join(paths)}; raw: {out / 'results.json'}; {took_s:.0f} s")
+    print(" ".join(f"{k}={v:.3f}" for k, v in results["figures"].items()))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="three rates per configuration, short windows (under 10 minutes)")
+    p.add_argument("--time-scale", type=float, default=5.0, help="emulated seconds per real second")
+    p.add_argument("--window", type=float, default=None, help="emulated seconds of arrivals per rate point")
+    p.add_argument("--swing-rate", type=float, default=2.6, help="req/s offered in the bandwidth swing")
+    p.add_argument("--no-swing", action="store_true")
+    p.add_argument("--out", default="runs/bench_cluster")
+    args = p.parse_args()
+    if args.window is None:
+        args.window = 100.0 if args.quick else 300.0
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    return asyncio.run(amain(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
