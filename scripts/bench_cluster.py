@@ -42,8 +42,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -51,7 +53,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from common.lab.emulated_cluster import PAPER_SHAPES, EmulatedCluster, Workload
+from common.lab.emulated_cluster import PAPER_SHAPES, EmulatedCluster, Shape, Workload
 from common.lab.emulated_load import Slo, drive, poisson_arrivals, prompt_tokens, sample_lengths, summarize
 from common.model.emulated import Scales
 from services.planner import throughput as tm
@@ -121,7 +123,8 @@ class Runner:
         remote = d1.get("remote", 0) - d0.get("remote", 0)
         total = sum(d1.values()) - sum(d0.values())
         s = summarize(outs, slo_for(c), window_s)
-        return {"rate": rate, "window_s": window_s, **asdict(s), "p": remote / total if total else math.nan,
+        return {"rate": rate, "window_s": window_s, "wall_s": wall, "lag_s": wall - window_s / c.scales.time_scale, **asdict(s),
+                "p": remote / total if total else math.nan,
                 "t_tokens": st1["threshold_tokens"] * c.scales.token_scale if c.shape.n_prfaas and c.shape.n_p else None,
                 "egress_gbps": c.unscaled_gbps(b1 - b0, wall), "outcomes": [asdict(o) for o in outs]}
 
@@ -248,6 +251,105 @@ async def swing_run(c: EmulatedCluster, mode: str, rate: float, phases: list[tup
     return {"phases": per_phase, "timeline": timeline, "outcomes": [asdict(o) for o in outs]}
 
 
+async def shift(args, scales: Scales, out: Path) -> dict:
+    """Traffic shift on a PrfaaS-PD cluster that starts 4/4/4: the paper's mix at a moderate rate, then
+    shorter prompts (log-normal mu 9.0) at a rate above what four PD-D instances decode (eq. 5: 3.1
+    req/s) and below five (3.9), long enough for the long loop to move a PD-P worker to decode. Two
+    runs on the same arrivals: with and without the long loop; the role changes are on the timeline."""
+    k = 1.0 if args.quick else 1.5
+    phases = [("paper mix", WORKLOAD.mu, args.shift_rate_before, 120.0 * k), ("short mix", 9.0, args.shift_rate_after, 360.0 * k)]
+    res = {}
+    for long_loop in (True, False):
+        mode = "long loop on" if long_loop else "long loop off"
+        c = EmulatedCluster(Shape("PrfaaS-PD 4/4/4", 4, 4, 4), scales, WORKLOAD, planner_loop=True, long_loop=long_loop,
+                            long_period_s=30.0, long_hold_s=60.0, long_cooldown_s=240.0,
+                            threshold=round(tm_threshold(100.0, tm.TruncatedLogNormal(WORKLOAD.mu, WORKLOAD.sigma, WORKLOAD.lo,
+                                                                                       WORKLOAD.hi)) / scales.token_scale),
+                            log_dir=out / f"logs-shift-{'on' if long_loop else 'off'}")
+        await c.start()
+        try:
+            runner = Runner(c)
+            await runner.point(1.5, 30.0, 7, f"shift {mode} warm-up")
+            arr, ls, prompts, start = [], [], [], 0.0
+            for k, (_name, mu, rate, dur) in enumerate(phases):
+                a = poisson_arrivals(rate, dur, 31 + k, start)
+                l = sample_lengths(len(a), mu, WORKLOAD.sigma, WORKLOAD.lo, WORKLOAD.hi, 41 + k)
+                arr += a
+                ls += l
+                prompts += [prompt_tokens(c.carried(x), 5000 * (k + 1) + i) for i, x in enumerate(l)]
+                start += dur
+            roles: list[dict] = []
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(_watch_roles(c, time.monotonic(), roles, stop))
+            try:
+                with tqdm(total=len(arr), desc=f"shift {mode}", leave=False, file=sys.stderr) as bar:
+                    outs = await drive(c.url, scales, arr, prompts, ls, c.max_tokens, ttft_budget(c), progress=bar.update)
+            finally:
+                stop.set()
+                await watcher
+            per, start = {}, 0.0
+            for name, _mu, rate, dur in phases:
+                sm = summarize([o for o in outs if start <= o.arrival < start + dur], SLO, dur)
+                late = summarize([o for o in outs if start + dur / 2 <= o.arrival < start + dur], SLO, dur / 2)
+                per[name] = {"rate": rate, "goodput": sm.goodput, "goodput_second_half": late.goodput,
+                             "ttft_p90": sm.ttft_p90, "attainment": sm.attainment, "exact": sm.exact, "n": sm.n}
+                start += dur
+            res[mode] = {"phases": per, "roles": roles}
+        finally:
+            await c.stop()
+    return {"phases": phases, "runs": res}
+
+
+async def _watch_roles(c: EmulatedCluster, t0: float, roles: list[dict], stop: asyncio.Event) -> None:
+    """Every 0.5 s real: the PD-P / PD-D counts the planner sees (a change is a role move)."""
+    last = None
+    while not stop.is_set():
+        alive = (await c.planner_status())["alive"]
+        n_p, n_d = alive.get("prefill/pd", 0), alive.get("decode/pd", 0)
+        if (n_p, n_d) != last:
+            roles.append({"t": (time.monotonic() - t0) * c.scales.time_scale, "n_p": n_p, "n_d": n_d})
+            last = (n_p, n_d)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.5)
+
+
+async def trace_replay(args, scales: Scales, out: Path) -> dict:
+    """The Mooncake conversation trace (shipped in common/lab/data), timestamps kept: PrfaaS-PD 4/3/5
+    with prefix-cache-aware routing against homogeneous PD 0/9/3; cache hits change which requests
+    go remote (the router compares the incremental length with t)."""
+    from common.lab import trace as tr
+
+    rows = tr.load_trace()[: args.trace_requests or (900 if args.quick else 3000)]
+    reqs = [tr.scale(i, r, 5, 1 << 20, 1 << 20) for i, r in enumerate(rows)]
+    arr = [r["timestamp"] / 1000.0 for r in rows]
+    ls = [r["input_length"] for r in rows]
+    mts = [max(1, math.ceil(r["output_length"] / scales.output_scale)) for r in rows]
+    res = {}
+    for key in ("prfaas", "homog"):
+        thr = round(model_lambdas()[key]["t"] / scales.token_scale) if key == "prfaas" else 1 << 30
+        c = EmulatedCluster(PAPER_SHAPES[key], scales, WORKLOAD, threshold=thr, planner_loop=key == "prfaas",
+                            log_dir=out / f"logs-trace-{key}")
+        await c.start()
+        try:
+            st0 = await c.router_stats()
+            with tqdm(total=len(arr), desc=f"trace {key}", leave=False, file=sys.stderr) as bar:
+                outs = await drive(c.url, scales, arr, [r.tokens for r in reqs], ls, mts, ttft_budget(c), progress=bar.update)
+            st1 = await c.router_stats()
+            sm = summarize(outs, SLO, max(arr) or 1.0)
+            p0, p1 = st0["prefix"], st1["prefix"]
+            hits = sum(p1["hit_tokens"].values()) - sum(p0["hit_tokens"].values())
+            prompt = p1["prompt_tokens"] - p0["prompt_tokens"]
+            d0, d1 = st0["route_decisions"], st1["route_decisions"]
+            remote = d1.get("remote", 0) - d0.get("remote", 0)
+            res[key] = {"goodput": sm.goodput, "attainment": sm.attainment, "ttft_p50": sm.ttft_p50, "ttft_p90": sm.ttft_p90,
+                        "exact": sm.exact, "n": sm.n, "hit_rate": hits / prompt if prompt else math.nan,
+                        "remote_share": remote / sm.n if sm.n else math.nan,
+                        "remote_if_no_cache": sum(len(r.tokens) > thr for r in reqs) / len(reqs)}
+        finally:
+            await c.stop()
+    return res
+
+
 def tm_threshold(link_gbps: float, dist) -> float:
     from common.model.emulated import EmulatedProfile
 
@@ -365,6 +467,12 @@ async def amain(args) -> int:
     scales = Scales(time_scale=args.time_scale, token_scale=32, byte_scale=1.5e-4, output_scale=64)
     model = model_lambdas()
     t0 = time.monotonic()
+    if args.scenario in ("shift", "trace"):
+        res = await (shift if args.scenario == "shift" else trace_replay)(args, scales, out)
+        (out / f"{args.scenario}.json").write_text(json.dumps(res, indent=1))
+        print(json.dumps(res.get("runs", res), indent=1))
+        print(f"{args.scenario}: {time.monotonic() - t0:.0f} s; {out / (args.scenario + '.json')}")
+        return 0
     t6 = await table6(args, scales, model, out)
     sw = None if args.no_swing else await swing(args, scales, out)
     lines, fig = render(t6, sw)
@@ -387,12 +495,24 @@ def main() -> int:
     p.add_argument("--window", type=float, default=None, help="emulated seconds of arrivals per rate point")
     p.add_argument("--swing-rate", type=float, default=2.6, help="req/s offered in the bandwidth swing")
     p.add_argument("--no-swing", action="store_true")
+    p.add_argument("--scenario", choices=["table6", "shift", "trace"], default="table6",
+                   help="table6: the three configurations and the bandwidth swing (the acceptance line); shift: a traffic "
+                        "shift with and without the long loop; trace: the Mooncake conversation trace, PrfaaS vs homogeneous")
+    p.add_argument("--shift-rate-before", type=float, default=2.0, help="req/s of the paper mix before the shift")
+    p.add_argument("--shift-rate-after", type=float, default=3.5, help="req/s of the short mix after it")
+    p.add_argument("--trace-requests", type=int, default=None,
+                   help="first N requests of the trace, native timestamps (default 900 with --quick, else 3000)")
     p.add_argument("--out", default="runs/bench_cluster")
     args = p.parse_args()
     if args.window is None:
         args.window = 100.0 if args.quick else 300.0
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the clusters' processes (the finally blocks) on SIGTERM too
     return asyncio.run(amain(args))
+
+
+def _interrupt(_sig, _frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

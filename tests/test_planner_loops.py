@@ -299,3 +299,14 @@ def test_long_due_once_per_period_and_when_a_command_expires():
     assert not loop.due(loop._last_eval + LCFG.period_s - 1) and loop.due(loop._last_eval + LCFG.period_s)
     loop._last_eval = rc.at + LCFG.ack_timeout_s  # evaluated just now: only the expiry can make it due
     assert not loop.due(rc.at + LCFG.ack_timeout_s) and loop.due(rc.at + LCFG.ack_timeout_s + 1)
+
+
+def test_rtt_inflation_counts_as_congestion_only_with_a_real_queueing_delay(model):
+    """On a sub-millisecond path a busy event loop multiplies the RTT with no queue on the link: x7 of
+    0.05 ms is not congestion; x3 of 10 ms (20 ms of queueing) is."""
+    loop = ShortLoop(CFG, model)
+    t0 = loop.t
+    trace = run(loop, [ShortSignals(egress_util=0.3, rtt_inflation=7.0, rtt_excess_ms=0.3)] * 20)
+    assert changes(trace) == [] and loop.t == t0
+    trace = run(loop, [ShortSignals(egress_util=0.3, rtt_inflation=3.0, rtt_excess_ms=20.0)] * 20, start=20)
+    assert changes(trace) and loop.t > t0 and "congestion" in changes(trace)[0][1].reason

@@ -131,12 +131,14 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_
 
 
 async def drive(url: str, scales: Scales, arrivals: Sequence[float], prompts: Sequence[list[int]], lengths: Sequence[int],
-                max_tokens: int, t_pd: Callable[[float], float], progress: Callable[[], None] | None = None,
+                max_tokens: int | Sequence[int], t_pd: Callable[[float], float], progress: Callable[[], None] | None = None,
                 at_start: Callable[[], None] | None = None) -> list[Outcome]:
     """Send ``prompts[i]`` (carried tokens; ``lengths[i]`` unscaled) at ``arrivals[i]`` emulated seconds
-    after the start, streaming ``max_tokens`` tokens each; returns the outcomes in order. ``t_pd``:
-    the PD cluster's prefill seconds of an unscaled length (for the TTFT SLO)."""
+    after the start, streaming ``max_tokens`` (carried; one number, or one per request) tokens each;
+    returns the outcomes in order. ``t_pd``: the PD cluster's prefill seconds of an unscaled length
+    (for the TTFT SLO)."""
     outs = [Outcome(int(lengths[i]), float(arrivals[i]), t_pd(lengths[i])) for i in range(len(arrivals))]
+    mts = [max_tokens] * len(outs) if isinstance(max_tokens, int) else list(max_tokens)
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
@@ -144,11 +146,11 @@ async def drive(url: str, scales: Scales, arrivals: Sequence[float], prompts: Se
         if at_start is not None:
             at_start()
         tasks = []
-        for o, p in zip(outs, prompts):
+        for o, p, mt in zip(outs, prompts, mts):
             delay = t0 + o.arrival / scales.time_scale - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(_one(session, url, p, max_tokens, scales, o))
+            task = asyncio.create_task(_one(session, url, p, mt, scales, o))
             if progress is not None:
                 task.add_done_callback(lambda _t: progress())
             tasks.append(task)

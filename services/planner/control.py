@@ -8,7 +8,8 @@ Every ``interval`` seconds the planner turns its view of the workers into
   the workers' KV senders measure passively (``capacity_bps``, ``common/transfer/link_stats.py``), at most the
   configured ``--link-gbps`` (an operator cap), or the configured figure when nothing is measured;
 - ``stalls`` and ``retransmits``: increases of those links' counters since the previous tick;
-- ``rtt_inflation``: the worst link's smoothed RTT over its minimum RTT;
+- ``rtt_inflation``: the worst link's smoothed RTT over its minimum RTT (``rtt_excess_ms``: their
+  difference, which must also be large for the ratio to count as congestion);
 - queue depths: requests waiting at PrfaaS prefill, PD-P prefill and decode admission.
 
 A decision from the loop is applied at the router at once: ``set_threshold`` (one assignment there,
@@ -118,14 +119,16 @@ def signals(workers: list[dict[str, Any]], link_gbps: float | None, prev: dict[s
     goodput = sum(float(s.get("goodput_bps") or 0.0) for s in links)
     now = {"stalls": float(sum(s.get("stalls") or 0 for s in links)),
            "retransmits": float(sum(s.get("retransmits") or 0 for s in links))}
-    rtt = [float(s["rtt_ms"]) / float(s["rtt_min_ms"]) for s in links if s.get("rtt_ms") and s.get("rtt_min_ms")]
+    rtt = [(float(s["rtt_ms"]) / float(s["rtt_min_ms"]), float(s["rtt_ms"]) - float(s["rtt_min_ms"]))
+           for s in links if s.get("rtt_ms") and s.get("rtt_min_ms")]
+    worst = max(rtt, default=(1.0, 0.0))
     q_prfaas, q_pdp, q_decode = queue_depths(alive)
     sig = ShortSignals(
         egress_util=goodput / (cap_gbps * 1e9),
         link_gbps=cap_gbps,
         stalls=int(max(0.0, now["stalls"] - prev.get("stalls", now["stalls"]))),
         retransmits=int(max(0.0, now["retransmits"] - prev.get("retransmits", now["retransmits"]))),
-        rtt_inflation=max(rtt, default=1.0),
+        rtt_inflation=worst[0], rtt_excess_ms=worst[1],
         q_prfaas=q_prfaas, q_pdp=q_pdp, q_decode=q_decode,
     )
     return sig, now

@@ -83,6 +83,8 @@ class ShortSignals:
     link_gbps: measured link capacity (Gbps); None = ``ShortConfig.link_gbps`` (nominal).
     stalls, retransmits: send stalls and TCP retransmits since the previous tick (counts).
     rtt_inflation: smoothed RTT / base RTT (1.0 = uncongested).
+    rtt_excess_ms: smoothed RTT minus base RTT on the same (worst) link, milliseconds; ``inf`` when
+        not measured (then the ratio alone decides).
     q_prfaas, q_pdp, q_decode: requests waiting for PrfaaS prefill, PD-P prefill, decode admission.
     """
 
@@ -91,6 +93,7 @@ class ShortSignals:
     stalls: int = 0
     retransmits: int = 0
     rtt_inflation: float = 1.0
+    rtt_excess_ms: float = math.inf
     q_prfaas: int = 0
     q_pdp: int = 0
     q_decode: int = 0
@@ -107,6 +110,9 @@ class ShortConfig:
     util_enter: float = 0.85  # pressure above this
     util_exit: float = 0.70  # healthy below this
     rtt_inflation_limit: float = 1.5
+    # ... and only when the queueing delay is also real in absolute terms: on a sub-millisecond path
+    # (loopback, one rack) a busy event loop at either end inflates the ratio with no queue on the link
+    rtt_excess_min_ms: float = 5.0
     retransmit_limit: int = 50  # per tick
     stall_limit: int = 5  # per tick
     q_prfaas_enter: int = 16  # PrfaaS waiting requests: surge above this
@@ -192,7 +198,7 @@ class ShortLoop:
         cap = c.link_gbps if s.link_gbps is None else s.link_gbps
         util = s.egress_util
         congested = (s.retransmits > c.retransmit_limit or s.stalls > c.stall_limit
-                     or s.rtt_inflation > c.rtt_inflation_limit)
+                     or (s.rtt_inflation > c.rtt_inflation_limit and s.rtt_excess_ms > c.rtt_excess_min_ms))
         why: list[str] = []
         if util > c.util_enter:
             why.append(f"egress util {util:.2f} > {c.util_enter}")
