@@ -54,7 +54,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.lab.emulated_cluster import PAPER_SHAPES, EmulatedCluster, Shape, Workload
-from common.lab.emulated_load import Slo, drive, poisson_arrivals, prompt_tokens, sample_lengths, summarize
+from common.lab.emulated_load import Slo, drive, on_off_arrivals, poisson_arrivals, prompt_tokens, sample_lengths, summarize
 from common.model.emulated import Scales
 from services.planner import throughput as tm
 
@@ -300,6 +300,30 @@ async def shift(args, scales: Scales, out: Path) -> dict:
     return {"phases": phases, "runs": res}
 
 
+async def bursts(args, scales: Scales, out: Path) -> dict:
+    """On/off bursts (Poisson at 1.6x the mean rate for half of each 60 s period, 0.4x for the other
+    half) on PrfaaS-PD 4/3/5 and homogeneous PD 0/9/3, at the same mean rate: goodput and TTFT P90."""
+    mean = args.burst_rate
+    arr = on_off_arrivals(1.6 * mean, 0.4 * mean, 60.0, 240.0 if args.quick else 600.0, 51)
+    res = {}
+    for key in ("prfaas", "homog"):
+        thr = round(model_lambdas()[key]["t"] / scales.token_scale) if key == "prfaas" else 1 << 30
+        c = EmulatedCluster(PAPER_SHAPES[key], scales, WORKLOAD, threshold=thr, planner_loop=key == "prfaas",
+                            log_dir=out / f"logs-bursts-{key}")
+        await c.start()
+        try:
+            ls = sample_lengths(len(arr), WORKLOAD.mu, WORKLOAD.sigma, WORKLOAD.lo, WORKLOAD.hi, 52)
+            prompts = [prompt_tokens(c.carried(x), 9000 + i) for i, x in enumerate(ls)]
+            with tqdm(total=len(arr), desc=f"bursts {key}", leave=False, file=sys.stderr) as bar:
+                outs = await drive(c.url, scales, arr, prompts, ls, c.max_tokens, ttft_budget(c), progress=bar.update)
+            sm = summarize(outs, SLO, max(arr))
+            res[key] = {"goodput": sm.goodput, "attainment": sm.attainment, "ttft_p50": sm.ttft_p50, "ttft_p90": sm.ttft_p90,
+                        "exact": sm.exact, "n": sm.n}
+        finally:
+            await c.stop()
+    return res
+
+
 async def _watch_roles(c: EmulatedCluster, t0: float, roles: list[dict], stop: asyncio.Event) -> None:
     """Every 0.5 s real: the PD-P / PD-D counts the planner sees (a change is a role move)."""
     last = None
@@ -418,6 +442,29 @@ def plots(t6: dict, sw: dict | None, out: Path) -> list[str]:
     return paths
 
 
+def plot_shift(res: dict, out: Path) -> str:
+    """Role changes (PD-P / PD-D counts) over time in the traffic-shift runs, with the shift marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    end = sum(p[3] for p in res["phases"])
+    for mode, run in res["runs"].items():
+        pts = run["roles"] + [{"t": end, **{k: run["roles"][-1][k] for k in ("n_p", "n_d")}}]
+        ax.step([p["t"] for p in pts], [p["n_d"] for p in pts], where="post", label=f"PD-D, {mode}")
+        ax.step([p["t"] for p in pts], [p["n_p"] for p in pts], where="post", linestyle="--", label=f"PD-P, {mode}")
+    ax.axvline(res["phases"][0][3], color="k", linestyle=":", label="mix shifts")
+    ax.set_xlabel("time (emulated s)")
+    ax.set_ylabel("instances")
+    ax.legend(fontsize=8)
+    path = out / "shift_roles.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return str(path)
+
+
 def render(t6: dict, sw: dict | None) -> tuple[list[str], dict]:
     lines = ["Table 6, measured on the running system (emulated accelerators) beside the model",
              f"{'':22}{'PrfaaS-PD':>22}{'Homog PD':>22}{'Naive het':>22}"]
@@ -467,9 +514,11 @@ async def amain(args) -> int:
     scales = Scales(time_scale=args.time_scale, token_scale=32, byte_scale=1.5e-4, output_scale=64)
     model = model_lambdas()
     t0 = time.monotonic()
-    if args.scenario in ("shift", "trace"):
-        res = await (shift if args.scenario == "shift" else trace_replay)(args, scales, out)
+    if args.scenario in ("shift", "trace", "bursts"):
+        res = await {"shift": shift, "trace": trace_replay, "bursts": bursts}[args.scenario](args, scales, out)
         (out / f"{args.scenario}.json").write_text(json.dumps(res, indent=1))
+        if args.scenario == "shift":
+            print(f"plot: {plot_shift(res, out)}")
         print(json.dumps(res.get("runs", res), indent=1))
         print(f"{args.scenario}: {time.monotonic() - t0:.0f} s; {out / (args.scenario + '.json')}")
         return 0
@@ -495,9 +544,11 @@ def main() -> int:
     p.add_argument("--window", type=float, default=None, help="emulated seconds of arrivals per rate point")
     p.add_argument("--swing-rate", type=float, default=2.6, help="req/s offered in the bandwidth swing")
     p.add_argument("--no-swing", action="store_true")
-    p.add_argument("--scenario", choices=["table6", "shift", "trace"], default="table6",
+    p.add_argument("--scenario", choices=["table6", "shift", "trace", "bursts"], default="table6",
                    help="table6: the three configurations and the bandwidth swing (the acceptance line); shift: a traffic "
-                        "shift with and without the long loop; trace: the Mooncake conversation trace, PrfaaS vs homogeneous")
+                        "shift with and without the long loop; trace: the Mooncake conversation trace, PrfaaS vs homogeneous; "
+                        "bursts: on/off arrivals, PrfaaS vs homogeneous")
+    p.add_argument("--burst-rate", type=float, default=2.0, help="mean req/s of the on/off bursts")
     p.add_argument("--shift-rate-before", type=float, default=2.0, help="req/s of the paper mix before the shift")
     p.add_argument("--shift-rate-after", type=float, default=3.5, help="req/s of the short mix after it")
     p.add_argument("--trace-requests", type=int, default=None,

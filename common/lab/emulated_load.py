@@ -188,6 +188,7 @@ def summarize(outs: Sequence[Outcome], slo: Slo, window_s: float) -> Summary:
     return Summary(
         n=len(outs), attainment=good / len(outs), goodput=good / window_s if window_s > 0 else math.nan,
         ttft_mean=float(finite.mean()) if finite.size else math.nan,
-        ttft_p50=float(np.percentile(ttft, 50)), ttft_p90=float(np.percentile(ttft, 90)),
+        # a request that never got a token counts as an infinite TTFT (inverted CDF: no inf - inf interpolation)
+        ttft_p50=float(np.percentile(ttft, 50, method="inverted_cdf")), ttft_p90=float(np.percentile(ttft, 90, method="inverted_cdf")),
         exact=sum(o.exact for o in outs), errors=len(errs),
         decode_rate_p10=float(np.percentile(rates, 10)) if rates else math.nan, errors_seen=errs[:3])
