@@ -18,8 +18,8 @@ time at the live batch size and context, and returns logits that pick a determin
 - decode (absent for a prefill-only instance): ``decode.bs_max`` (rows; the batch cap the SLO allows, vLLM's ``max_num_seqs``), and the
   step time in seconds ``decode.step_s`` at ``decode.batch`` rows (linear interpolation), plus,
   optionally, ``decode.kv_frac_poly_s`` = ``[c0, c1, c2]`` over ``p`` = active context tokens /
-  ``decode.kv_capacity_tokens`` (the step-time model of Dynamo's mocker), floored at
-  ``decode.min_step_s``.
+  ``decode.kv_capacity_tokens`` (the step-time model of Dynamo's mocker; its coefficients may be
+  negative, the mocker's ``p**2`` term is), floored at ``decode.min_step_s``.
 
 **Scales** (:class:`Scales`), so that a cluster of 8-GPU instances runs on two CPU cores. Every figure
 a benchmark reports is converted back to unscaled units.
@@ -138,14 +138,14 @@ class EmulatedProfile:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EmulatedProfile:
         """Build and check. Raises :class:`ProfileError` naming the field."""
-        def floats(key: str, src: dict = d) -> tuple[float, ...]:
+        def floats(key: str, src: dict = d, signed: bool = False) -> tuple[float, ...]:
             v = src.get(key, ())
             try:
                 out = tuple(float(x) for x in v)
             except (TypeError, ValueError):
                 raise ProfileError(f"{key} must be a list of numbers") from None
-            if not all(math.isfinite(x) and x >= 0 for x in out):
-                raise ProfileError(f"{key} must hold finite non-negative numbers")
+            if not all(math.isfinite(x) and (signed or x >= 0) for x in out):
+                raise ProfileError(f"{key} must hold finite {'' if signed else 'non-negative '}numbers")
             return out
 
         dec = d.get("decode") or {}
@@ -157,7 +157,7 @@ class EmulatedProfile:
             kv_fixed=float(d["kv_bytes_fixed"]) if "kv_bytes_fixed" in d else None,
             kv_per_token=float(d["kv_bytes_per_token"]) if "kv_bytes_per_token" in d else None,
             bs_max=int(dec.get("bs_max", 0)), decode_batch=floats("batch", dec) or (1.0,),
-            decode_step_s=floats("step_s", dec) or (0.0,), kv_frac_poly_s=floats("kv_frac_poly_s", dec),
+            decode_step_s=floats("step_s", dec) or (0.0,), kv_frac_poly_s=floats("kv_frac_poly_s", dec, signed=True),
             kv_capacity_tokens=float(dec.get("kv_capacity_tokens", 0.0)), min_step_s=float(dec.get("min_step_s", 0.0)),
         )
         p._check()
