@@ -29,36 +29,43 @@ line ``ttft_ratio_seq=.. itl_ratio_seq=.. ttft_ratio_c8=.. itl_ratio_c8=.. ttft_
 itl_ratio_disagg=.. ttft_ratio_disagg_c8=.. itl_ratio_disagg_c8=.. frontend_overhead_ms_p50=..
 mocker_frontend_ms_p50=..``.
 
-Differences that remain, and why (figures from a run on this 2-core machine, see the report):
+Differences that remain, and why (from runs on this 2-core machine while other engineers' systems
+loaded it, load average 5-8; the report has the table):
 
-1. **ITL, every cell (ours about +1 ms, 15-20 %).** The mocker's ITL is its formula to 0.01 ms (5.80 ms
-   at 1.1K context): its engine loop is Rust and costs nothing. Our decode worker waits the profiled
-   step and then does its own host work, serially: the ``asyncio.to_thread`` hop to the backend
-   (0.3 ms on these 2 cores), sleep overshoot, sampling the logits, growing blocks, and the token's
-   way out (decode worker -> gateway RPC -> SSE). The worker's own step gauge
-   (``prfaas_decode_step_time_s``, printed) shows where it goes. A profile measured on real hardware
-   already contains that host time, so an emulated run counts it twice; the ratio is our loop's cost.
+1. **ITL, every cell (ours +1.2-2 ms, 20-35 %).** The mocker's ITL is its formula to 0.02 ms (5.81 ms
+   at 1.1K context): its engine loop is Rust and costs next to nothing. Our decode worker waits the
+   profiled step and then does its own host work, serially: the ``asyncio.to_thread`` hop to the
+   backend (0.3-0.4 ms on these cores), sleep overshoot, sampling, growing blocks, and the token's way
+   out (decode worker -> gateway RPC -> SSE). The worker's own step gauge (``prfaas_decode_step_time_s``,
+   printed: 6.7-7.1 ms against 5.80 profiled) shows that most of it is inside the step, the rest
+   (0.3 ms) on the way to the client. A profile measured on real hardware already contains that
+   host time, so an emulated run counts it twice; the ratio is our loop's cost on 2 busy cores.
 2. **TTFT, aggregated sequential (ours about +10 ms).** Both sides wait the same 32.5 ms prefill. The
-   rest is front-end and hops: Dynamo's frontend costs about 3-4 ms with token-id prompts (8-9 ms in
-   the notes was with text, i.e. tokenizing); ours is gateway -> router ``place`` -> decode worker
-   ``generate`` -> PD-P ``prefill`` -> KV stream to the PD-D -> first token back -> gateway -> SSE,
-   five RPC legs in Python processes on two shared cores.
-3. **Disaggregated TTFT (ours much lower at a tight link).** The mocker adds the whole transfer
-   (prompt bytes / B) after the prefill, as a delay: TTFT = prefill + transfer. Ours streams each
-   layer's KV while the next layers compute: the emulated model's 2 attention layers (of 8) carry the
-   per-token bytes, the first is ready half way through the prefill, so TTFT ~ prefill + half the
-   transfer when the transfer is no longer than the prefill. The script prints both models' figures
-   (``model_ms``) next to the measurements. At a loose link (transfer << prefill) the two agree up to
-   the hops of item 2, plus the mocker's own disaggregated path (about 8 ms more than aggregated with
-   no transfer at all: its decode worker produces the first token after its own step).
+   rest is front end and hops: Dynamo's frontend costs about 5 ms with token-id prompts (no
+   tokenizing; the notes' 8-9 ms was with text); ours is 13-14 ms: gateway -> router ``place`` ->
+   decode worker ``generate`` -> PD-P ``prefill`` -> KV stream to the PD-D -> first token back ->
+   gateway -> SSE, five RPC legs between Python processes on two shared cores.
+3. **Disaggregated TTFT (ours lower at a tight link).** The mocker adds the whole transfer (prompt
+   bytes / B) after the prefill, as a delay: TTFT = prefill + transfer (66 ms at 4 GB/s), plus its own
+   disaggregated path (about 7 ms more than aggregated with no transfer at all, measured with
+   ``--kv-transfer-bandwidth 0``). Ours streams each layer's KV while the next layers compute: the
+   emulated model's 2 attention layers (of 8) carry the per-token bytes and the first is ready half
+   way through the prefill, so TTFT = 49.8 ms before overheads (``models`` in the output). At a loose
+   link (transfer << prefill) the two agree up to the hops of item 2.
 4. **8 concurrent, aggregated.** The mocker batches the waiting prefills into one step (chunked
-   prefill, up to 8192 tokens a step: its T is the batch's total) and runs decode rows in the same
-   steps, so a prefill stalls every running decode row (ITL rises) and 8 prefills cost one 8K-token
-   step (169 ms) instead of 8 x 32.5 ms. Ours prefills one prompt at a time on the PD-P (serially,
-   32.5 ms each) on a device apart from the decoder, so decode rows never wait on a prefill (ITL stays
-   near the single-request step) while TTFT queues behind the other prefills.
-5. **8 concurrent, disaggregated.** As 4 for the prefills (the mocker batches them, ours run one at a
-   time), plus 3 for the transfers; the mocker's decode engine takes no prefill steps here.
+   prefill, up to 8192 tokens a step; its T is the step's total: 8 x 1024 costs 169 ms in one step
+   instead of 8 x 32.5 ms) and runs decode rows in the same steps, so every running row waits out a
+   prefill step (its ITL rises 0.4-0.6 ms over the formula) and a wave of 8 gets its first tokens
+   together. Ours prefills one prompt at a time on the PD-P (32.5 ms each), on a device apart from
+   the decoder: first tokens come out staggered (a lower p50, a longer tail: mean > p50) and decode
+   rows never wait on a prefill (our ITL rise at c8 is the larger batch's host work and occupancy).
+5. **8 concurrent, disaggregated.** As 4 for the prefills (batched there, one at a time here), plus 3
+   for the transfers: ours share one capped link, so layer-wise overlap helps less when 8 transfers
+   queue behind each other.
+
+The client opens a fresh connection per request: on a kept-alive connection Dynamo's frontend
+delivered the first chunk late (TTFT +9 ms aggregated, +44 ms disaggregated; a delayed-ACK stall),
+which no timing model predicts.
 """
 
 from __future__ import annotations
@@ -237,7 +244,9 @@ async def main_async(args) -> int:
     timeout = aiohttp.ClientTimeout(total=600)
     with tempfile.TemporaryDirectory(prefix="mocker-model-") as tmp, tqdm(total=total, unit="req", file=sys.stderr) as bar:
         model_dir = export_model_dir(Path(tmp))
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        # A fresh connection per request: on a kept-alive one, Dynamo's frontend delivered the first
+        # chunk up to ~40 ms late (a delayed-ACK stall), which no model predicts.
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(force_close=True)) as session:
             for disagg in (False, True):
                 mode = "disagg" if disagg else "agg"
                 bar.set_description(f"mocker {mode}")
