@@ -32,7 +32,7 @@ mocker_frontend_ms_p50=..``.
 Differences that remain, and why (from runs on this 2-core machine while other engineers' systems
 loaded it, load average 5-8; the report has the table):
 
-1. **ITL, every cell (ours +1.2-2 ms, 20-35 %).** The mocker's ITL is its formula to 0.02 ms (5.81 ms
+1. **ITL, every cell (ours +1.1-2 ms, 19-38 %).** The mocker's ITL is its formula to 0.02 ms (5.81 ms
    at 1.1K context): its engine loop is Rust and costs next to nothing. Our decode worker waits the
    profiled step and then does its own host work, serially: the ``asyncio.to_thread`` hop to the
    backend (0.3-0.4 ms on these cores), sleep overshoot, sampling, growing blocks, and the token's way
@@ -52,17 +52,21 @@ loaded it, load average 5-8; the report has the table):
    emulated model's 2 attention layers (of 8) carry the per-token bytes and the first is ready half
    way through the prefill, so TTFT = 49.8 ms before overheads (``models`` in the output). At a loose
    link (transfer << prefill) the two agree up to the hops of item 2.
-4. **8 concurrent, aggregated.** The mocker batches the waiting prefills into one step (chunked
-   prefill, up to 8192 tokens a step; its T is the step's total: 8 x 1024 costs 169 ms in one step
-   instead of 8 x 32.5 ms) and runs decode rows in the same steps, so every running row waits out a
-   prefill step (its ITL rises 0.4-0.6 ms over the formula) and a wave of 8 gets its first tokens
-   together. Ours prefills one prompt at a time on the PD-P (32.5 ms each), on a device apart from
-   the decoder: first tokens come out staggered (a lower p50, a longer tail: mean > p50) and decode
-   rows never wait on a prefill (our ITL rise at c8 is the larger batch's host work and occupancy).
-5. **8 concurrent, disaggregated.** As 4 for the prefills (batched there, one at a time here), plus 3
-   for the transfers: ours share one capped link, so layer-wise overlap helps less when 8 transfers
-   queue behind each other.
-
+4. **8 concurrent, aggregated (ours TTFT p50 x0.3-0.5).** The mocker batches the waiting prefills
+   into one step (chunked prefill, up to 8192 tokens a step; its T is the step's total: 8 x 1024 costs
+   169 ms in one step rather than 8 x 32.5 ms) and runs decode rows in the same steps. With 8
+   closed-loop clients that locks into waves: 8 prefills in one step, 8 first tokens together
+   (TTFT ~185 ms), 100 steps in lockstep, 8 new requests together. Ours prefills one prompt at a time
+   on the PD-P (32.5 ms each), on a device apart from the decoder: the first wave's first tokens come
+   out 32.5 ms apart, so the clients desynchronize and later requests find the PD-P mostly idle (it
+   is busy 8 x 32.5 ms per ~0.8 s round): TTFT p50 near the sequential one, a tail from the first
+   wave (mean > p50). Decode rows never wait on a prefill here; our ITL rise at c8 is the bigger
+   batch's host work. The mocker's ITL rises a little over its formula's 6.19 ms for 8 rows
+   (p50 6.25-6.45 ms) where a prefill shares a step.
+5. **8 concurrent, disaggregated (ours TTFT p50 x0.5).** As 4 for the prefills (batched in waves
+   there, one at a time here), plus 3. Ours share one capped link, so 8 transfers can queue behind
+   each other; the mocker's c8 disaggregated TTFT is only ~6 ms above its aggregated one, so its
+   per-request transfer delays do not add the way a shared link does (not decomposed further).
 The client opens a fresh connection per request: on a kept-alive connection Dynamo's frontend
 delivered the first chunk late (TTFT +9 ms aggregated, +44 ms disaggregated; a delayed-ACK stall),
 which no timing model predicts.
