@@ -18,8 +18,8 @@ time at the live batch size and context, and returns logits that pick a determin
 - decode (absent for a prefill-only instance): ``decode.bs_max`` (rows; the batch cap the SLO allows, vLLM's ``max_num_seqs``), and the
   step time in seconds ``decode.step_s`` at ``decode.batch`` rows (linear interpolation), plus,
   optionally, ``decode.kv_frac_poly_s`` = ``[c0, c1, c2]`` over ``p`` = active context tokens /
-  ``decode.kv_capacity_tokens`` (the step-time model of Dynamo's mocker), floored at
-  ``decode.min_step_s``.
+  ``decode.kv_capacity_tokens`` (the step-time model of Dynamo's mocker; its coefficients may be
+  negative, the mocker's ``p**2`` term is), floored at ``decode.min_step_s``.
 
 **Scales** (:class:`Scales`), so that a cluster of 8-GPU instances runs on two CPU cores. Every figure
 a benchmark reports is converted back to unscaled units.
