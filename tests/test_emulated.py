@@ -147,9 +147,16 @@ def test_decode_step_waits_the_step_time_at_the_live_batch_and_grows_rows():
     assert fc.now - 100.0 == pytest.approx(b.profile.t_step(3, ctx) * 4 / 10)
     assert logits.argmax(1).tolist() == [next_token(7, 20), next_token(8, 21), next_token(9, 22)]
     assert [s.length for s in seqs] == [20, 21, 22]
+    # host work between back-to-back steps is part of the next step's period, not added to it
+    end1 = fc.now
+    fc.now += 0.001
+    b.paged_step(store, seqs, [1, 2, 3])
+    assert fc.now - end1 == pytest.approx(b.profile.t_step(3, ctx + 3 * 32) * 4 / 10)
+    fc.now += 10.0  # an idle loop: the next step waits its whole time
+    t_idle = fc.now
     waited = []
     b.paged_step(store, seqs[:1], [1], wait_layer=waited.append)
-    assert waited == list(range(8))
+    assert waited == list(range(8)) and fc.now - t_idle == pytest.approx(b.profile.t_step(1, 22 * 32) * 4 / 10)
 
 
 def test_registry_builds_the_emulated_backend_by_name(monkeypatch):
