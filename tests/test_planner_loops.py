@@ -170,7 +170,7 @@ def test_plentiful_scarce_hysteresis(model):
     assert loop.plentiful is False
     run(loop, [OK] * CFG.plentiful_ticks, start=80)
     assert loop.plentiful is True
-    run(loop, [ShortSignals(egress_util=0.2, rtt_inflation=3.0)] * CFG.scarce_ticks, start=90)
+    run(loop, [ShortSignals(egress_util=0.2, retransmits=200)] * CFG.scarce_ticks, start=90)
     assert loop.plentiful is False
     assert loop.decisions["plentiful"] == 2 and loop.decisions["scarce"] == 2
 
@@ -303,10 +303,14 @@ def test_long_due_once_per_period_and_when_a_command_expires():
 
 def test_rtt_inflation_counts_as_congestion_only_with_a_real_queueing_delay(model):
     """On a sub-millisecond path a busy event loop multiplies the RTT with no queue on the link: x7 of
-    0.05 ms is not congestion; x3 of 10 ms (20 ms of queueing) is."""
+    0.05 ms is not congestion; x3 of 10 ms (20 ms of queueing) is, once the egress is high enough that
+    the queue is not only our own bursts."""
     loop = ShortLoop(CFG, model)
     t0 = loop.t
     trace = run(loop, [ShortSignals(egress_util=0.3, rtt_inflation=7.0, rtt_excess_ms=0.3)] * 20)
     assert changes(trace) == [] and loop.t == t0
+    # at low utilisation the inflation is the sender's own bursts: still no change
     trace = run(loop, [ShortSignals(egress_util=0.3, rtt_inflation=3.0, rtt_excess_ms=20.0)] * 20, start=20)
+    assert changes(trace) == [] and loop.t == t0
+    trace = run(loop, [ShortSignals(egress_util=0.75, rtt_inflation=3.0, rtt_excess_ms=20.0)] * 20, start=40)
     assert changes(trace) and loop.t > t0 and "congestion" in changes(trace)[0][1].reason

@@ -110,8 +110,10 @@ class ShortConfig:
     util_enter: float = 0.85  # pressure above this
     util_exit: float = 0.70  # healthy below this
     rtt_inflation_limit: float = 1.5
-    # ... and only when the queueing delay is also real in absolute terms: on a sub-millisecond path
-    # (loopback, one rack) a busy event loop at either end inflates the ratio with no queue on the link
+    # ... and only when the queueing delay is also real in absolute terms (on a sub-millisecond path a
+    # busy event loop at either end inflates the ratio with no queue on the link) and the egress is at
+    # least util_exit: below it the inflation is our own bursts queueing behind each other (one 44K-token
+    # KVCache is ~1 GB, 80 ms at 100 Gbps), a link that still delivers what it is asked, not congestion
     rtt_excess_min_ms: float = 5.0
     retransmit_limit: int = 50  # per tick
     stall_limit: int = 5  # per tick
@@ -198,7 +200,8 @@ class ShortLoop:
         cap = c.link_gbps if s.link_gbps is None else s.link_gbps
         util = s.egress_util
         congested = (s.retransmits > c.retransmit_limit or s.stalls > c.stall_limit
-                     or (s.rtt_inflation > c.rtt_inflation_limit and s.rtt_excess_ms > c.rtt_excess_min_ms))
+                     or (s.rtt_inflation > c.rtt_inflation_limit and s.rtt_excess_ms > c.rtt_excess_min_ms
+                         and util >= c.util_exit))
         why: list[str] = []
         if util > c.util_enter:
             why.append(f"egress util {util:.2f} > {c.util_enter}")
