@@ -149,7 +149,7 @@ def capacity(points: list[dict], target: float = 0.9) -> tuple[float, str]:
 async def table6(args, scales: Scales, model: dict, out: Path) -> dict:
     """Sweep each configuration; homogeneous first, its capacity is the common rate of the others."""
     res: dict[str, dict] = {}
-    factors = (0.85, 1.0, 1.12) if args.quick else (0.7, 0.8, 0.9, 1.0, 1.1, 1.2)
+    factors = (0.75, 0.9, 1.05) if args.quick else (0.7, 0.8, 0.9, 1.0, 1.1, 1.2)
     common = None
     for key in ("homog", "prfaas", "naive"):
         shape = PAPER_SHAPES[key]
@@ -185,7 +185,7 @@ async def swing(args, scales: Scales, out: Path) -> dict:
     """Bandwidth swing on PrfaaS-PD 4/3/5: high / low (a quarter) / high, same arrivals in three runs."""
     base = 32.0
     low = base / 4
-    phases = [("high", base, 90.0), ("low", low, 150.0), ("high2", base, 90.0)] if args.quick else \
+    phases = [("high", base, 60.0), ("low", low, 120.0), ("high2", base, 60.0)] if args.quick else \
         [("high", base, 180.0), ("low", low, 300.0), ("high2", base, 180.0)]
     dist = tm.TruncatedLogNormal(WORKLOAD.mu, WORKLOAD.sigma, WORKLOAD.lo, WORKLOAD.hi)
     t_full = tm_threshold(base, dist)
@@ -542,7 +542,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="three rates per configuration, short windows (under 10 minutes)")
     p.add_argument("--time-scale", type=float, default=5.0, help="emulated seconds per real second")
     p.add_argument("--window", type=float, default=None, help="emulated seconds of arrivals per rate point")
-    p.add_argument("--swing-rate", type=float, default=2.6, help="req/s offered in the bandwidth swing")
+    p.add_argument("--swing-rate", type=float, default=2.2, help="req/s offered in the bandwidth swing")
     p.add_argument("--no-swing", action="store_true")
     p.add_argument("--scenario", choices=["table6", "shift", "trace", "bursts"], default="table6",
                    help="table6: the three configurations and the bandwidth swing (the acceptance line); shift: a traffic "
