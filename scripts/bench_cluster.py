@@ -531,8 +531,8 @@ async def amain(args) -> int:
 
 def report(out: Path, results: dict, lines: list[str], took_s: float) -> None:
     (out / "results.json").write_text(json.dumps(results))
-    paths = plots(results["table6"], results["swing"], out)
     print("\n".join(lines))
+    paths = plots(results["table6"], results["swing"], out)
     print(f"plots: {', '.join(paths)}; raw: {out / 'results.json'}; {took_s:.0f} s")
     print(" ".join(f"{k}={v:.3f}" for k, v in results["figures"].items()))
 

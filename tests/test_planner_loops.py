@@ -314,3 +314,37 @@ def test_rtt_inflation_counts_as_congestion_only_with_a_real_queueing_delay(mode
     assert changes(trace) == [] and loop.t == t0
     trace = run(loop, [ShortSignals(egress_util=0.75, rtt_inflation=3.0, rtt_excess_ms=20.0)] * 20, start=40)
     assert changes(trace) and loop.t > t0 and "congestion" in changes(trace)[0][1].reason
+
+
+def test_a_standing_queue_is_congestion_even_when_utilisation_reads_low(model):
+    """After the link drops to a quarter, goodput over the stale capacity reads ~0.25 while the RTT
+    excess grows to hundreds of ms (measured in the emulated swing): the loop must still raise t, and
+    solve it with the link bound it now sees (the goodput), not the stale capacity."""
+    loop = ShortLoop(CFG, model)
+    t0 = loop.t
+    trace = run(loop, [ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=49.0)] * 20)
+    assert changes(trace) == [] and loop.t == t0
+    trace = run(loop, [ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=400.0)] * 60, start=20)
+    assert changes(trace) and loop.t > t0 and "congestion" in changes(trace)[0][1].reason
+    assert loop.t >= model(CFG.link_gbps * 0.26 * CFG.util_target) * 0.98
+    with pytest.raises(ValueError):
+        ShortConfig(rtt_excess_min_ms=10.0, rtt_excess_standing_ms=5.0)
+
+
+def test_a_draining_queue_does_not_wind_the_threshold_up(model):
+    """Once t is at the anchor, a queueing delay that shrinks after a raise (the backlog drains at the
+    link's rate) holds t; a delay that keeps growing raises it again."""
+    def sig(ms):
+        return ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=ms)
+
+    draining, growing = ShortLoop(CFG, model), ShortLoop(CFG, model)
+    first = run(draining, [sig(400.0)] * 5)
+    assert len(changes(first)) == 1
+    assert changes(run(growing, [sig(400.0)] * 5)) == changes(first)
+    t1 = draining.t
+    # excess falling after the raise: hold for as long as it keeps falling
+    assert changes(run(draining, [sig(390.0 - 5 * i) for i in range(60)], start=5)) == []
+    assert draining.t == t1
+    # the same minute with the queue still growing: at least one more raise
+    assert changes(run(growing, [sig(410.0 + 5 * i) for i in range(60)], start=5))
+    assert growing.t > t1

@@ -17,8 +17,11 @@ to compute:
 The planner runs the short-timescale loop (and, when asked, the long one) over the *scaled*
 profiles (:meth:`EmulatedProfile.throughput_profile`): lengths in carried tokens, real seconds,
 wire bytes. Every rate of the paper's model is then ``time_scale`` times the unscaled one and the
-threshold is ``t / token_scale``, so the planner's decisions are the unscaled model's. Without the
-planner loop the router keeps a static ``threshold`` (carried tokens).
+threshold is ``t / token_scale``, so the planner's decisions are the unscaled model's. Its time
+constants are divided by ``time_scale`` as well (short-loop tick 1 s, at most one threshold change per
+10 s, a reversal after 30 s; the long loop's period, hold and cool-down), so the controllers react
+on the emulated clock as they would on a real one. Without the planner loop the router keeps a
+static ``threshold`` (carried tokens).
 
 Ownership: the cluster owns its processes (logs in ``log_dir``), its link proxies and its RPC
 clients; :meth:`stop` closes them all, also after a failed start.
@@ -153,6 +156,8 @@ class EmulatedCluster:
             "--link-gbps", repr(self.link_gbps * self.model.byte_scale * s.time_scale),
             "--l-out", str(self.max_tokens), "--length-mu", repr(w.mu - math.log(s.token_scale)),
             "--length-sigma", repr(w.sigma), "--length-lo", repr(w.lo / s.token_scale), "--length-hi", repr(w.hi / s.token_scale),
+            "--loop-interval", repr(1.0 / s.time_scale), "--short-min-interval", repr(10.0 / s.time_scale),
+            "--short-reverse-interval", repr(30.0 / s.time_scale),
             "--long-loop", "on" if self.long_loop else "off",
             "--long-period", repr(self.long_period_s / s.time_scale), "--long-hold", repr(self.long_hold_s / s.time_scale),
             "--long-cooldown", repr(self.long_cooldown_s / s.time_scale), "--drain-timeout", repr(60.0 / s.time_scale),

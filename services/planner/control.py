@@ -141,11 +141,13 @@ class Controller:
     ``link_gbps`` the configured cross-cluster link capacity in Gbit/s, used until the KV senders
     measure one and then a cap on the measurement; None: not configured (the measurement alone, and
     ``config.link_gbps``, by default :data:`NOMINAL_LINK_GBPS`, before one). ``router``: an
-    :class:`RpcClient` to the router. Raises ValueError for a ``link_gbps`` that is not a positive
-    finite number."""
+    :class:`RpcClient` to the router. ``short_options``: :class:`ShortConfig` fields to override
+    when ``config`` is None (e.g. ``min_interval_s``). Raises ValueError for a ``link_gbps`` that is
+    not a positive finite number, TypeError for an unknown option."""
 
     def __init__(self, profile: dict[str, Any], dist: tm.LengthDistribution, link_gbps: float | None, l_out: float,
-                 router: RpcClient, config: ShortConfig | None = None, prfaas_profile: dict[str, Any] | None = None):
+                 router: RpcClient, config: ShortConfig | None = None, prfaas_profile: dict[str, Any] | None = None,
+                 short_options: dict[str, Any] | None = None):
         if link_gbps is not None and not (math.isfinite(link_gbps) and link_gbps > 0):
             raise ValueError(f"link_gbps must be a positive number of Gbit/s or None, got {link_gbps!r}")
         nominal = NOMINAL_LINK_GBPS if link_gbps is None else link_gbps
@@ -156,7 +158,8 @@ class Controller:
         self.dist = dist
         self.link_gbps = link_gbps
         self.router = router
-        self.config = config or ShortConfig(link_gbps=nominal, t_min=max(1.0, dist.lo), t_max=dist.hi)
+        self.config = config or ShortConfig(link_gbps=nominal, t_min=max(1.0, dist.lo), t_max=dist.hi,
+                                            **(short_options or {}))
         self.link_gbps_measured: float | None = None  # Gbit/s, at the latest tick
         self.link_gbps_used = link_capacity_gbps(None, link_gbps, self.config.link_gbps)
         self.shape: tuple[int, int, int] | None = None

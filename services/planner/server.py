@@ -160,7 +160,9 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
                                      lo=args.length_lo if args.length_lo is not None else min(lengths),
                                      hi=args.length_hi if args.length_hi is not None else max(lengths))
         controller = Controller(profile, dist, args.link_gbps, args.l_out, router,
-                                prfaas_profile=load_profile(args.prfaas_profile) if args.prfaas_profile else None)
+                                prfaas_profile=load_profile(args.prfaas_profile) if args.prfaas_profile else None,
+                                short_options={"min_interval_s": args.short_min_interval,
+                                               "reverse_interval_s": args.short_reverse_interval})
         if args.long_loop == "on":
             long_cfg = LongConfig(period_s=args.long_period, hold_s=args.long_hold, cooldown_s=args.long_cooldown)
             mover = RoleMover(LongLoop(long_cfg), controller.base, dist, lambda addr: planner.workers.get(addr),
@@ -200,6 +202,10 @@ def main() -> None:
     p.add_argument("--length-hi", type=float, default=None,
                    help="prompt lengths: upper truncation, tokens (default: the profile's longest)")
     p.add_argument("--loop-interval", type=float, default=1.0, help="seconds between short-loop ticks")
+    p.add_argument("--short-min-interval", type=float, default=10.0,
+                   help="seconds between two threshold changes of the short-timescale loop")
+    p.add_argument("--short-reverse-interval", type=float, default=30.0,
+                   help="seconds before the short-timescale loop may reverse the direction of its last change")
     p.add_argument("--long-loop", choices=["on", "off"], default="on",
                    help="with --profile: move switchable PD workers between prefill and decode when eq. 8 is out of balance")
     p.add_argument("--long-period", type=float, default=60.0, help="seconds between long-loop evaluations")

@@ -16,6 +16,10 @@ plentiful" flag the router's prefix rule reads.
 * Offload pressure (egress utilisation above ``util_enter``, congestion, or a PrfaaS queue surge
   while PD-P is not surging) held for ``enter_ticks`` consecutive ticks raises ``t`` to
   ``max(anchor, t * f)``, ``f`` a bounded multiplicative factor from utilisation / queue pressure.
+* Congestion from a queueing delay alone: the link bound is the most the link delivered in the
+  episode; once ``t`` is at or above the anchor, ``t`` rises again only while the queue still grows
+  (the RTT excess is not below its value at the previous raise), so a backlog that drains at the
+  link's rate does not wind ``t`` up.
 * Offload healthy (utilisation below ``util_exit``, no congestion, PrfaaS queue small) held for
   ``exit_ticks`` ticks moves ``t`` back toward the anchor; a building PD-P queue lowers the target
   below the anchor by a bounded factor (more offload). Between the enter and exit bands: hold.
@@ -115,6 +119,11 @@ class ShortConfig:
     # least util_exit: below it the inflation is our own bursts queueing behind each other (one 44K-token
     # KVCache is ~1 GB, 80 ms at 100 Gbps), a link that still delivers what it is asked, not congestion
     rtt_excess_min_ms: float = 5.0
+    # A standing queue this long is congestion whatever the utilisation reads: after the link's capacity
+    # drops, the senders' goodput falls with it, so goodput over the (stale) capacity estimate reads LOW
+    # while the queue grows (the emulated bandwidth swing: util 0.26, RTT excess 300-800 ms); our own
+    # bursts drain within one KVCache's transfer time and do not keep the smoothed RTT this high
+    rtt_excess_standing_ms: float = 50.0
     retransmit_limit: int = 50  # per tick
     stall_limit: int = 5  # per tick
     q_prfaas_enter: int = 16  # PrfaaS waiting requests: surge above this
@@ -135,6 +144,8 @@ class ShortConfig:
     scarce_ticks: int = 2  # ... for this many ticks
 
     def __post_init__(self) -> None:
+        if not self.rtt_excess_standing_ms >= self.rtt_excess_min_ms:
+            raise ValueError("need rtt_excess_standing_ms >= rtt_excess_min_ms")
         if not (0 < self.util_exit < self.util_enter and self.plentiful_util < self.scarce_util):
             raise ValueError("need util_exit < util_enter and plentiful_util < scarce_util")
         if not (0 < self.t_min <= self.t_max) or self.max_step <= 1 or self.max_adjust < 1:
@@ -176,6 +187,10 @@ class ShortLoop:
         self._resolve = False
         self._anchor = self.t
         self._last_reason = ""
+        self._episode_util = 0.0
+        # RTT excess (ms) when t was last raised in this congestion episode; -inf: no such raise yet
+        self._excess_at_raise = -math.inf
+        self._draining = False
 
     def request_resolve(self, solver: ThresholdSolver | None = None) -> None:
         """Re-anchor ``t`` on the model at the next tick the rate limit allows (after a role change,
@@ -199,9 +214,19 @@ class ShortLoop:
         c = self.cfg
         cap = c.link_gbps if s.link_gbps is None else s.link_gbps
         util = s.egress_util
-        congested = (s.retransmits > c.retransmit_limit or s.stalls > c.stall_limit
-                     or (s.rtt_inflation > c.rtt_inflation_limit and s.rtt_excess_ms > c.rtt_excess_min_ms
-                         and util >= c.util_exit))
+        lossy = s.retransmits > c.retransmit_limit or s.stalls > c.stall_limit
+        queued = (s.rtt_inflation > c.rtt_inflation_limit and s.rtt_excess_ms > c.rtt_excess_min_ms
+                  and (util >= c.util_exit or s.rtt_excess_ms >= c.rtt_excess_standing_ms))
+        congested = lossy or queued
+        # the link's effective capacity in this congestion episode: the most it delivered while congested
+        # (later in the episode the goodput also falls because fewer requests are sent remote)
+        self._episode_util = max(self._episode_util, util) if congested else 0.0
+        if not congested:
+            self._excess_at_raise = -math.inf
+        # only a queueing delay, and it shrank since the last raise: the raise is taking effect (the
+        # backlog drains at the link's rate), so wait instead of winding t up further
+        self._draining = (queued and not lossy and util <= c.util_enter and s.q_prfaas <= c.q_prfaas_enter
+                          and s.rtt_excess_ms < self._excess_at_raise)
         why: list[str] = []
         if util > c.util_enter:
             why.append(f"egress util {util:.2f} > {c.util_enter}")
@@ -231,6 +256,7 @@ class ShortLoop:
                 self.t, self._last_change_at, self._last_dir = new_t, now, direction
                 if kind == "resolve_t":
                     self._resolve = False
+                self._excess_at_raise = s.rtt_excess_ms if kind == "raise_t" and congested else -math.inf
                 actions.append(kind)
                 reasons.append(reason)
         if not actions:
@@ -262,7 +288,7 @@ class ShortLoop:
         c, t = self.cfg, self.t
         pressured = self._press >= c.enter_ticks
         # Under congestion the link carries only what it carries: solve with the effective egress.
-        bound = min(cap, util * cap) if congested else cap
+        bound = min(cap, self._episode_util * cap) if congested else cap
         bound = max(bound, 1e-3) * c.util_target
         if self._resolve:
             anchor = self._clamp(self._solver(bound if pressured else cap * c.util_target))
@@ -273,6 +299,8 @@ class ShortLoop:
         if pressured:
             anchor = self._clamp(self._solver(bound))
             self._anchor = anchor
+            if self._draining and t >= anchor:
+                return t, None, ""
             f_util = util / c.util_target if util > c.util_target else 1.0
             f_q = 1.0
             if s.q_prfaas > c.q_prfaas_enter:
