@@ -27,7 +27,8 @@ class Transfer:
     """One request's transfer on a link. ``chunks`` maps ``(layer, offset)`` to (bytes view, connection id
     it was last written on, written?) until the receiver's ``KV_ACK``. ``unwritten`` counts chunks not
     yet drained into a connection (``all_written`` is set when it is 0); ``bytes`` is the total queued,
-    ``resent_chunks`` how many were written again after their connection failed."""
+    ``resent_chunks`` how many were written again after their connection failed; ``done_sent`` is True
+    once ``KV_DONE`` (the first token) has been written."""
 
     def __init__(self, req_id: str):
         self.req_id = req_id
@@ -41,6 +42,7 @@ class Transfer:
         self.all_written.set()
         self.bytes = 0
         self.resent_chunks = 0
+        self.done_sent = False
 
     @property
     def over(self) -> bool:

@@ -336,6 +336,7 @@ class KvLink:
                         await self.ensure_connected()
                     conn = self._least_queued()
                     conn.writer.write(encode_frame(Kind.KV_DONE, {"req_id": tr.req_id, **done}))
+                    tr.done_sent = True
                     # resends after a failure re-open all_written; KV_DONE is re-sent after them, and
                     # on another connection if the one that carried it failed
                     acked = asyncio.ensure_future(tr.acked.wait())

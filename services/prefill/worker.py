@@ -148,25 +148,33 @@ class PrefillWorker:
             if held[0]:
                 held[0] = False
                 self._slot.release()
+        delivered = [False]  # set once KV_DONE (with the first token) has been written
         try:
-            result = await self._run(req_id, input_ids, sampling, kv_addr, kv_from, release_slot)
+            result = await self._run(req_id, input_ids, sampling, kv_addr, kv_from, release_slot, delivered)
             self.completed += 1
             self.prompt_tokens += len(input_ids)
             return result
         except asyncio.CancelledError:
-            self.cancelled += 1
+            # A caller that leaves after KV_DONE (a request that ends at its first token while the last
+            # layers still land) was served: the compute ran to the end and the first token went out.
+            if delivered[0]:
+                self.completed += 1
+                self.prompt_tokens += len(input_ids)
+            else:
+                self.cancelled += 1
             raise
         finally:
             self.running -= 1
             release_slot()
 
     async def _run(self, req_id: str, input_ids: list[int], sampling: SamplingParams, kv_addr: str,
-                   kv_from: int = 0, release_slot=lambda: None) -> dict[str, Any]:
+                   kv_from: int = 0, release_slot=lambda: None, delivered: list[bool] | None = None) -> dict[str, Any]:
         """Compute the prefill, streaming each layer's KVCache to ``kv_addr``. ``release_slot`` is
         called once the compute has ended and every layer is queued on the link: the next request
         computes while this one's tail drains and its ``KV_ACK`` crosses back (over a WAN, a round
         trip the compute need not wait for). The link's in-flight bound keeps that overlap's memory
-        bounded."""
+        bounded. ``delivered[0]`` is set to whether ``KV_DONE`` was written, once ``finish`` returns or
+        raises."""
         link = self._link(kv_addr)
         loop = asyncio.get_running_loop()
         ready: asyncio.Queue = asyncio.Queue()
@@ -236,7 +244,11 @@ class PrefillWorker:
                 "last_queued_at": sent_at,
                 "prefix_hit_tokens": hit.tokens,
             }
-            await link.finish(transfer, {"first_token": first, "prompt_len": prompt_len, "timings": timings})
+            try:
+                await link.finish(transfer, {"first_token": first, "prompt_len": prompt_len, "timings": timings})
+            finally:
+                if delivered is not None:
+                    delivered[0] = transfer.done_sent
             timings["acked_at"] = time.monotonic()
             self.prefix_hit_tokens += hit.tokens
             if self.prefix is not None:

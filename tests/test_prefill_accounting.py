@@ -1,0 +1,83 @@
+"""How the prefill worker counts a request whose caller leaves (``services/prefill/worker.py``).
+
+In-process: an emulated backend (no model), a real :class:`KvReceiver` on 127.0.0.1 that withholds
+its ``KV_ACK``, and the worker's ``prefill`` handler run as a task and cancelled.
+
+- Cancelled after ``KV_DONE`` went out (the compute ended and the first token is on the wire; only the
+  acknowledgement is pending): the prefill was served, so it counts as ``completed``. A decode worker
+  does this to a request that ends at its first token while the last layers still land (seen as a CI
+  flake of test_disconnect: the occupant counted as cancelled).
+- Cancelled while it computes: ``cancelled``, and its prompt tokens are not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from common.model.emulated import EmulatedBackend, EmulatedProfile, Scales
+from common.transfer.receiver import KvReceiver
+from services.prefill.messages import PrefillArgs
+from services.prefill.worker import PrefillWorker
+
+pytestmark = pytest.mark.timeout(30)
+PROMPT = 256  # carried tokens; x32 = 8K tokens of the H20 profile, about 1.5 s of prefill at time x1
+
+
+@pytest.fixture
+async def rig():
+    backend = EmulatedBackend(EmulatedProfile.from_file("h20_table6_fit"), Scales(time_scale=1, token_scale=32, byte_scale=1e-4))
+    rx = KvReceiver("rx", backend.loaded.fingerprint, len(backend.layer_layouts(1)))
+    rx.maybe_ack = lambda *a, **k: None  # the decode side never acknowledges: finish() waits for KV_ACK
+    port = await rx.start("127.0.0.1", 0)
+    worker = PrefillWorker(backend, "p0", prefix_cache_bytes=0, block_size=16, connections=2)
+    ids = itertools.count()
+
+    async def start(n: int = PROMPT):
+        req_id = f"r{next(ids)}"
+        asm = rx.expect(req_id, backend.kv_bytes(n))
+        args = PrefillArgs(req_id=req_id, kv_addr=f"127.0.0.1:{port}", sampling={"max_tokens": 1}, input_ids=list(range(1, n + 1)))
+        return asyncio.create_task(worker.prefill(args)), asm
+
+    try:
+        yield worker, start
+    finally:
+        await worker.close()
+        await rx.close()
+
+
+async def until(pred, timeout: float = 10.0) -> None:
+    """Poll ``pred`` every 10 ms (the state lives in plain attributes, no event to wait on)."""
+    async with asyncio.timeout(timeout):
+        while not pred():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+
+async def cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_caller_leaving_after_kv_done_was_served(rig):
+    worker, start = rig
+    task, asm = await start()
+    await until(lambda: asm.final is not None)  # KV_DONE with the first token has arrived
+    await asyncio.sleep(0.05)
+    assert not task.done()  # still waiting for the KV_ACK we withhold
+    await cancel(task)
+    assert (worker.completed, worker.cancelled, worker.prompt_tokens) == (1, 0, PROMPT)
+    assert worker.running == 0
+
+
+async def test_a_caller_leaving_during_the_compute_is_cancelled(rig):
+    worker, start = rig
+    task, asm = await start()
+    await until(lambda: worker.running == 1)
+    await asyncio.sleep(0.2)  # into the ~1.5 s compute
+    assert asm.final is None
+    await cancel(task)
+    assert (worker.completed, worker.cancelled, worker.prompt_tokens) == (0, 1, 0)
+    assert worker.running == 0
