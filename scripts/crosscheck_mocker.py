@@ -1,6 +1,6 @@
 """Cross-check the emulated backend against an independent emulator: NVIDIA Dynamo's mocker.
 
-    python scripts/crosscheck_mocker.py --dynamo-python /work/venvs/dynamo/bin/python [--quick]
+    python scripts/crosscheck_mocker.py --dynamo-python ~/venvs/dynamo/bin/python [--quick]
 
 Both systems get the same timing model: the mocker's default polynomials, which our emulated backend
 reads from ``services/planner/profiles/dynamo_mocker.json`` (prefill 16.5 ms + 15.2 us/token + 0.42
