@@ -107,7 +107,7 @@ class Runner:
 
     def requests(self, rate: float, window_s: float, seed: int, mu: float = WORKLOAD.mu):
         arr = poisson_arrivals(rate, window_s, seed)
-        ls = sample_lengths(len(arr), mu, WORKLOAD.sigma, WORKLOAD.lo, WORKLOAD.hi, seed + 1)
+        ls = sample_lengths(len(arr), mu, WORKLOAD.sigma, WORKLOAD.lo, WORKLOAD.hi, seed + 1, stratified=True)
         return arr, ls, [prompt_tokens(self.c.carried(l), seed * 100003 + i) for i, l in enumerate(ls)]
 
     async def point(self, rate: float, window_s: float, seed: int, label: str) -> dict:

@@ -93,6 +93,7 @@ class Gateway:
         self.app.on_cleanup.append(self._cleanup)
 
     async def _cleanup(self, _app: web.Application) -> None:
+        await self.dispatch.close()
         for c in [self.router, self.planner]:
             await c.close()
         await self.decoders.close()

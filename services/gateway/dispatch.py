@@ -4,7 +4,10 @@ and the retry / re-place / resume policy with its reasons.
 State (owned by :class:`Dispatcher`, one per gateway): ``inflight`` (requests admitted and not yet
 answered, bounded by ``max_inflight``) and ``active`` (attempts streaming from a decode worker).
 Every placement the router made is released at the router by the attempt that asked for it, in a
-``finally`` (also when the placement's answer was lost), so its in-flight counts never leak.
+``finally`` (also when the placement's answer was lost), so its in-flight counts never leak. At an
+attempt's first token the router is told its prefill has ended (``prefill_done``, from a background
+task in ``notes``, at most one per attempt in flight, each bounded by a 2 s timeout), so the prefill
+worker's queued work drops while the request decodes.
 The decode stream is closed when an attempt ends, which sends ``CANCEL`` to the decode worker.
 Counters of what happened go to :class:`services.gateway.metrics.GatewayMetrics`.
 """
@@ -83,6 +86,23 @@ class Dispatcher:
         self.place_retry_s = place_retry_s
         self.max_inflight = max_inflight
         self.inflight = 0  # requests admitted at the gateway and not yet answered
+        self.notes: set[asyncio.Task] = set()  # prefill_done calls in flight (at most one per active attempt)
+
+    async def close(self) -> None:
+        """Cancel the ``prefill_done`` calls still in flight (the router's leases expire anyway)."""
+        for t in list(self.notes):
+            t.cancel()
+        await asyncio.gather(*self.notes, return_exceptions=True)
+
+    def _prefill_done(self, req: GenerateRequest) -> None:
+        """Tell the router, off the stream's path, that ``req``'s prefill has ended; a failure is
+        ignored (``release`` at the end lowers the same counts)."""
+        async def note() -> None:
+            with contextlib.suppress(Exception):
+                await self.router.call("prefill_done", {"req_id": req.request_id}, timeout=2.0)
+        task = asyncio.create_task(note(), name=f"prefill-done:{req.request_id}")
+        self.notes.add(task)
+        task.add_done_callback(self.notes.discard)
 
     @contextlib.contextmanager
     def admission(self) -> Iterator[None]:
@@ -151,6 +171,8 @@ class Dispatcher:
                 async with asyncio.timeout_at(deadline):
                     async with contextlib.aclosing(decoder.stream("generate", args)) as items:  # CANCEL at once on close
                         async for item in items:
+                            if not started:
+                                self._prefill_done(req)
                             started = True
                             generated += item["token_ids"]
                             yield item
