@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -348,3 +349,23 @@ def test_a_draining_queue_does_not_wind_the_threshold_up(model):
     # the same minute with the queue still growing: at least one more raise
     assert changes(run(growing, [sig(410.0 + 5 * i) for i in range(60)], start=5))
     assert growing.t > t1
+
+
+def test_the_model_anchor_sees_a_small_link_in_relative_steps():
+    """A scaled link (the emulated cluster's KV bytes x 1e-3) binds the model where the real one
+    does: its buckets are relative, so 6 and 12 Mbit/s are told apart as 6 and 12 Gbps are (an
+    absolute 0.5 Gbps step read every such link as 0.5 Gbps, where bandwidth never binds)."""
+    h200 = t6.load_h200()
+    h20 = t6.h20_profile(0.9, 5.5e-5, h200)
+
+    def small(p: tm.HardwareProfile) -> tm.HardwareProfile:
+        return replace(p, kv_bytes=tuple(b * 1e-3 for b in p.kv_bytes))
+
+    dep = tm.Deployment(4, 3, 5, small(h200), small(h20), small(h20), 100.0, 1024.0)
+    m = ModelThreshold(dep, t6.WORKLOAD, grid=60)
+    exact = [tm.best_threshold(replace(dep, link_gbps=g), t6.WORKLOAD, 60).t for g in (0.006, 0.012)]
+    assert exact[0] > exact[1]  # the less bandwidth, the fewer requests go remote
+    assert [m(0.006), m(0.012)] == pytest.approx(exact, rel=0.05)
+    assert m(0.012) == m(0.012 * 1.005)  # within one 2 % bucket: the cached answer
+    with pytest.raises(ValueError):
+        ModelThreshold(dep, t6.WORKLOAD, rel_quantum=0.0)

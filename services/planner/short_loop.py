@@ -48,31 +48,34 @@ ThresholdSolver = Callable[[float], float]
 class ModelThreshold:
     """The eq. 7 optimum ``t*`` as a function of the link bound (Gbps), from ``throughput``.
 
-    Results are cached per ``quantum_gbps`` bucket of the link bound (the bound is rounded to the
-    bucket before solving), so a noisy measurement does not re-run the grid search every tick.
+    Results are cached per bucket of the link bound: the bound is rounded to the nearest power of
+    ``1 + rel_quantum`` (2 % steps by default) before solving, so a noisy measurement does not re-run
+    the grid search every tick, and the rounding error is the same share of a 100 Mbit/s link as of
+    a 100 Gbps one (an absolute step would swallow a small or scaled link whole).
     """
 
     def __init__(self, dep: tm.Deployment, dist: tm.LengthDistribution, *, grid: int = 200,
-                 quantum_gbps: float = 0.5, max_cache: int = 256):
-        if not quantum_gbps > 0:
-            raise ValueError("quantum_gbps must be positive")
+                 rel_quantum: float = 0.02, max_cache: int = 256):
+        if not rel_quantum > 0:
+            raise ValueError("rel_quantum must be positive")
         self.dep, self.dist, self.grid = dep, dist, grid
-        self.quantum_gbps, self.max_cache = quantum_gbps, max_cache
+        self.rel_quantum, self.max_cache = rel_quantum, max_cache
         self._cache: dict[int, float] = {}
 
     def __call__(self, link_gbps: float) -> float:
-        k = max(1, round(link_gbps / self.quantum_gbps))
+        step = math.log1p(self.rel_quantum)
+        k = round(math.log(max(link_gbps, 1e-9)) / step)
         if k not in self._cache:
             if len(self._cache) >= self.max_cache:
                 self._cache.clear()
-            dep = replace(self.dep, link_gbps=k * self.quantum_gbps)
+            dep = replace(self.dep, link_gbps=math.exp(k * step))
             self._cache[k] = float(tm.best_threshold(dep, self.dist, self.grid).t)
         return self._cache[k]
 
     def with_split(self, n_p: int, n_d: int) -> ModelThreshold:
         """The same model after a role change (new PD-P / PD-D counts)."""
         return ModelThreshold(replace(self.dep, n_p=n_p, n_d=n_d), self.dist, grid=self.grid,
-                              quantum_gbps=self.quantum_gbps, max_cache=self.max_cache)
+                              rel_quantum=self.rel_quantum, max_cache=self.max_cache)
 
 
 # --------------------------------------------------------------------------- short loop
@@ -310,7 +313,7 @@ class ShortLoop:
             if new > t * (1 + c.deadband):
                 return new, "raise_t", (f"offload pressure for {self._press} ticks: "
                                         f"{', '.join(why)}; model t* {anchor:.0f} at "
-                                        f"{bound:.1f} Gbps, factor {f:.2f}")
+                                        f"{bound:.4g} Gbps, factor {f:.2f}")
             return t, None, ""
         if self._healthy >= c.exit_ticks:
             anchor = self._clamp(self._solver(cap * c.util_target))
