@@ -498,20 +498,29 @@ def render(t6: dict, sw: dict | None) -> tuple[list[str], dict]:
     lines.append(f"paper: PrfaaS/homog 1.54 (model here {t6['prfaas']['model']['lambda'] / t6['homog']['model']['lambda']:.2f}), "
                  f"PrfaaS/naive 1.32, P90 TTFT cut 64 %")
     if sw:
-        lines += ["", f"Bandwidth swing at {sw['rate']:.2f} req/s (t full {sw['t_full']:.0f}, t low {sw['t_low']:.0f} tokens)",
-                  f"{'run':10}" + "".join(f"{n + ' goodput':>16}{n + ' P90':>12}" for n, _g, _d in sw["phases"])]
-        for mode, run in sw["runs"].items():
-            lines.append(f"{mode:10}" + "".join(f"{run['phases'][n]['goodput']:>16.3f}{run['phases'][n]['ttft_p90']:>11.1f}s"
-                                                for n, _g, _d in sw["phases"]))
-        r = sw["runs"]
-        o = r["oracle"]["phases"]["low"]["goodput"]
-        figures["swing_dynamic_vs_oracle"] = r["dynamic"]["phases"]["low"]["goodput"] / o if o else math.nan
-        figures["swing_static_vs_oracle"] = r["static"]["phases"]["low"]["goodput"] / o if o else math.nan
-        hs = r["static"]["phases"]["high"]["goodput"]
-        lines.append(f"high phase: dynamic / static = {r['dynamic']['phases']['high']['goodput'] / hs if hs else math.nan:.3f}")
+        lines += render_swing(sw, figures)
     else:
         figures["swing_dynamic_vs_oracle"] = figures["swing_static_vs_oracle"] = math.nan
     return lines, figures
+
+
+def render_swing(sw: dict, figures: dict) -> list[str]:
+    """The swing table; puts ``swing_dynamic_vs_oracle`` and ``swing_static_vs_oracle`` (low phase) in ``figures``."""
+    lines = []
+    lines += ["", f"Bandwidth swing at {sw['rate']:.2f} req/s (t full {sw['t_full']:.0f}, t low {sw['t_low']:.0f} tokens)",
+              f"{'run':10}" + "".join(f"{n + ' goodput':>16}{n + ' P90':>12}" for n, _g, _d in sw["phases"])]
+    for mode, run in sw["runs"].items():
+        lines.append(f"{mode:10}" + "".join(f"{run['phases'][n]['goodput']:>16.3f}{run['phases'][n]['ttft_p90']:>11.1f}s"
+                                            for n, _g, _d in sw["phases"]))
+    r = sw["runs"]
+    o = r["oracle"]["phases"]["low"]["goodput"]
+    figures["swing_dynamic_vs_oracle"] = r["dynamic"]["phases"]["low"]["goodput"] / o if o else math.nan
+    figures["swing_static_vs_oracle"] = r["static"]["phases"]["low"]["goodput"] / o if o else math.nan
+    hs = r["static"]["phases"]["high"]["goodput"]
+    lines.append(f"high phase: dynamic / static = {r['dynamic']['phases']['high']['goodput'] / hs if hs else math.nan:.3f}")
+    lines.append(f"low phase: dynamic / oracle = {figures['swing_dynamic_vs_oracle']:.3f}, "
+                 f"static / oracle = {figures['swing_static_vs_oracle']:.3f}")
+    return lines
 
 
 async def amain(args) -> int:
@@ -519,6 +528,12 @@ async def amain(args) -> int:
     scales = Scales(time_scale=args.time_scale, token_scale=32, byte_scale=1.5e-4, output_scale=64)
     model = model_lambdas()
     t0 = time.monotonic()
+    if args.scenario == "swing":
+        sw = await swing(args, scales, out)
+        (out / "swing.json").write_text(json.dumps(sw))
+        lines = render_swing(sw, {})
+        print("\n".join(lines))
+        return 0
     if args.scenario in ("shift", "trace", "bursts"):
         res = await {"shift": shift, "trace": trace_replay, "bursts": bursts}[args.scenario](args, scales, out)
         (out / f"{args.scenario}.json").write_text(json.dumps(res, indent=1))
@@ -549,9 +564,10 @@ def main() -> int:
     p.add_argument("--window", type=float, default=None, help="emulated seconds of arrivals per rate point")
     p.add_argument("--swing-rate", type=float, default=1.3, help="req/s offered in the bandwidth swing")
     p.add_argument("--no-swing", action="store_true")
-    p.add_argument("--scenario", choices=["table6", "shift", "trace", "bursts"], default="table6",
-                   help="table6: the three configurations and the bandwidth swing (the acceptance line); shift: a traffic "
-                        "shift with and without the long loop; trace: the Mooncake conversation trace, PrfaaS vs homogeneous; "
+    p.add_argument("--scenario", choices=["table6", "swing", "shift", "trace", "bursts"], default="table6",
+                   help="table6: the three configurations and the bandwidth swing (the acceptance line); swing: the swing "
+                        "alone; shift: a traffic shift with and without the long loop; trace: the Mooncake conversation trace, "
+                        "PrfaaS vs homogeneous; "
                         "bursts: on/off arrivals, PrfaaS vs homogeneous")
     p.add_argument("--burst-rate", type=float, default=2.0, help="mean req/s of the on/off bursts")
     p.add_argument("--shift-rate-before", type=float, default=2.0, help="req/s of the paper mix before the shift")
