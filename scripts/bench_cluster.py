@@ -115,15 +115,18 @@ class Runner:
     def __init__(self, cluster: EmulatedCluster, seed: int = 1):
         self.c, self.seed = cluster, seed
 
-    def requests(self, rate: float, window_s: float, seed: int, mu: float = WORKLOAD.mu):
+    def requests(self, rate: float, window_s: float, seed: int, mu: float = WORKLOAD.mu, tokens: int = 0):
+        """Arrivals (s), lengths (unscaled tokens) and prompts (carried token ids) of one Poisson run.
+        ``seed`` fixes arrivals and lengths; ``tokens`` varies the prompts' content alone (a second
+        run on the same cluster must not find the first run's prompts in its prefix caches)."""
         arr = poisson_arrivals(rate, window_s, seed)
         ls = sample_lengths(len(arr), mu, WORKLOAD.sigma, WORKLOAD.lo, WORKLOAD.hi, seed + 1, stratified=True)
-        return arr, ls, [prompt_tokens(self.c.carried(l), seed * 100003 + i) for i, l in enumerate(ls)]
+        return arr, ls, [prompt_tokens(self.c.carried(l), (seed + 7919 * tokens) * 100003 + i) for i, l in enumerate(ls)]
 
-    async def point(self, rate: float, window_s: float, seed: int, label: str) -> dict:
+    async def point(self, rate: float, window_s: float, seed: int, label: str, tokens: int = 0) -> dict:
         """One Poisson run at ``rate`` req/s over ``window_s`` emulated seconds; its figures."""
         c = self.c
-        arr, ls, prompts = self.requests(rate, window_s, seed)
+        arr, ls, prompts = self.requests(rate, window_s, seed, tokens=tokens)
         st0, b0, t0 = await c.router_stats(), c.kv_wire_bytes(), time.monotonic()
         with tqdm(total=len(arr), desc=f"{label} @ {rate:.2f} req/s", leave=False, file=sys.stderr) as bar:
             outs = await drive(c.url, c.scales, arr, prompts, ls, c.max_tokens, ttft_budget(c), progress=bar.update)
@@ -212,10 +215,10 @@ async def swing(args, scales: Scales, out: Path) -> dict:
                             threshold=round(t_full / scales.token_scale), log_dir=out / f"logs-swing-{modes[0]}")
         await c.start()
         try:
-            for mode in modes:
+            for k, mode in enumerate(modes):
                 if mode == "oracle":
                     await c.client("router").call("set_threshold", {"threshold": round(t_low / scales.token_scale)}, timeout=5.0)
-                results[mode] = await swing_run(c, mode, rate, phases)
+                results[mode] = await swing_run(c, mode, rate, phases, tokens=k)
         finally:
             await c.stop()
     return {"rate": rate, "t_full": t_full, "t_low": t_low, "phases": phases, "runs": results}
@@ -243,11 +246,12 @@ async def _shape_link(c: EmulatedCluster, t0: float, phases: list[tuple[str, flo
         await asyncio.sleep(max(0.0, t0 + at / c.scales.time_scale - time.monotonic()))
 
 
-async def swing_run(c: EmulatedCluster, mode: str, rate: float, phases: list[tuple[str, float, float]]) -> dict:
-    """One run of the swing on a started cluster: the same seeded arrivals whatever the mode."""
+async def swing_run(c: EmulatedCluster, mode: str, rate: float, phases: list[tuple[str, float, float]], tokens: int = 0) -> dict:
+    """One run of the swing on a started cluster: the same seeded arrivals and lengths whatever the
+    mode; ``tokens`` gives a run on a cluster that already served one prompts of its own."""
     runner = Runner(c)
-    await runner.point(rate * 0.5, 30.0, 7, f"swing {mode} warm-up")
-    arr, ls, prompts = runner.requests(rate, sum(p[2] for p in phases), 23)
+    await runner.point(rate * 0.5, 30.0, 7, f"swing {mode} warm-up", tokens=tokens)
+    arr, ls, prompts = runner.requests(rate, sum(p[2] for p in phases), 23, tokens=tokens)
     timeline: list[dict] = []
     stop = asyncio.Event()
     t0 = time.monotonic()
