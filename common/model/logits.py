@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_LOGPROBS = 20  # most alternatives per position a client may ask for (OpenAI's and vLLM's limit)
+MAX_PROMPT_LOGPROB_BYTES = 768 << 10  # a prompt's logprobs on the wire (they ride in one RPC header, 1 MiB)
 
 
 @dataclass(frozen=True)
@@ -98,19 +99,70 @@ def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
     return TokenLogprob(float(logprobs[token]), top)
 
 
-def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], k: int) -> list[TokenLogprob]:
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of consecutive prompt tokens: ``chosen`` float32 ``[n]`` (each token's own logprob),
+    ``top_ids`` int32 ``[n, k]`` and ``top`` float32 ``[n, k]`` (the ``k`` most likely tokens at that
+    position, most likely first). On the wire (:meth:`to_wire`) the arrays are raw little-endian
+    bytes, 4 + 8k bytes per token, so a long prompt fits one RPC header (:data:`wire_bytes`)."""
+
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top: torch.Tensor
+
+    @property
+    def k(self) -> int:
+        return int(self.top_ids.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.chosen.shape[0])
+
+    @staticmethod
+    def wire_bytes(tokens: int, k: int) -> int:
+        """Bytes of the arrays of ``tokens`` positions with ``k`` alternatives each."""
+        return tokens * (4 + 8 * k)
+
+    def to_wire(self) -> dict:
+        return {"n": len(self), "k": self.k, "chosen": self.chosen.numpy().astype("<f4").tobytes(),
+                "top_ids": self.top_ids.numpy().astype("<i4").tobytes(), "top": self.top.numpy().astype("<f4").tobytes()}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> PromptLogprobs:
+        """Inverse of :meth:`to_wire`. Raises ``ValueError``/``KeyError``/``TypeError`` on a malformed map."""
+        n, k = int(d["n"]), int(d["k"])
+        if n < 0 or not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"prompt logprobs: bad n={n} or k={k}")
+        chosen = torch.frombuffer(bytearray(d["chosen"]), dtype=torch.float32) if n else torch.empty(0)
+        ids = torch.frombuffer(bytearray(d["top_ids"]), dtype=torch.int32) if n * k else torch.empty(0, dtype=torch.int32)
+        top = torch.frombuffer(bytearray(d["top"]), dtype=torch.float32) if n * k else torch.empty(0)
+        if chosen.numel() != n or ids.numel() != n * k or top.numel() != n * k:
+            raise ValueError(f"prompt logprobs: arrays do not hold {n} x {k} values")
+        return cls(chosen, ids.view(n, k), top.view(n, k))
+
+    @classmethod
+    def cat(cls, parts: Sequence[PromptLogprobs], k: int) -> PromptLogprobs:
+        if not parts:
+            return cls(torch.empty(0), torch.empty(0, k, dtype=torch.int32), torch.empty(0, k))
+        return cls(torch.cat([p.chosen for p in parts]), torch.cat([p.top_ids for p in parts]), torch.cat([p.top for p in parts]))
+
+    def entries(self) -> list[TokenLogprob]:
+        """One :class:`TokenLogprob` per position."""
+        ids, vals = self.top_ids.tolist(), self.top.tolist()
+        return [TokenLogprob(c, tuple(zip(i, v))) for c, i, v in zip(self.chosen.tolist(), ids, vals)]
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: Sequence[int], k: int) -> PromptLogprobs:
     """Logprobs of a prompt's tokens from the logits at the positions before them: ``logits`` is
-    float ``[positions, vocab]`` (row ``j`` predicts ``next_ids[j]``), raw (no processing). Returns one
-    :class:`TokenLogprob` per row, with its ``k`` most likely tokens. Raises ``ValueError`` when the
-    row count and ``len(next_ids)`` differ."""
+    float ``[positions, vocab]`` (row ``j`` predicts ``next_ids[j]``), raw (no processing), with the
+    ``k`` most likely tokens of each row. Raises ``ValueError`` when the row count and
+    ``len(next_ids)`` differ."""
     if logits.dim() != 2 or logits.shape[0] != len(next_ids):
         raise ValueError(f"prompt_logprobs: {tuple(logits.shape)} logits for {len(next_ids)} tokens")
-    if not len(next_ids):
-        return []
     lp = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(list(next_ids), dtype=torch.long)
-    chosen = lp.gather(1, ids.unsqueeze(1))[:, 0].tolist()
+    chosen = lp.gather(1, ids.unsqueeze(1))[:, 0].contiguous()
+    k = min(k, lp.shape[-1])
     if k <= 0:
-        return [TokenLogprob(c) for c in chosen]
-    vals, top = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
-    return [TokenLogprob(c, tuple(zip(t, v))) for c, t, v in zip(chosen, top.tolist(), vals.tolist())]
+        return PromptLogprobs(chosen, torch.empty(len(next_ids), 0, dtype=torch.int32), torch.empty(len(next_ids), 0))
+    vals, top = torch.topk(lp, k, dim=-1)
+    return PromptLogprobs(chosen, top.to(torch.int32).contiguous(), vals.contiguous())

@@ -4,7 +4,8 @@ body (:meth:`Choices.body`) or each streamed chunk (:meth:`Choices.chunks`).
 
 Items (``generate``'s, see ``proto/PROTOCOL.md``): ``{token_ids, text, finish_reason, index?, logprobs?,
 prompt_logprobs?, usage?}``; ``logprobs`` holds one :meth:`TokenLogprob.to_wire` per token of
-``token_ids``. With ``best_of`` > ``n`` the ``n`` branches of highest cumulative logprob (the sum of
+``token_ids``, ``prompt_logprobs`` (first item only) a :meth:`PromptLogprobs.to_wire` of prompt
+tokens 1... With ``best_of`` > ``n`` the ``n`` branches of highest cumulative logprob (the sum of
 their sampled tokens' logprobs) are returned, renumbered from 0, as OpenAI and vLLM rank them.
 
 Streaming holds a branch's tokens back while its text is empty (half of a UTF-8 character, a
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.model.logits import TokenLogprob
+from common.model.logits import PromptLogprobs, TokenLogprob
 from services.gateway.openai import response
 from services.gateway.openai.logprobs import Entry, TokenText, chat_logprobs, completion_logprobs
 from services.gateway.openai.request import GenerateRequest
@@ -56,7 +57,7 @@ class Choices:
         b = self.branches.setdefault(int(item.get("index", 0)), Branch(int(item.get("index", 0))))
         if item.get("prompt_logprobs") is not None and self.prompt_entries is None:
             ids = self.req.prompt_ids
-            lps = [TokenLogprob.from_wire(v) for v in item["prompt_logprobs"]]
+            lps = PromptLogprobs.from_wire(item["prompt_logprobs"]).entries()
             self.prompt_entries = [(ids[0], None)] + list(zip(ids[1:], lps))
         lps = [TokenLogprob.from_wire(v) for v in item.get("logprobs") or []]
         new = list(zip(item["token_ids"], lps)) if lps else [(t, None) for t in item["token_ids"]]
