@@ -47,7 +47,7 @@ class Choices:
     """The choices of ``req`` (a :class:`GenerateRequest`) from its stream items; ``text`` names tokens."""
 
     def __init__(self, req: GenerateRequest, text: TokenText):
-        self.req, self.tok = req, text
+        self.req, self.tok = req, text.ids_view if req.tokens_as_ids else text
         self.branches: dict[int, Branch] = {}
         self.prompt_entries: list[Entry] | None = None
 

@@ -173,6 +173,7 @@ def parse_sampling_fields(data: dict[str, Any]) -> dict[str, Any]:
         "stop": _parse_stop(data),
         "ignore_eos": _opt_bool(data, "ignore_eos"),
         "return_token_ids": _opt_bool(data, "return_token_ids"),
+        "return_tokens_as_token_ids": _opt_bool(data, "return_tokens_as_token_ids"),
     }
 
 
@@ -315,6 +316,7 @@ def build_request(kind: str, prefix: str, common: CommonFields, prompt_ids: list
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         created=int(time.time()),
         return_token_ids=fields["return_token_ids"],
+        tokens_as_ids=fields["return_tokens_as_token_ids"],
         n=c.n,
         echo=c.echo,
         logprobs=c.logprobs,

@@ -10,7 +10,9 @@
   "bytes"}]}]}``.
 
 A token's string is its own decode (a byte that is part of a longer UTF-8 character reads as
-U+FFFD; ``bytes`` in chat gives its real bytes). Pure: no sockets.
+U+FFFD, so several tokens can share a string and a ``top_logprobs`` dict keeps the first of them;
+``bytes`` in chat gives its real bytes), or, with vLLM's ``return_tokens_as_token_ids``,
+``"token_id:<id>"``, which is unique. Pure: no sockets.
 """
 
 from __future__ import annotations
@@ -29,14 +31,21 @@ Entry = tuple[int, TokenLogprob | None]  # a token id and its logprobs (None: th
 
 
 class TokenText:
-    """Each token id's text and bytes under ``tokenizer`` (a Hugging Face tokenizer), cached."""
+    """Each token id's text and bytes under ``tokenizer`` (a Hugging Face tokenizer), cached;
+    ``as_ids``: the text is ``"token_id:<id>"`` (:meth:`ids_view`)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, as_ids: bool = False):
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
+
+    @functools.cached_property
+    def ids_view(self) -> TokenText:
+        """The same tokenizer, naming each token ``"token_id:<id>"``."""
+        return TokenText(self.tokenizer, as_ids=True)
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one TokenText per gateway, alive as long as it
     def text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return f"token_id:{token_id}" if self.as_ids else self.tokenizer.decode([token_id])
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019
     def bytes(self, token_id: int) -> list[int]:
@@ -45,7 +54,7 @@ class TokenText:
         tok = self.tokenizer.convert_ids_to_tokens(token_id)
         if isinstance(tok, str) and tok and all(c in _UNICODE_TO_BYTE for c in tok) and token_id not in self._special:
             return [_UNICODE_TO_BYTE[c] for c in tok]
-        return list(self.text(token_id).encode("utf-8"))
+        return list(self.tokenizer.decode([token_id]).encode("utf-8"))
 
     @functools.cached_property
     def _special(self) -> frozenset[int]:

@@ -114,3 +114,4 @@ class GenerateRequest:
     echo: bool = False
     logprobs: int | None = None
     prompt_text: str | None = None  # the prompt as the client wrote it (echo), None for token ids
+    tokens_as_ids: bool = False  # vLLM extension return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
