@@ -1,6 +1,7 @@
 """lm-evaluation-harness through the gateway against lm-eval's ``hf`` model in one process.
 
 Usage: python scripts/eval_parity.py [--model tiny-hybrid|tiny-dense] [--threshold TOKENS]
+       python scripts/eval_parity.py --url URL --checkpoint DIR   # a system already serving DIR
 
 1. Exports the embedded model as a Hugging Face checkpoint (``common/lab/export.py``) and starts the
    whole system serving that directory (``--model PATH``), with the router's threshold low enough
@@ -132,34 +133,47 @@ def logprob_diff(url: str, served: str, ckpt: Path, tokenizer) -> float:
     return worst
 
 
+def through_gateway(url: str, ckpt: Path) -> tuple[dict, float]:
+    """lm-eval's ``local-completions`` against the gateway at ``url`` serving ``ckpt``, then the logprob
+    check (:func:`logprob_diff`); prints the route counts. Returns ``(results, logprob_max_diff)``."""
+    from transformers import AutoTokenizer
+
+    served = ckpt.name
+    t1 = time.monotonic()
+    api = run_lm_eval("local-completions", f"base_url={url}/v1/completions,model={served},tokenizer={ckpt},"
+                      "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1")
+    print(f"lm-eval through the gateway: {time.monotonic() - t1:.1f}s")
+    lp_diff = logprob_diff(url, served, ckpt, AutoTokenizer.from_pretrained(ckpt))
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        print("\n".join(line for line in r.read().decode().splitlines() if line.startswith("prfaas_route_decisions_total")))
+    return api, lp_diff
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-hybrid", choices=["tiny-hybrid", "tiny-dense"])
     p.add_argument("--threshold", type=int, default=40, help="router threshold t (tokens): longer prompts go to PrfaaS")
+    p.add_argument("--url", help="the gateway of a running system (default: start one)")
+    p.add_argument("--checkpoint", help="with --url: the checkpoint directory it serves (its name is the served model)")
     args = p.parse_args()
+    if bool(args.url) != bool(args.checkpoint):
+        p.error("--url and --checkpoint go together")
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     os.chdir(ROOT)  # the task YAMLs name the JSONL relative to the repository root
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
-    from transformers import AutoTokenizer
-
     with tempfile.TemporaryDirectory(prefix="prfaas-eval-") as tmp:
-        ckpt = export_checkpoint(args.model, Path(tmp) / f"prfaas-{args.model}")
-        served = ckpt.name
-        tokenizer = AutoTokenizer.from_pretrained(ckpt)
-        t0 = time.monotonic()
-        cluster = Cluster(model=str(ckpt), threshold=args.threshold).start()
-        try:
-            print(f"system up in {time.monotonic() - t0:.1f}s serving {served} (threshold {args.threshold} tokens)")
-            t1 = time.monotonic()
-            api = run_lm_eval("local-completions", f"base_url={cluster.url}/v1/completions,model={served},tokenizer={ckpt},"
-                              "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1")
-            print(f"lm-eval through the gateway: {time.monotonic() - t1:.1f}s")
-            lp_diff = logprob_diff(cluster.url, served, ckpt, tokenizer)
-            routes = [line for line in urllib.request.urlopen(f"{cluster.url}/metrics", timeout=10).read().decode().splitlines()
-                      if line.startswith("prfaas_route_decisions_total")]
-            print("\n".join(routes))
-        finally:
-            cluster.stop()
+        if args.url:
+            ckpt = Path(args.checkpoint)
+            api, lp_diff = through_gateway(args.url, ckpt)
+        else:
+            ckpt = export_checkpoint(args.model, Path(tmp) / f"prfaas-{args.model}")
+            t0 = time.monotonic()
+            cluster = Cluster(model=str(ckpt), threshold=args.threshold).start()
+            try:
+                print(f"system up in {time.monotonic() - t0:.1f}s serving {ckpt.name} (threshold {args.threshold} tokens)")
+                api, lp_diff = through_gateway(cluster.url, ckpt)
+            finally:
+                cluster.stop()
         t2 = time.monotonic()
         hf = run_lm_eval("hf", f"pretrained={ckpt},dtype=float32")
         print(f"lm-eval hf in one process: {time.monotonic() - t2:.1f}s")
