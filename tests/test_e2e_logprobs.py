@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import torch
 
-from common.lab.reference import reference_model
+from common.lab.reference import reference_greedy, reference_model
 from tests.test_e2e import completion, prompt_of, rpc, served_model
 from tests.test_logits import reference
 
@@ -130,6 +130,20 @@ async def test_n_choices_are_seed_plus_index_and_best_of_ranks(cluster):
         _, best = await completion(s, c, {**body, "n": 1, "best_of": 3, "logprobs": None})
         assert best["choices"][0]["token_ids"] == many["choices"][cum.index(max(cum))]["token_ids"]
         assert best["choices"][0]["logprobs"] is None
+
+
+async def test_greedy_branches_each_equal_model_generate(cluster):
+    """Forked branches read the shared prompt blocks, their copied partial block and (hybrid) their
+    copied linear states: greedy, every branch is ``model.generate``'s output, at and off a block boundary."""
+    c, spec = cluster
+    async with aiohttp.ClientSession() as s:
+        model = await served_model(s, c)
+        for n in (32, 33):
+            prompt = prompt_of(n, seed=12)
+            _, data = await completion(s, c, {"model": model, "prompt": prompt, "max_tokens": 12, "n": 3, "temperature": 0,
+                                              "return_token_ids": True})
+            want = reference_greedy(spec, prompt, 12)
+            assert [ch["token_ids"] for ch in data["choices"]] == [want] * 3, f"prompt of {n}"
 
 
 async def test_branches_share_the_prompt_blocks_and_a_disconnect_frees_them(cluster):

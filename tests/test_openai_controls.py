@@ -65,7 +65,7 @@ def test_chat_logprobs_fields():
 @pytest.mark.parametrize("fn, field, value", [
     (comp, "logprobs", 21), (comp, "logprobs", -1), (comp, "logprobs", True), (comp, "echo", "yes"),
     (chat, "top_logprobs", 21), (chat, "top_logprobs", 2), (chat, "logprobs", 1),
-    (comp, "n", 0), (comp, "n", 17), (comp, "best_of", 17),
+    (comp, "n", 0), (comp, "n", 17), (comp, "best_of", 17), (chat, "echo", True),
     (comp, "presence_penalty", 2.5), (comp, "frequency_penalty", -2.01), (comp, "presence_penalty", "1"),
     (comp, "repetition_penalty", 0), (comp, "repetition_penalty", 2.5),
     (comp, "logit_bias", {"999": 1}), (comp, "logit_bias", {"x": 1}), (comp, "logit_bias", {"1": 101}),

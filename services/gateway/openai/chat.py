@@ -81,7 +81,10 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
 
 
 def _reject_unsupported_chat(data: dict[str, Any]) -> None:
-    """Chat-only fields rejected unless neutral: tools, non-text ``response_format``."""
+    """Chat-only fields rejected unless neutral: tools, non-text ``response_format``, ``echo``
+    (vLLM's chat extension; completions have their own)."""
+    if data.get("echo"):
+        raise unsupported("echo", "'echo' is a completions field here")
     for name in ("tools", "functions"):
         if data.get(name):
             raise unsupported(name)
