@@ -21,8 +21,11 @@ No hub and no network: the data set is local (``datasets``' json builder), both 
 exported tokenizer, and ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` are set.
 
 The last line is ``lm_eval_tasks=<n> metrics_equal=<true|false> max_loglik_diff=<x>
-logprob_max_diff=<y>``: ``max_loglik_diff`` is the largest |gateway - hf| over every loglikelihood
-lm-eval computed, ``logprob_max_diff`` the largest difference of step 3 (both in nats).
+logprob_max_diff=<y>``: ``metrics_equal`` is true when every metric of every task is the same float
+on both sides and every generated text is the same string; ``max_loglik_diff`` is the largest
+|gateway - hf| over every loglikelihood lm-eval computed, ``logprob_max_diff`` the largest
+difference of step 3 (both in nats). On this machine it takes about 2 minutes, most of it the
+system's start-up.
 """
 
 from __future__ import annotations

@@ -42,6 +42,13 @@ tokens. Seeded sampling continues the same per-position draws (:func:`common.mod
 for the first new token, which the prefill worker samples), so a resumed request gives exactly the
 tokens the uninterrupted one would have, as greedy does, wherever the logits are equal.
 
+**Branches** (``sampling.n`` > 1: ``n``, ``best_of``). Step 1 reserves every branch's table at once:
+the prompt's full blocks are shared by reference, each branch owns its tail block and state slot
+(:mod:`services.decode.branches`). The prefill worker samples each branch's first token; once the
+KVCache has landed the prompt's partial block and linear states are copied into each branch, and
+the branches join the batch as rows of their own (seed ``seed + index``). With prompt logprobs
+(``echo``) the first items wait for the prefill call's answer, which carries them.
+
 **Files.** The decisions (admission queue, batch composition, preemption and swap-in order) are
 :mod:`services.decode.scheduler`, pure; the request's state and stream items (a failure is a typed
 :class:`~services.decode.request.StreamError`) are :mod:`services.decode.request`; the prefill call
