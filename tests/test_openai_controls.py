@@ -78,6 +78,15 @@ def test_out_of_range_controls_name_their_field(fn, field, value):
     assert e.param == field, e
 
 
+def test_echo_logprobs_of_a_prompt_too_long_for_the_wire_name_logprobs():
+    big = ModelContext(model_id=MODEL, tokenizer=TOK, max_model_len=1 << 16, eos_token_ids=[256])
+    body = {"model": MODEL, "prompt": [65] * 5000, "max_tokens": 1, "echo": True}
+    assert parse_completion(orjson.dumps({**body, "logprobs": 1}), big).sampling.prompt_logprobs == 1
+    with pytest.raises(OpenAIError) as ei:
+        parse_completion(orjson.dumps({**body, "logprobs": 20}), big)
+    assert ei.value.param == "logprobs"
+
+
 def test_best_of_rules():
     assert err(comp, n=3, best_of=2).param == "best_of"
     assert err(comp, best_of=2, stream=True).param == "best_of"

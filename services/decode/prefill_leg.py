@@ -70,7 +70,8 @@ class PrefillLeg:
         ``bad_request`` stays one; anything else is ``prefill_failed`` naming ``addr``."""
         err = call.exception() if call.done() and not call.cancelled() else None
         if isinstance(err, RpcError) and err.code is ErrorCode.BAD_REQUEST:
-            return RpcError(ErrorCode.BAD_REQUEST, f"prefill worker {addr} refused {req_id}: {err.message}")
+            named = {"param": err.data["param"]} if isinstance(err.data.get("param"), str) else {}  # the field at fault
+            return RpcError(ErrorCode.BAD_REQUEST, f"prefill worker {addr} refused {req_id}: {err.message}", **named)
         self.prefill_failures += 1
         log.warning("prefill of %s on %s failed: %s", req_id, addr, reason)
         return RpcError(ErrorCode.PREFILL_FAILED, f"prefill of {req_id} on {addr} failed before the first token: {reason}",

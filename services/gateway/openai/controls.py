@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from common.model.logits import MAX_LOGPROBS
+from common.model.logits import MAX_LOGPROBS, MAX_PROMPT_LOGPROB_BYTES, PromptLogprobs
 from services.gateway.openai.request import OpenAIError
 
 MAX_BRANCHES = 16  # most choices sampled from one prompt (n, best_of)
@@ -156,7 +156,13 @@ def parse_controls(data: dict[str, Any], kind: str, vocab: int, stream: bool) ->
                     stop_token_ids=_stop_token_ids(data, vocab), logprobs=logprobs, echo=echo)
 
 
-def check_min_tokens(controls: Controls, max_tokens: int) -> None:
-    """``min_tokens`` may not exceed the resolved ``max_tokens``. Raises :class:`OpenAIError` 400."""
+def check_against_prompt(controls: Controls, max_tokens: int, prompt_len: int) -> None:
+    """``min_tokens`` may not exceed the resolved ``max_tokens``, and a prompt's logprobs (``echo`` with
+    ``logprobs``) must fit :data:`MAX_PROMPT_LOGPROB_BYTES` on the wire. Raises :class:`OpenAIError` 400."""
     if controls.min_tokens > max_tokens:
         raise _bad(f"'min_tokens' ({controls.min_tokens}) must not exceed max_tokens ({max_tokens}).", "min_tokens")
+    k = controls.logprobs
+    if controls.echo and k is not None and PromptLogprobs.wire_bytes(prompt_len - 1, k) > MAX_PROMPT_LOGPROB_BYTES:
+        most = MAX_PROMPT_LOGPROB_BYTES // (4 + 8 * k)
+        raise _bad(f"'echo' with 'logprobs': {k} is limited to prompts of {most + 1} tokens; this one has {prompt_len}.",
+                   "logprobs")

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from common.model.sampling import SamplingParams
-from services.gateway.openai.controls import Controls, check_min_tokens, parse_controls
+from services.gateway.openai.controls import Controls, check_against_prompt, parse_controls
 from services.gateway.openai.request import GenerateRequest, ModelContext, OpenAIError
 
 MAX_STOP_SEQUENCES = 4
@@ -284,7 +284,7 @@ def build_request(kind: str, prefix: str, common: CommonFields, prompt_ids: list
     ``context_length_exceeded``."""
     max_tokens = resolve_max_tokens(requested, requested_param, default, len(prompt_ids), ctx, prompt_param, prompt_param)
     fields, c = common.sampling, common.controls
-    check_min_tokens(c, max_tokens)
+    check_against_prompt(c, max_tokens, len(prompt_ids))
     ignore_eos = fields["ignore_eos"]
     eos = () if ignore_eos else tuple(int(t) for t in ctx.eos_token_ids)
     sampling = SamplingParams(
