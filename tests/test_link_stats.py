@@ -828,7 +828,7 @@ async def test_capacity_of_a_rate_capped_loopback_link(monkeypatch):
 
 EXPECTED_KEYS = {
     "peer", "connections", "goodput_bps", "goodput_window_bps", "tcp_goodput_bps", "bytes_sent",
-    "bytes_queued", "rtt_ms", "rtt_last_ms", "rtt_min_ms", "rtt_floor_ms", "tcp_srtt_ms", "tcp_srtt_max_ms", "tcp_lost",
+    "bytes_queued", "backlogged_s", "rtt_ms", "rtt_last_ms", "rtt_min_ms", "rtt_floor_ms", "tcp_srtt_ms", "tcp_srtt_max_ms", "tcp_lost",
     "tcp_unacked", "tcp_snd_cwnd", "tcp_notsent_bytes", "retransmits", "retransmits_window", "stalls",
     "reconnects", "capacity_bps",
 }
@@ -896,6 +896,7 @@ def test_link_metric_families_match_snapshot():
         ("prfaas_link_tcp_goodput_bits_per_second", lab): 8e6,
         ("prfaas_link_bytes_sent_total", lab): float(snap["bytes_sent"]),
         ("prfaas_link_bytes_queued", lab): 4096.0,
+        ("prfaas_link_backlogged_seconds", lab): snap["backlogged_s"],
         ("prfaas_link_rtt_seconds", lab): snap["rtt_ms"] * 1e-3,
         ("prfaas_link_rtt_min_seconds", lab): snap["rtt_min_ms"] * 1e-3,
         ("prfaas_link_rtt_floor_seconds", lab): snap["rtt_floor_ms"] * 1e-3,
@@ -964,3 +965,19 @@ def test_rtt_floor_tells_a_standing_queue_from_bursts():
     assert ls.snapshot()["rtt_floor_ms"] is None  # no ping in the window
     with pytest.raises(ValueError):
         LinkStats(rtt_floor_window_s=0.0)
+
+
+def test_backlogged_seconds_run_from_when_the_queue_last_filled():
+    clk = FakeClock()
+    ls = LinkStats("decode-0", clock=clk)
+    assert ls.snapshot()["backlogged_s"] == 0.0
+    ls.bytes_queued = 4096
+    clk.t += 2.0
+    ls.bytes_queued = 8192  # still queued: the run goes on
+    clk.t += 1.5
+    assert ls.snapshot()["backlogged_s"] == pytest.approx(3.5)
+    ls.bytes_queued = 0
+    assert ls.snapshot()["backlogged_s"] == 0.0
+    ls.bytes_queued = 10
+    clk.t += 0.25
+    assert ls.snapshot()["backlogged_s"] == pytest.approx(0.25)

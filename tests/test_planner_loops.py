@@ -323,10 +323,15 @@ def test_a_standing_queue_is_congestion_even_when_utilisation_reads_low(model):
     solve it with the link bound it now sees (the goodput), not the stale capacity."""
     loop = ShortLoop(CFG, model)
     t0 = loop.t
-    trace = run(loop, [ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=400.0, rtt_standing_ms=49.0)] * 20)
+    trace = run(loop, [ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=400.0, rtt_standing_ms=49.0,
+                                    backlog_s=60.0)] * 20)
     assert changes(trace) == [] and loop.t == t0  # bursts: the smoothed RTT is high, its floor is not
+    # a busy receiver: every ping late, but the senders' queues empty between requests
+    trace = run(loop, [ShortSignals(egress_util=0.05, rtt_inflation=2000.0, rtt_excess_ms=400.0, rtt_standing_ms=300.0,
+                                    backlog_s=0.5)] * 20, start=20)
+    assert changes(trace) == [] and loop.t == t0
     trace = run(loop, [ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=400.0,
-                                    rtt_standing_ms=300.0)] * 60, start=20)
+                                    rtt_standing_ms=300.0, backlog_s=30.0)] * 60, start=40)
     assert changes(trace) and loop.t > t0 and "congestion" in changes(trace)[0][1].reason
     assert loop.t >= model(CFG.link_gbps * 0.26 * CFG.util_target) * 0.98
     with pytest.raises(ValueError):
@@ -337,7 +342,7 @@ def test_a_draining_queue_does_not_wind_the_threshold_up(model):
     """Once t is at the anchor, a queueing delay that shrinks after a raise (the backlog drains at the
     link's rate) holds t; a delay that keeps growing raises it again."""
     def sig(ms):
-        return ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=ms, rtt_standing_ms=ms)
+        return ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=ms, rtt_standing_ms=ms, backlog_s=10.0)
 
     draining, growing = ShortLoop(CFG, model), ShortLoop(CFG, model)
     first = run(draining, [sig(400.0)] * 5)

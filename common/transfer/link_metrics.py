@@ -31,6 +31,7 @@ _LINK_METRICS: tuple[tuple[str, str, str, float, str], ...] = (
     ("tcp_goodput_bps", "tcp_goodput_bits_per_second", "gauge", 1, "Goodput EWMA from TCP bytes acked, bits/s."),
     ("bytes_sent", "bytes_sent_total", "counter", 1, "Bytes written and drained on the link."),
     ("bytes_queued", "bytes_queued", "gauge", 1, "Bytes waiting in the engine's send queues."),
+    ("backlogged_s", "backlogged_seconds", "gauge", 1, "Seconds the engine's send queue has stayed non-empty."),
     ("rtt_ms", "rtt_seconds", "gauge", 1e-3, "Application ping/pong RTT EWMA, seconds."),
     ("rtt_min_ms", "rtt_min_seconds", "gauge", 1e-3, "Smallest application ping/pong RTT, seconds."),
     ("rtt_floor_ms", "rtt_floor_seconds", "gauge", 1e-3,

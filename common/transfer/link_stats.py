@@ -159,6 +159,7 @@ class LinkStats:
         self._last_window_rate: float | None = None  # bytes/s of the latest complete window
         self.bytes_sent_total = 0
         self._bytes_queued = 0
+        self._queued_since: float | None = None  # when the engine's queue last went from empty to non-empty
         self.connections = 0
         self.stalls = 0
         self.reconnects = 0
@@ -256,6 +257,9 @@ class LinkStats:
         self._bytes_queued = n
         if n == 0:
             self._tcp_backlogged = False
+            self._queued_since = None
+        elif self._queued_since is None:
+            self._queued_since = self._clock()
 
     # -- kernel view ------------------------------------------------------------------------------
 
@@ -366,7 +370,8 @@ class LinkStats:
         the latest complete window, None before one), ``tcp_goodput_bps`` (bits/s from bytes acked,
         None before two samples), ``bytes_sent`` (bytes, cumulative), ``bytes_queued`` (bytes),
         ``rtt_ms`` / ``rtt_last_ms`` / ``rtt_min_ms`` (application RTT, ms, None before a sample),
-        ``rtt_floor_ms`` (the lowest application RTT of the last ``rtt_floor_window_s``, ms, None
+        ``backlogged_s`` (seconds the engine's queue has stayed non-empty without a break, 0.0 when
+        empty), ``rtt_floor_ms`` (the lowest application RTT of the last ``rtt_floor_window_s``, ms, None
         without a sample there: a floor above ``rtt_min_ms`` is a queue that did not drain once in
         that window, where our own bursts of KV only raise the smoothed and the last RTT),
         ``tcp_srtt_ms`` / ``tcp_srtt_max_ms`` (ms, None when no socket was read),
@@ -389,6 +394,7 @@ class LinkStats:
             "tcp_goodput_bps": None if tcp_gp is None else tcp_gp * 8.0,
             "bytes_sent": int(self.bytes_sent_total),
             "bytes_queued": int(self._bytes_queued),
+            "backlogged_s": 0.0 if self._queued_since is None else max(0.0, t - self._queued_since),
             "rtt_ms": None if rtt is None else rtt * 1000.0,
             "rtt_last_ms": None if self._rtt_last_s is None else self._rtt_last_s * 1000.0,
             "rtt_min_ms": None if self._rtt_min_s is None else self._rtt_min_s * 1000.0,

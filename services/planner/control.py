@@ -131,6 +131,7 @@ def signals(workers: list[dict[str, Any]], link_gbps: float | None, prev: dict[s
         stalls=int(max(0.0, now["stalls"] - prev.get("stalls", now["stalls"]))),
         retransmits=int(max(0.0, now["retransmits"] - prev.get("retransmits", now["retransmits"]))),
         rtt_inflation=worst[0], rtt_excess_ms=worst[1], rtt_standing_ms=max(0.0, standing),
+        backlog_s=max((float(s.get("backlogged_s") or 0.0) for s in links), default=0.0),
         q_prfaas=q_prfaas, q_pdp=q_pdp, q_decode=q_decode,
     )
     return sig, now

@@ -17,7 +17,8 @@ plentiful" flag the router's prefix rule reads.
   while PD-P is not surging) held for ``enter_ticks`` consecutive ticks raises ``t`` to
   ``max(anchor, t * f)``, ``f`` a bounded multiplicative factor from utilisation / queue pressure.
 * Congestion from a queueing delay alone (a standing queue: the RTT floor of the last few seconds
-  ``rtt_excess_standing_ms`` above the base, whatever the utilisation reads; or an inflated RTT at
+  ``rtt_excess_standing_ms`` above the base while a send queue has not emptied for
+  ``standing_backlog_s``, whatever the utilisation reads; or an inflated RTT at
   a utilisation of at least ``util_exit``): the link bound is the most the link delivered in the
   episode; once ``t`` is at or above the anchor, ``t`` rises again only while the queue still grows
   (the RTT excess is not below its value at the previous raise), so a backlog that drains at the
@@ -96,6 +97,7 @@ class ShortSignals:
         not measured (then the ratio alone decides).
     rtt_standing_ms: the worst link's lowest RTT of the last few seconds minus its base RTT (ms): a
         queue that never drained in that window (CoDel's test), 0 when not measured.
+    backlog_s: the longest time any PrfaaS link's send queue has stayed non-empty (seconds).
     q_prfaas, q_pdp, q_decode: requests waiting for PrfaaS prefill, PD-P prefill, decode admission.
     """
 
@@ -106,6 +108,7 @@ class ShortSignals:
     rtt_inflation: float = 1.0
     rtt_excess_ms: float = math.inf
     rtt_standing_ms: float = 0.0
+    backlog_s: float = 0.0
     q_prfaas: int = 0
     q_pdp: int = 0
     q_decode: int = 0
@@ -133,6 +136,10 @@ class ShortConfig:
     # the RTT floor (the lowest ping of the last few seconds, CoDel's test), not the smoothed RTT: our own
     # bursts of KV raised the smoothed excess past 50 ms on an uncongested emulated link at util 0.1
     rtt_excess_standing_ms: float = 50.0
+    # ... and only while our own KV has waited to be sent all that time: a busy receiver answers pings
+    # late too (an overloaded emulated PD host lifted the floor past 50 ms at util 0.05, with the
+    # senders' queues empty between requests)
+    standing_backlog_s: float = 2.0
     retransmit_limit: int = 50  # per tick
     stall_limit: int = 5  # per tick
     q_prfaas_enter: int = 16  # PrfaaS waiting requests: surge above this
@@ -225,7 +232,8 @@ class ShortLoop:
         util = s.egress_util
         lossy = s.retransmits > c.retransmit_limit or s.stalls > c.stall_limit
         queued = (s.rtt_inflation > c.rtt_inflation_limit and s.rtt_excess_ms > c.rtt_excess_min_ms
-                  and (util >= c.util_exit or s.rtt_standing_ms >= c.rtt_excess_standing_ms))
+                  and (util >= c.util_exit
+                       or (s.rtt_standing_ms >= c.rtt_excess_standing_ms and s.backlog_s >= c.standing_backlog_s)))
         congested = lossy or queued
         # the link's effective capacity in this congestion episode: the most it delivered while congested
         # (later in the episode the goodput also falls because fewer requests are sent remote)
