@@ -154,6 +154,29 @@ async def test_controller_sets_the_model_optimum_then_raises_t_when_the_link_fil
     assert st["applied"]["decisions"] >= 2 and st["shape"] == [4, 3, 5]
 
 
+async def test_a_shifted_workload_re_anchors_the_model(env):
+    """The configured mix is the paper's (mean ~30K tokens); the router's recent lengths say prompts
+    are now much shorter: the loop re-solves t on them (a lower optimum: the long tail that pays for
+    the link is gone), at once and beyond the queue-driven factor; lengths like the configured ones,
+    or too few, change nothing."""
+    import random
+
+    ctl = Controller(PROFILE, DIST, 100.0, 1024, env.client)
+    await ctl.tick(0.0, workers())
+    t0 = env.router.threshold
+    rng = random.Random(5)
+    same = [round(rng.lognormvariate(9.9, 1.0)) for _ in range(2000)]
+    same = [x for x in same if 128 <= x <= 131072]
+    assert not ctl.relearn(same)
+    short = [round(rng.lognormvariate(8.5, 1.0)) for _ in range(2000)]
+    assert not ctl.relearn(short[:150])  # too few samples
+    assert ctl.relearn(short)
+    applied = await ctl.tick(11.0, workers())
+    assert applied is not None and "workload change" in applied["reason"], applied
+    assert env.router.threshold < 0.5 * t0  # measured: 32.8K -> 6.7K tokens
+    assert not ctl.relearn(short)  # already modelled
+
+
 async def test_a_faster_prfaas_cluster_lowers_the_anchor(env):
     """With --prfaas-profile the PrfaaS side has its own hardware: prefill twice as fast there means
     the optimum offloads more (a lower t) than with one profile for both clusters."""

@@ -201,6 +201,7 @@ class ShortLoop:
         self._last_dir = 0  # +1 raised, -1 lowered, 0 none yet
         self._last_now = -math.inf
         self._resolve = False
+        self._resolve_why = "split change"
         self._anchor = self.t
         self._last_reason = ""
         self._episode_util = 0.0
@@ -208,12 +209,19 @@ class ShortLoop:
         self._excess_at_raise = -math.inf
         self._draining = False
 
-    def request_resolve(self, solver: ThresholdSolver | None = None) -> None:
+    def request_resolve(self, solver: ThresholdSolver | None = None, why: str = "split change") -> None:
         """Re-anchor ``t`` on the model at the next tick the rate limit allows (after a role change,
-        pass the solver for the new split). Not step-bounded: the instance counts moved."""
+        pass the solver for the new split; after the workload moved, one over the live lengths). Not
+        step-bounded: the instance counts or the workload moved. ``why`` goes into the decision's reason."""
         if solver is not None:
             self._solver = solver
         self._resolve = True
+        self._resolve_why = why
+
+    def anchor_at(self, link_gbps: float) -> float:
+        """The current solver's optimum (tokens, clamped) for a link of ``link_gbps`` (the configured
+        or measured capacity: ``util_target`` is applied here, as the loop does)."""
+        return self._clamp(self._solver(link_gbps * self.cfg.util_target))
 
     def _clamp(self, t: float) -> float:
         return min(max(float(t), self.cfg.t_min), self.cfg.t_max)
@@ -311,7 +319,7 @@ class ShortLoop:
             anchor = self._clamp(self._solver(bound if pressured else cap * c.util_target))
             self._anchor = anchor
             if abs(anchor - t) > c.deadband * t:
-                return anchor, "resolve_t", f"re-solve after split change: model t* {anchor:.0f}"
+                return anchor, "resolve_t", f"re-solve after {self._resolve_why}: model t* {anchor:.0f}"
             self._resolve = False
         if pressured:
             anchor = self._clamp(self._solver(bound))
