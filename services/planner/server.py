@@ -43,11 +43,13 @@ class Planner:
     ``mover``: the long-timescale loop's :class:`RoleMover` (a model-less one, for ``move_worker``
     only, when None); ``router``: a client to the router, for the threshold in force and the recent
     prompt lengths the long loop models (and, every ``workload_refresh`` seconds, the short loop's
-    model too). ``loop_interval`` and ``workload_refresh`` in seconds.
+    model too), the latest ``workload_samples`` of them. ``loop_interval`` and ``workload_refresh`` in
+    seconds.
     """
 
     def __init__(self, name: str = "planner", dead_after: float = 3.0, controller: Any = None, loop_interval: float = 1.0,
-                 mover: RoleMover | None = None, router: RpcClient | None = None, workload_refresh: float = 30.0):
+                 mover: RoleMover | None = None, router: RpcClient | None = None, workload_refresh: float = 30.0,
+                 workload_samples: int = 400):
         self.registry = WorkerRegistry(dead_after=dead_after)
         self.controller = controller  # a services.planner.control.Controller, or None (no scheduling loop)
         self.workers = ClientPool(service="planner", name=name, connect_timeout=2.0)
@@ -55,6 +57,7 @@ class Planner:
         self.router = router
         self.loop_interval = loop_interval
         self.workload_refresh = workload_refresh
+        self.workload_samples = workload_samples
         self._relearned_at = -math.inf
         self.loop_errors = 0
         self._task: asyncio.Task | None = None
@@ -103,7 +106,12 @@ class Planner:
             return
         self._relearned_at = now
         stats = await self.router.call("stats", {"lengths": True}, timeout=5.0)
-        self.controller.relearn([int(x) for x in stats.get("recent_lengths") or []])
+        self.controller.relearn(self._recent(stats))
+
+    def _recent(self, stats: dict[str, Any]) -> list[int]:
+        """The latest ``workload_samples`` incremental lengths (tokens) of a router ``stats`` answer:
+        both loops model the workload on them, so a shifted mix shows within that many arrivals."""
+        return [int(x) for x in (stats.get("recent_lengths") or [])[-self.workload_samples:]]
 
     async def _long_tick(self, now: float, view: list[dict[str, Any]]) -> None:
         """The long loop's step; the router's threshold and recent lengths are fetched only when the
@@ -112,7 +120,7 @@ class Planner:
             return
         stats = await self.router.call("stats", {"lengths": True}, timeout=5.0)
         self.mover.threshold = float(stats["threshold_tokens"])
-        self.mover.recent_lengths = [int(x) for x in stats.get("recent_lengths") or []]
+        self.mover.recent_lengths = self._recent(stats)
         self.mover.tick(now, view)
 
     @takes(MoveWorkerArgs)
@@ -185,7 +193,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
             mover = RoleMover(LongLoop(long_cfg), controller.base, dist, lambda addr: planner.workers.get(addr),
                               drain_timeout_s=args.drain_timeout)
     planner = Planner(args.name, args.dead_after, controller=controller, loop_interval=args.loop_interval, mover=mover,
-                      router=router, workload_refresh=args.workload_refresh)
+                      router=router, workload_refresh=args.workload_refresh, workload_samples=args.workload_samples)
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_PLANNER_ADDR"))
     await planner.server.start(host, port)
     planner.start()
@@ -228,6 +236,9 @@ def main() -> None:
     p.add_argument("--workload-refresh", type=float, default=30.0,
                    help="with --profile: seconds between reads of the router's recent incremental prompt lengths, which "
                         "re-anchor the short loop's model once they move its optimum threshold (200 samples at least)")
+    p.add_argument("--workload-samples", type=int, default=400,
+                   help="with --profile: how many of the router's latest incremental lengths both loops model the workload "
+                        "on (fewer follow a shift sooner, more are less noisy)")
     p.add_argument("--long-period", type=float, default=60.0, help="seconds between long-loop evaluations")
     p.add_argument("--long-hold", type=float, default=180.0, help="seconds an imbalance must persist before a worker moves")
     p.add_argument("--long-cooldown", type=float, default=600.0, help="seconds after a move before the next one")
