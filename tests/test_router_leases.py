@@ -51,13 +51,15 @@ def test_least_work_wins_over_fewest_requests():
     assert least_loaded(ws, {}, {})["name"] == "p0"
 
 
-def test_the_affinity_guard_in_work_units_allows_one_request_of_slack():
+def test_the_affinity_guard_counts_requests_and_work_orders_the_rest():
     ws = [w("p0"), w("p1"), w("p2")]
     blocks = {"p0": 8}
-    # others' mean work 1000: p0 may hold up to 2 * 1000 + slack
-    assert pick_affine(ws, blocks, {}, {"p0": 2500.0, "p1": 1000.0, "p2": 1000.0}, slack=600.0).worker["name"] == "p0"
-    pick = pick_affine(ws, blocks, {}, {"p0": 2700.0, "p1": 1000.0, "p2": 1000.0}, slack=600.0)
-    assert pick.worker["name"] == "p1" and pick.skipped == ("p0",)
+    work = {"p0": 9000.0, "p1": 1000.0, "p2": 500.0}
+    # the holder has 3 requests against its peers' mean of 1: within 2 * 1 + 1, affinity wins
+    assert pick_affine(ws, blocks, {"p0": 3, "p1": 1, "p2": 1}, work).worker["name"] == "p0"
+    # 4 is over the guard: the least queued work among the rest, not the fewest requests
+    pick = pick_affine(ws, blocks, {"p0": 4, "p1": 1, "p2": 1}, work)
+    assert pick.worker["name"] == "p2" and pick.skipped == ("p0",)
 
 
 def test_place_request_picks_prefill_by_work_and_decode_by_requests():

@@ -122,17 +122,17 @@ class AffinePick(NamedTuple):
 
 
 def pick_affine(workers: list[dict[str, Any]], prefix_blocks_by_node: dict[str, int],
-                inflight: dict[str, int], work: dict[str, float] | None = None, slack: float = 1.0) -> AffinePick | None:
+                inflight: dict[str, int], work: dict[str, float] | None = None) -> AffinePick | None:
     """The alive worker with the longest cached prefix, guarded by load; ``None`` when none is alive.
 
-    A candidate's load is :func:`worker_load` (requests), or with ``work`` its outstanding prefill
-    work (token-equivalents, prefill workers). Candidates are the alive ``workers``. The load guard
-    skips a candidate whose load exceeds ``2 * mean + slack``, ``mean`` being the mean load of the
-    *other* candidates (a lone candidate is never skipped); ``slack`` is one request in the load's
-    unit (1 request; with ``work``, this request's own work). Among the rest the order is: most
-    cached blocks (``prefix_blocks_by_node``, 0 when absent), then least load, then
-    :func:`worker_load`, then name. The least loaded candidate is never over the guard, so someone
-    is always chosen; with no prefix anywhere the choice equals :func:`least_loaded`.
+    Candidates are the alive ``workers``. The load guard skips a candidate whose :func:`worker_load`
+    (requests) exceeds ``2 * mean + 1``, ``mean`` being the mean load of the *other* candidates (a
+    lone candidate is never skipped): it bounds how many requests a flood of one prefix piles on
+    its holder. Among the rest the order is: most cached blocks (``prefix_blocks_by_node``, 0 when
+    absent), then least load (with ``work``: outstanding prefill token-equivalents, prefill
+    workers; else requests), then :func:`worker_load`, then name. The least loaded candidate is
+    never over the guard, so someone is always chosen; with no prefix anywhere the choice equals
+    :func:`least_loaded`.
 
     Why the others' mean: with two workers, a mean that included the candidate itself could never
     be exceeded twice over (``k <= 2 * k / 2 + 1`` for every ``k``), so the guard would never fire.
@@ -143,12 +143,12 @@ def pick_affine(workers: list[dict[str, Any]], prefix_blocks_by_node: dict[str, 
         return None
     counts = {w["name"]: worker_load(w, inflight) for w in alive}
     loads = counts if work is None else {w["name"]: work.get(w["name"], 0.0) for w in alive}
-    total = sum(loads.values())
+    total = sum(counts.values())
     others = len(alive) - 1
 
-    def over(w: dict[str, Any]) -> bool:  # load > 2 * (total - load) / others + slack, without dividing
-        load = loads[w["name"]]
-        return others > 0 and load * others > 2 * (total - load) + slack * others
+    def over(w: dict[str, Any]) -> bool:  # requests > 2 * (total - requests) / others + 1, without dividing
+        load = counts[w["name"]]
+        return others > 0 and load * others > 2 * (total - load) + others
 
     def blocks(w: dict[str, Any]) -> int:
         return prefix_blocks_by_node.get(w["name"], 0)
@@ -292,7 +292,7 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
     True) and ``l`` is recomputed for it. A prefix move is suggested only when bandwidth is
     plentiful. Then :func:`pick_affine` picks the prefill worker in the chosen cluster and the
     decode worker (not in ``exclude_decode``); prefill workers by ``prefill_work`` when given (see
-    :func:`place`), the guard's slack then being this request's ``l``. ``prefill_prefix_tokens`` is capped like ``l_pd``
+    :func:`place`) among those the load guard (in requests) lets through. ``prefill_prefix_tokens`` is capped like ``l_pd``
     (the last prompt token is always computed); ``decode_prefix_tokens`` is blocks x ``block_size``.
     Raises :class:`NoWorker`, or ``ValueError`` for lengths that do not fit the prompt.
     """
@@ -326,8 +326,7 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
             best = max(holders, key=lambda w: (prefix_blocks[w["name"]], w["name"]))
             source = {"name": best["name"], "addr": best["addr"],
                       "tokens": min(prefix_blocks[best["name"]] * block_size, prompt_len - 1)}
-    pf = pick_affine(prefills[CLUSTER_OF_ROUTE[route]], prefix_blocks, inflight, prefill_work,
-                     slack=1.0 if prefill_work is None else float(max(1, l)))
+    pf = pick_affine(prefills[CLUSTER_OF_ROUTE[route]], prefix_blocks, inflight, prefill_work)
     dec = pick_affine([w for w in alive if w["role"] == "decode" and w["name"] not in exclude_decode],
                       prefix_blocks, inflight)
     if pf is None:  # unreachable: the route's cluster has an alive prefill worker
