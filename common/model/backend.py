@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from common.kv.paged_store import PagedKvStore
+from common.model.cores import CoreShare
 from common.model.loader import LoadedModel
 from common.model.paged_attention import ATTN_IMPL, decode_step, install_layer_hooks
 
@@ -73,6 +74,9 @@ class Backend(ABC):
                    wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Feed ``tokens[r]`` to ``seqs[r]`` (``PagedSeq``); returns float32 logits ``[rows, vocab]``."""
 
+    def decode_busy(self, busy: bool) -> None:  # noqa: B027 - a hook most backends do not need
+        """The decode worker has running rows (True) or none (False). Nothing by default."""
+
 
 def chunk_bounds(n: int, prefix_len: int, chunk_tokens: int, checkpoints: Iterable[int]) -> tuple[list[tuple[int, int]], set[int]]:
     """The chunks ``[(a, b), ...]`` a prefill of tokens ``[prefix_len, n)`` computes, in order: cut every
@@ -108,11 +112,14 @@ def export_layer(cache: DynamicCache, i: int) -> LayerState:
 class TorchBackend(Backend):
     """Runs a transformers causal LM on the CPU (see ``common/model/loader.py``)."""
 
-    def __init__(self, loaded: LoadedModel, threads: int | None = None):
+    def __init__(self, loaded: LoadedModel, threads: int | None = None, cores: CoreShare | None = None):
+        """``threads``: a fixed torch thread count; ``cores``: lease the machine's cores per compute call
+        instead (each prefill layer and each decode step, see ``common/model/cores.py``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.model.config
         self._lock = threading.Lock()
+        self.cores = cores
         if threads:
             torch.set_num_threads(threads)
 
@@ -144,8 +151,19 @@ class TorchBackend(Backend):
         kinds = self.loaded.layer_types
         per_chunk = len(bounds) > 1 or prefix_len > 0
 
+        held: list[list[int]] = []  # the cores of the running layer (with self.cores)
+
+        def take_cores(_module, _args):
+            if self.cores is not None:
+                held.append(self.cores.acquire("prefill"))
+
+        def give_cores() -> None:
+            while held:
+                self.cores.release(held.pop())
+
         def make_hook(i: int):
             def hook(_module, _args, _output):
+                give_cores()
                 if kinds[i] == "attention" and per_chunk:
                     on_layer(i, export_layer(cache, i), current["a"])
                 elif current["final"]:
@@ -159,9 +177,12 @@ class TorchBackend(Backend):
                 raise PrefillCancelled("prefill stopped before the first layer")
 
         handles = [layers[0].register_forward_pre_hook(pre_hook)]
+        handles += [layer.register_forward_pre_hook(take_cores) for layer in layers]
         handles += [layer.register_forward_hook(make_hook(i)) for i, layer in enumerate(layers)]
         try:
             with self._lock, torch.inference_mode():
+                if self.cores is not None:
+                    self.cores.set_busy("prefill", True)
                 for a, b in bounds:
                     current.update(a=a, final=b == n)
                     ids = torch.tensor([input_ids[a:b]], dtype=torch.long)
@@ -170,6 +191,9 @@ class TorchBackend(Backend):
                     if b in marks and on_checkpoint is not None:
                         on_checkpoint(b, {i: export_layer(cache, i) for i, k in enumerate(kinds) if k != "attention"})
         finally:
+            give_cores()
+            if self.cores is not None:
+                self.cores.set_busy("prefill", False)
             for h in handles:
                 h.remove()
         return out.logits[0, -1].float()
@@ -229,7 +253,19 @@ class TorchBackend(Backend):
                    wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """One decode step from the pool (see :func:`common.model.paged_attention.decode_step`); float32 ``[rows, vocab]``."""
         with self._lock:
-            return decode_step(self.model, store, seqs, tokens, wait_layer)
+            if self.cores is None:
+                return decode_step(self.model, store, seqs, tokens, wait_layer)
+            if wait_layer is not None:  # an early step waits for a prefill's layers: it must hold no core that prefill needs
+                torch.set_num_threads(1)
+                return decode_step(self.model, store, seqs, tokens, wait_layer)
+            with self.cores.lease("decode"):
+                return decode_step(self.model, store, seqs, tokens, wait_layer)
+
+    def decode_busy(self, busy: bool) -> None:
+        """The decode worker has running rows (True) or none (False): with shared cores, prefills
+        then leave the other cores to it (see ``common/model/cores.py``)."""
+        if self.cores is not None:
+            self.cores.set_busy("decode", busy)
 
 
 def _emulated(loaded: LoadedModel | None, **kwargs) -> Backend:
