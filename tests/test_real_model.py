@@ -90,8 +90,8 @@ async def test_chat_capital_of_france_is_paris(cluster):
 async def test_local_route_chat_prompts_equal_generate(cluster, tok):
     prompts = [chat_ids(tok, q) for q in CHAT_QUESTIONS]
     assert len(prompts) >= 20 and all(len(p) < THRESHOLD for p in prompts)
-    sent = asyncio.gather(*(stream_ids(cluster.url, body_of(p, 10)) for p in prompts))
-    refs = await asyncio.to_thread(lambda: [reference_greedy(SPEC, p, 10) for p in prompts])
+    sent = asyncio.gather(*(stream_ids(cluster.url, body_of(p, 8)) for p in prompts))
+    refs = await asyncio.to_thread(lambda: [reference_greedy(SPEC, p, 8) for p in prompts])
     got = await sent
     for q, g, ref in zip(CHAT_QUESTIONS, got, refs):
         assert g == ref, (q, tok.decode(g), tok.decode(ref))
@@ -128,9 +128,9 @@ async def test_decode_failover_mid_stream_equals_generate(cluster, tok):
                     killed.append(d)
                     return
 
-    sent = asyncio.ensure_future(stream_ids(cluster.url, body_of(prompt, 40), on_token))
-    ref = await asyncio.to_thread(reference_greedy, SPEC, prompt, 40)
+    sent = asyncio.ensure_future(stream_ids(cluster.url, body_of(prompt, 32), on_token))
+    ref = await asyncio.to_thread(reference_greedy, SPEC, prompt, 32)
     got = await sent
     assert killed, "the stream finished before a decode worker could be killed"
-    assert len(ref) == 40 and got == ref, (tok.decode(got), tok.decode(ref))
+    assert len(ref) == 32 and got == ref, (tok.decode(got), tok.decode(ref))
     assert await metric(cluster, "prfaas_gateway_retries_total", reason="decode_resumed") >= 1

@@ -26,6 +26,7 @@ from transformers import DynamicCache
 
 from common.kv.paged_store import PagedKvStore
 from common.model.cores import CoreShare
+from common.model.lean_decode import LeanLlamaDecoder, lean_supported
 from common.model.loader import LoadedModel
 from common.model.paged_attention import ATTN_IMPL, decode_step, install_layer_hooks
 
@@ -120,6 +121,7 @@ class TorchBackend(Backend):
         self.config = loaded.model.config
         self._lock = threading.Lock()
         self.cores = cores
+        self.lean: LeanLlamaDecoder | None = None  # the decode step of a Llama-layout model (set by paged_store)
         if threads:
             torch.set_num_threads(threads)
 
@@ -245,21 +247,30 @@ class TorchBackend(Backend):
         """A paged KVCache pool of ``capacity_bytes`` for this model, and the model switched to paged
         decode (the attention falls back to SDPA outside a paged step, so prefill is unchanged)."""
         store = PagedKvStore(self.state_specs, capacity_bytes, block_size)
+        if self.lean is None and lean_supported(self.model):
+            self.lean = LeanLlamaDecoder(self.model)
         self.model.set_attn_implementation(ATTN_IMPL)
         install_layer_hooks(self._decoder_layers())
         return store
 
     def paged_step(self, store: PagedKvStore, seqs: list, tokens: list[int],
                    wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """One decode step from the pool (see :func:`common.model.paged_attention.decode_step`); float32 ``[rows, vocab]``."""
+        """One decode step from the pool: float32 ``[rows, vocab]``. A Llama-layout model runs the lean
+        step (``common/model/lean_decode.py``), others the transformers forward over the pool
+        (:func:`common.model.paged_attention.decode_step`)."""
         with self._lock:
             if self.cores is None:
-                return decode_step(self.model, store, seqs, tokens, wait_layer)
+                return self._step(store, seqs, tokens, wait_layer)
             if wait_layer is not None:  # an early step waits for a prefill's layers: it must hold no core that prefill needs
                 torch.set_num_threads(1)
-                return decode_step(self.model, store, seqs, tokens, wait_layer)
+                return self._step(store, seqs, tokens, wait_layer)
             with self.cores.lease("decode"):
-                return decode_step(self.model, store, seqs, tokens, wait_layer)
+                return self._step(store, seqs, tokens, wait_layer)
+
+    def _step(self, store: PagedKvStore, seqs: list, tokens: list[int], wait_layer) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean.step(store, seqs, tokens, wait_layer)
+        return decode_step(self.model, store, seqs, tokens, wait_layer)
 
     def decode_busy(self, busy: bool) -> None:
         """The decode worker has running rows (True) or none (False): with shared cores, prefills
