@@ -68,7 +68,8 @@ def run_prfaas(args, tok, plan: BenchPlan, out: Path, bar) -> SideResult:
     logs = out.parent / (out.name + "-prfaas-logs")
     logs.mkdir(parents=True, exist_ok=True)
     names = ("planner", "router", "gateway", "prefill_remote", "prefill_local", "decode")
-    c = Cluster(model=SPEC, log_dir=logs, pd_local=True, env=dict(args.prfaas_env),
+    env = {"PRFAAS_THREADS": "shared", "PRFAAS_CORES_DIR": str(logs / "cores"), **dict(args.prfaas_env)}  # as .env
+    c = Cluster(model=SPEC, log_dir=logs, pd_local=True, env=env,
                 wrap={n: ("taskset", "-c", args.cores) for n in names})
     bar.set_description("PrfaaS start-up")
     t0 = time.monotonic()
@@ -158,7 +159,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="vLLM/PrfaaS pairs, alternating (default 1 with --quick, else 2)")
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM with --enforce-eager (not a speed comparison)")
     ap.add_argument("--prfaas-env", action="append", type=lambda s: tuple(s.split("=", 1)), default=[],
-                    metavar="NAME=VALUE", help="extra environment for the PrfaaS services (repeatable)")
+                    metavar="NAME=VALUE", help="environment for the PrfaaS services (repeatable; default as .env: "
+                    "PRFAAS_THREADS=shared)")
     args = ap.parse_args()
     plan = BenchPlan.quick() if args.quick else BenchPlan()
     rounds = args.rounds or (1 if args.quick else 2)
