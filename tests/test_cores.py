@@ -122,3 +122,14 @@ def test_a_backend_on_shared_cores_computes_the_same_and_holds_none_after(tmp_pa
     with probe.lease("decode") as n:  # nothing is left held or marked busy
         assert n == 2
     probe.close()
+
+
+def test_threads_flag():
+    import argparse
+
+    from common.worker.flags import threads_flag
+
+    assert threads_flag("shared") == "shared" and threads_flag("2") == 2 and threads_flag("0") == 0
+    for bad in ("-1", "two", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            threads_flag(bad)
