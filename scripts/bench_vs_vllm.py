@@ -126,23 +126,30 @@ def plot(p: SideResult, v: SideResult, rs, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
     lengths = list(p.ttft_s)
     ax[0].plot(lengths, [p.ttft_s[n] for n in lengths], "o-", label="PrfaaS")
     ax[0].plot(lengths, [v.ttft_s[n] for n in lengths], "s-", label="vLLM")
     ax[0].set(xlabel="prompt tokens", ylabel="TTFT (s)", title="TTFT (one request)", xscale="log", yscale="log")
+    ax[0].set_xticks(lengths, [str(n) for n in lengths], minor=False)
+    ax[0].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     cs = list(p.decode_tok_s)
     ax[1].plot(cs, [p.decode_tok_s[c] for c in cs], "o-", label="PrfaaS")
     ax[1].plot(cs, [v.decode_tok_s[c] for c in cs], "s-", label="vLLM")
     ax[1].set(xlabel="concurrent requests", ylabel="decode tokens/s", title="decode throughput", xscale="log")
+    ax[1].set_xticks(cs, [str(c) for c in cs])
+    ax[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     named = [(n, a / b, t) for n, a, b, _, t in rs if b]
-    ax[2].barh([n for n, _, _ in named], [r for _, r, _ in named], color=["tab:blue"] * len(named))
+    y = range(len(named))
+    ax[2].barh(list(y), [r for _, r, _ in named], color="tab:blue")
     for i, (_, _, t) in enumerate(named):
         if t is not None:
-            ax[2].plot([t, t], [i - 0.4, i + 0.4], "r-")
+            ax[2].plot([t, t], [i - 0.4, i + 0.4], "r-", lw=2)
     ax[2].axvline(1.0, color="gray", lw=0.8)
-    ax[2].set(xlabel="PrfaaS / vLLM (red: target)", title="ratios", xscale="log")
+    ax[2].set_yticks(list(y), [n for n, _, _ in named])
+    ax[2].set(xlabel="PrfaaS / vLLM (red: target)", title="ratios", xlim=(0, max(3.0, max(r for _, r, _ in named) * 1.05)))
     ax[2].invert_yaxis()
     for a in ax[:2]:
         a.legend()

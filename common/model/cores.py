@@ -16,6 +16,11 @@ Policy (:meth:`CoreShare.acquire`):
 
 A decode step of this model is bound by memory bandwidth at batch 1 and by compute at larger
 batches; a prefill is compute-bound: both gain from a second core when the other side is idle.
+
+The leases count only the workers that share the directory. On a machine where other busy processes
+take the cores, a two-thread compute region waits for whichever thread the kernel descheduled (a
+lean decode step at batch 16 ran 6x slower on two threads than on one under such load, here): give
+such a deployment a fixed ``--threads 1``.
 """
 
 from __future__ import annotations
