@@ -57,6 +57,15 @@ def test_signals_from_the_view():
     assert counts(workers()) == (4, 3, 5)
 
 
+def test_signals_carry_the_worst_standing_queue():
+    ws = workers(goodput_bps=10e9)
+    ws[0]["stats"]["links"]["decode:1"].update(rtt_ms=90.0, rtt_min_ms=1.0, rtt_floor_ms=61.0, backlogged_s=4.5)
+    ws[1]["stats"]["links"]["decode:1"].update(rtt_ms=300.0, rtt_min_ms=1.0, rtt_floor_ms=2.0)  # bursts only
+    sig, _ = signals(ws, 100.0, {})
+    assert sig.rtt_standing_ms == pytest.approx(60.0) and sig.rtt_excess_ms == pytest.approx(299.0) and sig.backlog_s == 4.5
+    assert signals(workers(), 100.0, {})[0].rtt_standing_ms == 0.0
+
+
 def test_signals_use_the_measured_capacity():
     # 4 workers, each link measured at 10 Gbit/s: 40 Gbit/s, below the configured 100.
     sig, _ = signals(workers(goodput_bps=20e9, capacity_bps=10e9), 100.0, {})
@@ -143,6 +152,29 @@ async def test_controller_sets_the_model_optimum_then_raises_t_when_the_link_fil
     st = ctl.state()
     json.dumps(st)  # JSON-safe
     assert st["applied"]["decisions"] >= 2 and st["shape"] == [4, 3, 5]
+
+
+async def test_a_shifted_workload_re_anchors_the_model(env):
+    """The configured mix is the paper's (mean ~30K tokens); the router's recent lengths say prompts
+    are now much shorter: the loop re-solves t on them (a lower optimum: the long tail that pays for
+    the link is gone), at once and beyond the queue-driven factor; lengths like the configured ones,
+    or too few, change nothing."""
+    import random
+
+    ctl = Controller(PROFILE, DIST, 100.0, 1024, env.client)
+    await ctl.tick(0.0, workers())
+    t0 = env.router.threshold
+    rng = random.Random(5)
+    same = [round(rng.lognormvariate(9.9, 1.0)) for _ in range(2000)]
+    same = [x for x in same if 128 <= x <= 131072]
+    assert not ctl.relearn(same)
+    short = [round(rng.lognormvariate(8.5, 1.0)) for _ in range(2000)]
+    assert not ctl.relearn(short[:150])  # too few samples
+    assert ctl.relearn(short)
+    applied = await ctl.tick(11.0, workers())
+    assert applied is not None and "workload change" in applied["reason"], applied
+    assert env.router.threshold < 0.5 * t0  # measured: 32.8K -> 6.7K tokens
+    assert not ctl.relearn(short)  # already modelled
 
 
 async def test_a_faster_prfaas_cluster_lowers_the_anchor(env):

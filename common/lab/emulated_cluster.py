@@ -20,7 +20,9 @@ wire bytes. Every rate of the paper's model is then ``time_scale`` times the uns
 threshold is ``t / token_scale``, so the planner's decisions are the unscaled model's. Its time
 constants are divided by ``time_scale`` as well (short-loop tick 1 s, at most one threshold change per
 10 s, a reversal after 30 s; the long loop's period, hold and cool-down), so the controllers react
-on the emulated clock as they would on a real one. Without the planner loop the router keeps a
+on the emulated clock as they would on a real one. The router weighs the prefill work queued on
+each worker with its cluster's fixed per-request cost from the profile
+(:meth:`EmulatedProfile.prefill_fixed_tokens`, in carried tokens). Without the planner loop the router keeps a
 static ``threshold`` (carried tokens).
 
 Ownership: the cluster owns its processes (logs in ``log_dir``), its link proxies and its RPC
@@ -157,7 +159,7 @@ class EmulatedCluster:
             "--l-out", str(self.max_tokens), "--length-mu", repr(w.mu - math.log(s.token_scale)),
             "--length-sigma", repr(w.sigma), "--length-lo", repr(w.lo / s.token_scale), "--length-hi", repr(w.hi / s.token_scale),
             "--loop-interval", repr(1.0 / s.time_scale), "--short-min-interval", repr(10.0 / s.time_scale),
-            "--short-reverse-interval", repr(30.0 / s.time_scale),
+            "--short-reverse-interval", repr(30.0 / s.time_scale), "--workload-refresh", repr(30.0 / s.time_scale),
             "--long-loop", "on" if self.long_loop else "off",
             "--long-period", repr(self.long_period_s / s.time_scale), "--long-hold", repr(self.long_hold_s / s.time_scale),
             "--long-cooldown", repr(self.long_cooldown_s / s.time_scale), "--drain-timeout", repr(60.0 / s.time_scale),
@@ -169,7 +171,9 @@ class EmulatedCluster:
         gw_port = a["gateway"].rpartition(":")[2]
         cmds = {
             "planner": self._planner_cmd(),
-            "router": py + ["services.router", "--listen", a["router"], "--planner", a["planner"], "--threshold", str(self.threshold)],
+            "router": py + ["services.router", "--listen", a["router"], "--planner", a["planner"], "--threshold", str(self.threshold),
+                            *(f for name, hw in (("pd", self.pd_hw), ("prfaas", self.prfaas_hw))
+                              for f in ("--prefill-fixed-tokens", f"{name}={hw.prefill_fixed_tokens() / self.scales.token_scale!r}"))],
             "gateway": py + ["services.gateway", "--host", LOCAL, "--port", gw_port, "--router", a["router"],
                              "--planner", a["planner"], "--model", "emulated", "--max-inflight", "4096"],
         }

@@ -122,16 +122,23 @@ def signals(workers: list[dict[str, Any]], link_gbps: float | None, prev: dict[s
     rtt = [(float(s["rtt_ms"]) / float(s["rtt_min_ms"]), float(s["rtt_ms"]) - float(s["rtt_min_ms"]))
            for s in links if s.get("rtt_ms") and s.get("rtt_min_ms")]
     worst = max(rtt, default=(1.0, 0.0))
+    standing = max((float(s["rtt_floor_ms"]) - float(s["rtt_min_ms"]) for s in links
+                    if s.get("rtt_floor_ms") is not None and s.get("rtt_min_ms") is not None), default=0.0)
     q_prfaas, q_pdp, q_decode = queue_depths(alive)
     sig = ShortSignals(
         egress_util=goodput / (cap_gbps * 1e9),
         link_gbps=cap_gbps,
         stalls=int(max(0.0, now["stalls"] - prev.get("stalls", now["stalls"]))),
         retransmits=int(max(0.0, now["retransmits"] - prev.get("retransmits", now["retransmits"]))),
-        rtt_inflation=worst[0], rtt_excess_ms=worst[1],
+        rtt_inflation=worst[0], rtt_excess_ms=worst[1], rtt_standing_ms=max(0.0, standing),
+        backlog_s=max((float(s.get("backlogged_s") or 0.0) for s in links), default=0.0),
         q_prfaas=q_prfaas, q_pdp=q_pdp, q_decode=q_decode,
     )
     return sig, now
+
+
+WORKLOAD_MIN_SAMPLES = 200  # recent lengths before the live workload replaces the configured distribution
+RELEARN_BAND = 0.10  # relative move of t* that re-anchors on the live workload (sampling noise stays below it)
 
 
 class Controller:
@@ -168,11 +175,34 @@ class Controller:
         self.applied = Counter()
         self.last_reason = ""
 
-    def _solver(self, shape: tuple[int, int, int]) -> ModelThreshold:
+    def _solver(self, shape: tuple[int, int, int], dist: tm.LengthDistribution | None = None) -> ModelThreshold:
         n_prfaas, n_p, n_d = shape
         dep = replace(self.base, n_prfaas=max(1, n_prfaas), n_p=n_p, n_d=max(1, n_d),
                       pdp_hw=self.base.pdp_hw if n_p else None)
-        return ModelThreshold(dep, self.dist, grid=120)
+        return ModelThreshold(dep, self.dist if dist is None else dist, grid=120)
+
+    def relearn(self, lengths: list[int], min_samples: int = WORKLOAD_MIN_SAMPLES) -> bool:
+        """Model the workload on the router's recent incremental prompt lengths (tokens) once there
+        are ``min_samples``: when the optimum ``t*`` over them, at the link capacity in use, differs
+        from the current model's by more than :data:`RELEARN_BAND`, the loop re-anchors on it (a
+        re-solve, as after a role change). The configured distribution only stands in until then: a
+        mix that shifts (e.g. to shorter prompts) moves eq. 7's optimum, and the queue-driven steps
+        around the anchor are bounded to a factor ``max_adjust`` of it. Returns whether it re-anchored."""
+        if self.loop is None or self.shape is None or len(lengths) < min_samples:
+            return False
+        live = tm.EmpiricalLengths(lengths)
+        solver = self._solver(self.shape, live)
+        old, new = self.loop.anchor_at(self.link_gbps_used), self._clamp(solver(self.link_gbps_used * self.config.util_target))
+        if abs(new - old) <= max(self.config.deadband, RELEARN_BAND) * old:
+            return False
+        self.dist = live
+        self.loop.request_resolve(solver, why=f"workload change ({len(lengths)} recent lengths, mean {live.mean():.0f} tokens)")
+        log.info("workload moved: model t* %.0f -> %.0f over %d recent lengths (mean %.0f tokens)", old, new, len(lengths),
+                 live.mean())
+        return True
+
+    def _clamp(self, t: float) -> float:
+        return min(max(float(t), self.config.t_min), self.config.t_max)
 
     async def tick(self, now: float, workers: list[dict[str, Any]]) -> dict[str, Any] | None:
         """One step: sample, decide, apply at the router. Returns what was applied, or None."""

@@ -42,17 +42,20 @@ class Planner:
     ``controller``: the short-timescale loop (a ``services.planner.control.Controller``) or None;
     ``mover``: the long-timescale loop's :class:`RoleMover` (a model-less one, for ``move_worker``
     only, when None); ``router``: a client to the router, for the threshold in force and the recent
-    prompt lengths the long loop models. ``loop_interval`` in seconds.
+    prompt lengths the long loop models (and, every ``workload_refresh`` seconds, the short loop's
+    model too). ``loop_interval`` and ``workload_refresh`` in seconds.
     """
 
     def __init__(self, name: str = "planner", dead_after: float = 3.0, controller: Any = None, loop_interval: float = 1.0,
-                 mover: RoleMover | None = None, router: RpcClient | None = None):
+                 mover: RoleMover | None = None, router: RpcClient | None = None, workload_refresh: float = 30.0):
         self.registry = WorkerRegistry(dead_after=dead_after)
         self.controller = controller  # a services.planner.control.Controller, or None (no scheduling loop)
         self.workers = ClientPool(service="planner", name=name, connect_timeout=2.0)
         self.mover = mover or RoleMover(LongLoop(LongConfig()), None, None, self.workers.get)
         self.router = router
         self.loop_interval = loop_interval
+        self.workload_refresh = workload_refresh
+        self._relearned_at = -math.inf
         self.loop_errors = 0
         self._task: asyncio.Task | None = None
         self.server = RpcServer(
@@ -83,10 +86,24 @@ class Planner:
                 self.loop_errors += 1
                 log.exception("short-timescale loop tick failed")
             try:
+                await self._relearn(now)
+            except Exception:
+                self.loop_errors += 1
+                log.exception("workload refresh failed")
+            try:
                 await self._long_tick(now, view)
             except Exception:
                 self.loop_errors += 1
                 log.exception("long-timescale loop tick failed")
+
+    async def _relearn(self, now: float) -> None:
+        """Every ``workload_refresh`` seconds: the router's recent incremental lengths re-anchor the
+        short loop's model when they move its optimum (:meth:`Controller.relearn`)."""
+        if self.router is None or now - self._relearned_at < self.workload_refresh:
+            return
+        self._relearned_at = now
+        stats = await self.router.call("stats", {"lengths": True}, timeout=5.0)
+        self.controller.relearn([int(x) for x in stats.get("recent_lengths") or []])
 
     async def _long_tick(self, now: float, view: list[dict[str, Any]]) -> None:
         """The long loop's step; the router's threshold and recent lengths are fetched only when the
@@ -168,7 +185,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
             mover = RoleMover(LongLoop(long_cfg), controller.base, dist, lambda addr: planner.workers.get(addr),
                               drain_timeout_s=args.drain_timeout)
     planner = Planner(args.name, args.dead_after, controller=controller, loop_interval=args.loop_interval, mover=mover,
-                      router=router)
+                      router=router, workload_refresh=args.workload_refresh)
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_PLANNER_ADDR"))
     await planner.server.start(host, port)
     planner.start()
@@ -208,6 +225,9 @@ def main() -> None:
                    help="seconds before the short-timescale loop may reverse the direction of its last change")
     p.add_argument("--long-loop", choices=["on", "off"], default="on",
                    help="with --profile: move switchable PD workers between prefill and decode when eq. 8 is out of balance")
+    p.add_argument("--workload-refresh", type=float, default=30.0,
+                   help="with --profile: seconds between reads of the router's recent incremental prompt lengths, which "
+                        "re-anchor the short loop's model once they move its optimum threshold (200 samples at least)")
     p.add_argument("--long-period", type=float, default=60.0, help="seconds between long-loop evaluations")
     p.add_argument("--long-hold", type=float, default=180.0, help="seconds an imbalance must persist before a worker moves")
     p.add_argument("--long-cooldown", type=float, default=600.0, help="seconds after a move before the next one")

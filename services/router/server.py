@@ -1,7 +1,9 @@
 """Router service: places each request on a prefill worker (PrfaaS or PD-P) and a PD-D decode worker.
 
-Request lifecycle at the router: ``place`` (decision logged and counted, in-flight counts raised on
-both chosen workers) -> the gateway drives the request -> ``release`` (counts lowered). The router
+Request lifecycle at the router: ``place`` (decision logged and counted, in-flight counts and the
+prefill worker's queued work raised: :class:`~services.router.leases.Leases`) -> the gateway drives
+the request -> ``prefill_done`` at its first token (the prefill worker's share lowered) ->
+``release`` (every count lowered). The router
 is not on the data path: tokens never pass through it, so a router restart loses no request that
 was already placed. In-flight entries carry a lease (``release_after`` seconds) so a gateway that
 dies without releasing cannot pin load on a worker forever.
@@ -44,6 +46,7 @@ from proto.frames import ErrorCode
 from services.planner.messages import CLUSTERS
 from services.router import placement
 from services.router.kv_index import KvIndex
+from services.router.leases import Leases
 from services.router.messages import (
     KvEventsArgs,
     KvResyncArgs,
@@ -77,11 +80,14 @@ class Router:
 
     ``threshold`` in tokens; ``refresh`` and ``release_after`` in seconds; ``bandwidth_plentiful``
     selects the short-timescale rule; ``forget_after``: seconds a worker must have been reported
-    dead before its cache leaves the index.
+    dead before its cache leaves the index; ``prefill_fixed_tokens``: per cluster, the fixed cost of
+    one prefill in token-equivalents (intercept / slope of its prefill-time profile; 0 when absent),
+    added to each request's ``l`` in the prefill workers' queued work.
     """
 
     def __init__(self, planner_addr: str, threshold: int, name: str = "router", refresh: float = 0.5, release_after: float = 3600.0,
-                 bandwidth_plentiful: bool = False, forget_after: float = 10.0):
+                 bandwidth_plentiful: bool = False, forget_after: float = 10.0,
+                 prefill_fixed_tokens: dict[str, float] | None = None):
         self.threshold = threshold
         self.refresh = refresh
         self.release_after = release_after
@@ -90,8 +96,9 @@ class Router:
         self.planner = RpcClient(planner_addr, service="router", name=name, connect_timeout=2.0)
         self.workers: list[dict[str, Any]] = []
         self.view_at = 0.0
-        self.inflight: Counter[str] = Counter()
-        self.placed: dict[str, tuple[list[str], float]] = {}  # req_id -> (worker names, placed at)
+        self.leases = Leases()
+        self.inflight = self.leases.inflight  # worker name -> requests (see Leases), read by placement
+        self.prefill_fixed_tokens = dict(prefill_fixed_tokens or {})
         self.decisions: Counter[str] = Counter()
         self.fallbacks = 0
         self.index = KvIndex()
@@ -105,7 +112,8 @@ class Router:
         self.recent_lengths: deque[int] = deque(maxlen=RECENT_LENGTHS)  # incremental lengths l of the latest placements
         self.server = RpcServer(
             "router", name,
-            handlers={"place": self.place, "release": self.release, "stats": self.stats, "health": self.health,
+            handlers={"place": self.place, "release": self.release, "prefill_done": self.prefill_done,
+                      "stats": self.stats, "health": self.health,
                       "set_threshold": self.set_threshold, "set_bandwidth": self.set_bandwidth, "kv_events": self.kv_events,
                       "kv_resync": self.kv_resync},
         )
@@ -133,11 +141,8 @@ class Router:
         self._forget_dead()
 
     def _expire_leases(self) -> None:
-        now = time.monotonic()
-        for req_id, (_, at) in list(self.placed.items()):
-            if now - at > self.release_after:
-                log.warning("lease of %s expired without release", req_id)
-                self._release(req_id)
+        for req_id in self.leases.expire(time.monotonic(), self.release_after):
+            log.warning("lease of %s expired without release", req_id)
 
     # -- global KVCache index ----------------------------------------------------------------
     def _forget(self, node: str) -> None:
@@ -236,7 +241,8 @@ class Router:
             p = placement.place_request(
                 args.prompt_len, self.threshold, self.workers, self.inflight,
                 exclude_decode=set(args.exclude_decode), exclude_prefill=set(args.exclude_prefill),
-                block_size=args.block_size, prefix_blocks=blocks, bandwidth_plentiful=self.bandwidth_plentiful)
+                block_size=args.block_size, prefix_blocks=blocks, bandwidth_plentiful=self.bandwidth_plentiful,
+                prefill_work=self.leases.prefill_work)
         except placement.NoWorker as e:
             excluded = sorted(set(args.exclude_decode if e.role == "decode" else args.exclude_prefill))
             why = f"no alive {e.role} worker is left outside the excluded ones ({', '.join(excluded)})" if excluded else str(e)
@@ -247,11 +253,8 @@ class Router:
         self.recent_lengths.append(p.incremental_len)
         self.fallbacks += p.fell_back
         self._count_prefix(args.prompt_len, p)
-        names = [p.prefill["name"], p.decode["name"]]
-        for n in names:
-            self.inflight[n] += 1
-        if args.req_id:
-            self.placed[args.req_id] = (names, time.monotonic())
+        work = p.incremental_len + self.prefill_fixed_tokens.get(p.prefill["cluster"], 0.0)
+        self.leases.place(args.req_id, p.prefill["name"], p.decode["name"], work, time.monotonic())
         log.info("route=%s req=%s prefill=%s decode=%s %s", p.route, args.req_id, p.prefill["name"], p.decode["name"], p.reason)
         return {
             "route": p.route,
@@ -296,21 +299,17 @@ class Router:
         log.info("threshold changed from %d to %d tokens", old, t)
         return {"threshold": t, "previous": old}
 
-    def _release(self, req_id: str) -> bool:
-        entry = self.placed.pop(req_id, None)
-        if entry is None:
-            return False
-        for n in entry[0]:
-            self.inflight[n] -= 1
-            if self.inflight[n] <= 0:
-                del self.inflight[n]
-        return True
-
     @takes(ReleaseArgs)
     async def release(self, args: ReleaseArgs) -> dict[str, Any]:
         """Request ``req_id`` is done: lower its workers' in-flight counts (``released`` False when
         the router holds no lease for it, e.g. it expired or the router restarted)."""
-        return {"released": self._release(args.req_id)}
+        return {"released": self.leases.release(args.req_id)}
+
+    @takes(ReleaseArgs)
+    async def prefill_done(self, args: ReleaseArgs) -> dict[str, Any]:
+        """Request ``req_id``'s prefill has ended (its first token arrived): lower its prefill worker's
+        in-flight count and queued work (``done`` False when no open prefill is held for it)."""
+        return {"done": self.leases.prefill_done(args.req_id)}
 
     @takes(StatsArgs)
     async def stats(self, args: StatsArgs) -> dict[str, Any]:
@@ -324,6 +323,7 @@ class Router:
             "route_fallbacks": self.fallbacks,
             "threshold_tokens": self.threshold,
             "inflight": dict(self.inflight),
+            "prefill_work": dict(self.leases.prefill_work),
             "prefix": {
                 "requests": c["requests"], "prompt_tokens": c["prompt_tokens"],
                 "hit_tokens": {cluster: self.hit_tokens.get(cluster, 0) for cluster in CLUSTERS},
@@ -348,7 +348,7 @@ class Router:
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     planner_addr = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
     router = Router(planner_addr, args.threshold, args.name, bandwidth_plentiful=args.bandwidth_plentiful,
-                    forget_after=args.forget_after)
+                    forget_after=args.forget_after, prefill_fixed_tokens=dict(args.prefill_fixed_tokens))
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_ROUTER_ADDR"))
     await router.server.start(host, port)
     router.start()
@@ -356,6 +356,19 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
           f"bandwidth={'plentiful' if args.bandwidth_plentiful else 'scarce'}", flush=True)
     await stop.wait()
     await router.close()
+
+
+def _cluster_tokens(text: str) -> tuple[str, float]:
+    """``CLUSTER=TOKENS`` (a known cluster, a finite number >= 0) for ``--prefill-fixed-tokens``."""
+    cluster, _, tokens = text.partition("=")
+    try:
+        value = float(tokens)
+    except ValueError:
+        value = float("nan")
+    if cluster not in CLUSTERS or not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected CLUSTER=TOKENS with CLUSTER one of {', '.join(CLUSTERS)} and "
+                                         f"TOKENS >= 0, got {text!r}")
+    return cluster, value
 
 
 def main() -> None:
@@ -372,6 +385,10 @@ def main() -> None:
                         "from config until link signals drive it")
     p.add_argument("--forget-after", type=float, default=10.0,
                    help="seconds a worker must be reported dead before its prefix cache leaves the index")
+    p.add_argument("--prefill-fixed-tokens", type=_cluster_tokens, action="append", default=[], metavar="CLUSTER=TOKENS",
+                   help="the fixed cost of one prefill on CLUSTER's hardware in token-equivalents (the intercept over the "
+                        "slope of its prefill-time profile), added to each request's l in the queued work that picks the "
+                        "prefill worker; repeatable (default 0: work is the incremental tokens alone)")
     p.add_argument("--name", default="router")
     args = p.parse_args()
     service.setup_logging("router")
