@@ -115,7 +115,7 @@ class Cluster:
         right then could see its long prompt fall back to the local prefill worker because the PrfaaS
         worker has not registered yet. So this also waits for each worker the cluster started.
         """
-        env = dict(os.environ, PYTHONUNBUFFERED="1", PRFAAS_THREADS="1", **self.env)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PRFAAS_THREADS": "1", **self.env}
         env.pop("PRFAAS_MODEL", None)
         commands = self.cmds = self.commands()
         self._env = env

@@ -25,6 +25,8 @@ import torch
 from transformers import DynamicCache
 
 from common.kv.paged_store import PagedKvStore
+from common.model.cores import CoreShare
+from common.model.lean_decode import LeanLlamaDecoder, lean_supported
 from common.model.loader import LoadedModel
 from common.model.paged_attention import ATTN_IMPL, decode_step, install_layer_hooks
 
@@ -76,6 +78,9 @@ class Backend(ABC):
                    wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Feed ``tokens[r]`` to ``seqs[r]`` (``PagedSeq``); returns float32 logits ``[rows, vocab]``."""
 
+    def decode_busy(self, busy: bool) -> None:  # noqa: B027 - a hook most backends do not need
+        """The decode worker has running rows (True) or none (False). Nothing by default."""
+
 
 def chunk_bounds(n: int, prefix_len: int, chunk_tokens: int, checkpoints: Iterable[int]) -> tuple[list[tuple[int, int]], set[int]]:
     """The chunks ``[(a, b), ...]`` a prefill of tokens ``[prefix_len, n)`` computes, in order: cut every
@@ -113,11 +118,15 @@ class TorchBackend(Backend):
 
     prompt_logits = True
 
-    def __init__(self, loaded: LoadedModel, threads: int | None = None):
+    def __init__(self, loaded: LoadedModel, threads: int | None = None, cores: CoreShare | None = None):
+        """``threads``: a fixed torch thread count; ``cores``: lease the machine's cores per compute call
+        instead (each prefill layer and each decode step, see ``common/model/cores.py``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.model.config
         self._lock = threading.Lock()
+        self.cores = cores
+        self.lean: LeanLlamaDecoder | None = None  # the decode step of a Llama-layout model (set by paged_store)
         if threads:
             torch.set_num_threads(threads)
 
@@ -152,8 +161,19 @@ class TorchBackend(Backend):
         kinds = self.loaded.layer_types
         per_chunk = len(bounds) > 1 or prefix_len > 0
 
+        held: list[list[int]] = []  # the cores of the running layer (with self.cores)
+
+        def take_cores(_module, _args):
+            if self.cores is not None:
+                held.append(self.cores.acquire("prefill"))
+
+        def give_cores() -> None:
+            while held:
+                self.cores.release(held.pop())
+
         def make_hook(i: int):
             def hook(_module, _args, _output):
+                give_cores()
                 if kinds[i] == "attention" and per_chunk:
                     on_layer(i, export_layer(cache, i), current["a"])
                 elif current["final"]:
@@ -167,9 +187,12 @@ class TorchBackend(Backend):
                 raise PrefillCancelled("prefill stopped before the first layer")
 
         handles = [layers[0].register_forward_pre_hook(pre_hook)]
+        handles += [layer.register_forward_pre_hook(take_cores) for layer in layers]
         handles += [layer.register_forward_hook(make_hook(i)) for i, layer in enumerate(layers)]
         try:
             with self._lock, torch.inference_mode():
+                if self.cores is not None:
+                    self.cores.set_busy("prefill", True)
                 for a, b in bounds:
                     current.update(a=a, final=b == n)
                     ids = torch.tensor([input_ids[a:b]], dtype=torch.long)
@@ -181,6 +204,9 @@ class TorchBackend(Backend):
                     if b in marks and on_checkpoint is not None:
                         on_checkpoint(b, {i: export_layer(cache, i) for i, k in enumerate(kinds) if k != "attention"})
         finally:
+            give_cores()
+            if self.cores is not None:
+                self.cores.set_busy("prefill", False)
             for h in handles:
                 h.remove()
         return out.logits[0, -1].float()
@@ -232,15 +258,36 @@ class TorchBackend(Backend):
         """A paged KVCache pool of ``capacity_bytes`` for this model, and the model switched to paged
         decode (the attention falls back to SDPA outside a paged step, so prefill is unchanged)."""
         store = PagedKvStore(self.state_specs, capacity_bytes, block_size)
+        if self.lean is None and lean_supported(self.model):
+            self.lean = LeanLlamaDecoder(self.model)
         self.model.set_attn_implementation(ATTN_IMPL)
         install_layer_hooks(self._decoder_layers())
         return store
 
     def paged_step(self, store: PagedKvStore, seqs: list, tokens: list[int],
                    wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """One decode step from the pool (see :func:`common.model.paged_attention.decode_step`); float32 ``[rows, vocab]``."""
+        """One decode step from the pool: float32 ``[rows, vocab]``. A Llama-layout model runs the lean
+        step (``common/model/lean_decode.py``), others the transformers forward over the pool
+        (:func:`common.model.paged_attention.decode_step`)."""
         with self._lock:
-            return decode_step(self.model, store, seqs, tokens, wait_layer)
+            if self.cores is None:
+                return self._step(store, seqs, tokens, wait_layer)
+            if wait_layer is not None:  # an early step waits for a prefill's layers: it must hold no core that prefill needs
+                torch.set_num_threads(1)
+                return self._step(store, seqs, tokens, wait_layer)
+            with self.cores.lease("decode"):
+                return self._step(store, seqs, tokens, wait_layer)
+
+    def _step(self, store: PagedKvStore, seqs: list, tokens: list[int], wait_layer) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean.step(store, seqs, tokens, wait_layer)
+        return decode_step(self.model, store, seqs, tokens, wait_layer)
+
+    def decode_busy(self, busy: bool) -> None:
+        """The decode worker has running rows (True) or none (False): with shared cores, prefills
+        then leave the other cores to it (see ``common/model/cores.py``)."""
+        if self.cores is not None:
+            self.cores.set_busy("decode", busy)
 
 
 def _emulated(loaded: LoadedModel | None, **kwargs) -> Backend:

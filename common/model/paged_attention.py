@@ -33,7 +33,7 @@ from common.kv.paged_store import PagedKvStore, PagedSeq
 
 ATTN_IMPL = "prfaas_paged"
 
-__all__ = ["ATTN_IMPL", "decode_step", "install_layer_hooks", "paged_attention"]
+__all__ = ["ATTN_IMPL", "attend_rows", "decode_step", "install_layer_hooks", "paged_attention"]
 
 
 # -- attention ----------------------------------------------------------------------------------
@@ -63,27 +63,36 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     meta: _StepMeta | None = kwargs.get("prfaas_paged")
     if meta is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    store = meta.store
-    layer = module.layer_idx
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    return attend_rows(query, meta.store, module.layer_idx, meta.runs, scale), None
+
+
+def attend_rows(query: torch.Tensor, store: PagedKvStore, layer: int, runs: list[list[tuple[int, int]]],
+                scale: float) -> torch.Tensor:
+    """Attention of one new token per row over that row's runs of blocks in ``store`` (read in place).
+
+    ``query``: ``[rows, q_heads, 1, d]``; ``runs[r]``: row ``r``'s ``(first_block, tokens)`` pairs.
+    Returns ``[rows, 1, q_heads, d]``. The query heads of one KV head form a group of queries (no
+    repeat of K/V); several runs are merged by their log-sum-exp (an exact softmax over all).
+    """
     karena, varena = store.k[layer], store.v[layer]
     rows, q_heads, q_len, d = query.shape
     if q_len != 1:
         raise ValueError(f"paged decode takes one token per row, got {q_len}")
     h = store.kv_heads
     group = q_heads // h
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
     out = torch.empty(rows, 1, q_heads, d, dtype=query.dtype)
     for r in range(rows):
         q = query[r, :, 0].view(1, h, group, d)
-        runs = meta.runs[r]
-        if len(runs) == 1:
-            b0, n = runs[0]
+        row_runs = runs[r]
+        if len(row_runs) == 1:
+            b0, n = row_runs[0]
             k = store.run_view(karena, b0, n).unsqueeze(0)  # [1, H, n, d], a view
             v = store.run_view(varena, b0, n).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, scale=scale)
-        else:  # several runs: attention per run, merged by their log-sum-exp (exact softmax over all)
+        else:
             outs, lses = [], []
-            for b0, n in runs:
+            for b0, n in row_runs:
                 k = store.run_view(karena, b0, n).unsqueeze(0)
                 v = store.run_view(varena, b0, n).unsqueeze(0)
                 o_run, lse = _attention_with_lse(q, k, v, scale)
@@ -92,7 +101,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             weights = torch.softmax(torch.stack(lses).float(), dim=0).to(q.dtype)  # [runs, 1, H, G]
             o = (torch.stack(outs) * weights.unsqueeze(-1)).sum(0)
         out[r, 0] = o.reshape(q_heads, d)
-    return out, None
+    return out
 
 
 def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

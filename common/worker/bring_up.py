@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 from common.control.kv_events import KvEventPublisher
 from common.control.planner_agent import PlannerAgent
 from common.model.backend import Backend, make_backend
+from common.model.cores import CoreShare
 from common.model.loader import load_model
 from common.rpc.handshake import parse_addr
 from common.rpc.server import RpcServer
@@ -54,6 +55,8 @@ def load_backend(args: argparse.Namespace) -> Backend:
     if args.backend == "emulated":  # no weights: the profile and the scales define the emulated model
         return make_backend("emulated", None, profile=args.emulated_profile, served_name=args.served_model_name)
     loaded = load_model(args.model, served_name=args.served_model_name)
+    if args.threads == "shared":
+        return make_backend(args.backend, loaded, cores=CoreShare())
     return make_backend(args.backend, loaded, threads=args.threads or None)
 
 

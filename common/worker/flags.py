@@ -11,6 +11,19 @@ from common.model.backend import BACKENDS
 from common.runtime import service
 
 
+def threads_flag(value: str) -> int | str:
+    """``--threads``: a non-negative count, or ``"shared"``. Raises ``argparse.ArgumentTypeError``."""
+    if value == "shared":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"--threads takes a count >= 0 or 'shared', got {value!r}")
+    return n
+
+
 def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     """Flags every worker takes, each defaulting from the environment."""
     p.add_argument("--listen", help="host:port for RPC")
@@ -25,8 +38,9 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--emulated-profile", default=service.env_default("PRFAAS_EMU_PROFILE"),
                    help="--backend emulated: this instance's hardware profile (a JSON path, or a name in "
                         "services/planner/profiles, e.g. h200_table5); scales from PRFAAS_EMU_* (common/model/emulated.py)")
-    p.add_argument("--threads", type=int, default=int(service.env_default("PRFAAS_THREADS", "0")),
-                   help="torch intra-op threads (0 = torch's default)")
+    p.add_argument("--threads", type=threads_flag, default=threads_flag(service.env_default("PRFAAS_THREADS", "0")),
+                   help="torch intra-op threads: a count (0 = torch's default), or 'shared': every compute call "
+                        "leases the machine's free cores (common/model/cores.py), so the busy worker gets them all")
     p.add_argument("--report-interval", type=float, default=0.5, help="seconds between load reports to the planner")
     add_tls_flags(p)
 

@@ -57,6 +57,7 @@ class BatchLoop:
 
     async def close(self) -> None:
         await service.stop_task(self._task)
+        self.backend.decode_busy(False)
 
     def wake(self) -> None:
         """Something changed (a joiner, a finished transfer, a cancelled row): look at the next boundary."""
@@ -67,6 +68,7 @@ class BatchLoop:
         are freed only here; every running request that is not done gets exactly one token per step."""
         s = self.sched
         while True:
+            self.backend.decode_busy(bool(s.running))  # with shared cores, prefills then leave this worker the others
             if s.idle:
                 self._wakeup.clear()
                 await self._wakeup.wait()

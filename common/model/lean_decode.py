@@ -1,0 +1,124 @@
+"""A lean decode step for Llama-layout models: the same arithmetic as the transformers forward, with
+none of its per-layer module machinery.
+
+A decode step of a small model is bound by memory bandwidth and per-op overhead, not by arithmetic
+(SmolLM2-135M: 30 layers; at batch 16 transformers' wrappers, hooks and cache objects cost about a
+fifth of the step). :class:`LeanLlamaDecoder` runs each layer as a short list of torch ops on the
+model's own parameters: RMSNorm written as transformers writes it, one matmul for q/k/v and one for
+gate/up (the model's separate weights become row slices of one fused tensor, so no weight is stored
+twice), rotary embedding from the model's own ``rotary_emb``, the new K/V written into the paged
+store, attention per row over its blocks (:func:`common.model.paged_attention.attend_rows`), the output
+and down projections, residual adds. Outputs agree with the transformers forward to float32 rounding
+(a fused matmul may sum in another order), which the exactness tests check against ``generate``.
+
+Supported (:func:`lean_supported`): ``llama`` and ``mistral`` configs with every layer full attention,
+no attention or MLP bias, SiLU, and no sliding window. Other models keep
+:func:`common.model.paged_attention.decode_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from common.kv.paged_store import PagedKvStore, PagedSeq
+from common.model.paged_attention import attend_rows
+
+LEAN_FAMILIES = ("llama", "mistral")
+
+
+def lean_supported(model: torch.nn.Module) -> bool:
+    """Whether :class:`LeanLlamaDecoder` computes ``model``'s decode step (see the module docstring)."""
+    c = model.config
+    types = getattr(c, "layer_types", None) or ["full_attention"]
+    return (c.model_type in LEAN_FAMILIES and all(t == "full_attention" for t in types)
+            and not getattr(c, "attention_bias", False) and not getattr(c, "mlp_bias", False)
+            and getattr(c, "hidden_act", "silu") == "silu" and getattr(c, "sliding_window", None) is None
+            and getattr(c, "pretraining_tp", 1) == 1)
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """One weight ``[sum of outs, in]`` whose row slices become the modules' own weights (views)."""
+    fused = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(fused[start:start + n], requires_grad=False)
+        start += n
+    return fused
+
+
+class LeanLlamaDecoder:
+    """Decode steps of ``model`` (a supported transformers causal LM, see :func:`lean_supported`) over
+    a :class:`PagedKvStore`. Building it fuses q/k/v and gate/up weights in place (the modules keep
+    working, on views). Not thread-safe: one step at a time."""
+
+    def __init__(self, model: torch.nn.Module):
+        if not lean_supported(model):
+            raise ValueError(f"the lean decode step does not support {model.config.model_type!r} with this config")
+        base = model.model
+        c = model.config
+        self.embed, self.rotary, self.norm, self.lm_head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.q_heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.layers = []
+        for layer in base.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append((
+                layer.input_layernorm, _fuse([a.q_proj, a.k_proj, a.v_proj]), a.o_proj.weight, a.scaling,
+                layer.post_attention_layernorm, _fuse([m.gate_proj, m.up_proj]), m.down_proj.weight,
+            ))
+        self.q_out, self.kv_out = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        self.inter = c.intermediate_size
+
+    @staticmethod
+    def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """transformers' RMSNorm, op for op (float32 in, float32 out)."""
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin`` for ``x`` ``[rows, heads, d]``, ``cos``/``sin`` ``[rows, 1, d]``."""
+        half = x.shape[-1] // 2
+        return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+    @torch.inference_mode()
+    def step(self, store: PagedKvStore, seqs: list[PagedSeq], tokens: list[int],
+             wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Feed ``tokens[r]`` to ``seqs[r]`` at position ``seqs[r].length``: float32 logits ``[rows, vocab]``;
+        every length advances by one. ``wait_layer(i)`` runs before layer ``i`` (an early first step).
+        Every row needs a block for its new token (``PagedKvStore.grow``); raises ``ValueError`` otherwise."""
+        rows = len(seqs)
+        if rows == 0 or rows != len(tokens):
+            raise ValueError(f"decode step needs one token per row: {rows} rows, {len(tokens)} tokens")
+        bs = store.block_size
+        for s in seqs:
+            if len(s.blocks) * bs <= s.length:
+                raise ValueError(f"{s.req_id}: no block for token {s.length}; grow() first")
+        runs = [store.runs(s, s.length + 1) for s in seqs]
+        wb = torch.tensor([s.blocks[s.length // bs] for s in seqs], dtype=torch.long)
+        wo = torch.tensor([s.length % bs for s in seqs], dtype=torch.long)
+        pos = torch.tensor([[s.length] for s in seqs], dtype=torch.long)
+        h = self.embed(torch.tensor(tokens, dtype=torch.long))  # [rows, D]
+        cos, sin = self.rotary(h, pos)  # [rows, 1, d]
+        qo, kvo, d = self.q_out, self.kv_out, self.head_dim
+        for i, (ln1, w_qkv, w_o, scale, ln2, w_gu, w_down) in enumerate(self.layers):
+            if wait_layer is not None:
+                wait_layer(i)
+            qkv = F.linear(self._rms(ln1, h), w_qkv)
+            q = self._rope(qkv[:, :qo].view(rows, self.q_heads, d), cos, sin)
+            k = self._rope(qkv[:, qo:qo + kvo].view(rows, self.kv_heads, d), cos, sin)
+            v = qkv[:, qo + kvo:].view(rows, self.kv_heads, d)
+            store.k[i][:, wb, wo] = k.transpose(0, 1)
+            store.v[i][:, wb, wo] = v.transpose(0, 1)
+            attn = attend_rows(q.unsqueeze(2), store, i, runs, scale).reshape(rows, qo)
+            h = h + F.linear(attn, w_o)
+            gu = F.linear(self._rms(ln2, h), w_gu)
+            h = h + F.linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], w_down)
+        logits = self.lm_head(self._rms(self.norm, h))
+        for s in seqs:
+            s.length += 1
+        return logits.float()

@@ -1,0 +1,92 @@
+"""The lean decode step (``common/model/lean_decode.py``) against the transformers forward over the same
+pool (``decode_step``): the same logits, bit for bit, on rows of mixed lengths whose blocks form
+several runs; its K/V land where the generic step's land; ``wait_layer`` runs once per layer in
+order; models it does not cover are refused. The end-to-end tests on tiny-dense (a Llama) and
+``tests/test_real_model.py`` check its tokens against ``generate`` through the whole system."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from common.kv.paged_store import PagedKvStore
+from common.model.backend import TorchBackend
+from common.model.lean_decode import LeanLlamaDecoder, lean_supported
+from common.model.loader import load_model
+from common.model.paged_attention import decode_step
+
+BS = 16
+LENGTHS = [1, 15, 16, 17, 40, 129]
+
+
+@pytest.fixture(scope="module")
+def dense():
+    torch.set_num_threads(1)
+    be = TorchBackend(load_model("tiny-dense"), threads=1)
+    be.paged_store(1 << 20)  # switches the model to paged decode and builds the lean step
+    assert be.lean is not None
+    return be
+
+
+def rows_in(be: TorchBackend, store: PagedKvStore, tag: str):
+    """The same prompts prefilled into rows of ``store``; every other row gets a gap block between
+    its prompt blocks and its growth, so its table has two runs."""
+    seqs = []
+    for k, n in enumerate(LENGTHS):
+        ids = [random.Random(n).randrange(256) for _ in range(n)]
+        states = {}
+        be.prefill(ids, lambda i, st, _sf, states=states: states.__setitem__(i, st))
+        s = store.reserve(f"{tag}{k}", n)
+        for i, st in states.items():
+            store.write_layer(s, i, st)
+        s.length = n
+        if k % 2:
+            store.reserve(f"{tag}gap{k}", 1)
+        seqs.append(s)
+    return seqs
+
+
+def test_lean_step_equals_the_transformers_step_bit_for_bit(dense):
+    store = PagedKvStore(dense.state_specs, 8 << 20, BS)
+    generic, lean = rows_in(dense, store, "g"), rows_in(dense, store, "l")
+    tokens = [65 + k for k in range(len(LENGTHS))]
+    multi = 0
+    for _ in range(20):
+        for s in generic + lean:
+            store.grow(s, s.length + 1)
+        multi = max(multi, max(len(store.runs(s, s.length + 1)) for s in lean))
+        a = decode_step(dense.model, store, generic, tokens)
+        b = dense.lean.step(store, lean, tokens)
+        assert torch.equal(a, b)
+        tokens = a.argmax(-1).tolist()
+    assert multi >= 2, "no row had several runs of blocks"
+    for g, m in zip(generic, lean):
+        assert g.length == m.length
+        for i in store.attn_layers:
+            assert torch.equal(store.read_layer(g, i)["k"], store.read_layer(m, i)["k"])
+
+
+def test_wait_layer_runs_before_each_layer_in_order(dense):
+    store = PagedKvStore(dense.state_specs, 1 << 20, BS)
+    s = store.reserve("w", 8)
+    s.length = 7
+    seen: list[int] = []
+    dense.lean.step(store, [s], [1], wait_layer=seen.append)
+    assert seen == list(range(len(dense.loaded.layer_types)))
+
+
+def test_models_outside_the_lean_step_are_refused():
+    hybrid = load_model("tiny-hybrid")
+    assert not lean_supported(hybrid.model)
+    with pytest.raises(ValueError, match="does not support"):
+        LeanLlamaDecoder(hybrid.model)
+
+
+def test_fused_weights_keep_the_modules_and_the_weight_hash(dense):
+    from common.model.loader import weight_hash
+
+    assert weight_hash(dense.model) == dense.loaded.weight_hash
+    attn = dense.model.model.layers[0].self_attn
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
