@@ -189,3 +189,35 @@ def sample_batch(
         if not p.greedy:
             out[i] = sample_next(logits[i], p, steps[i])
     return out
+
+
+MAX_WIRE_STOP = 16  # stop strings a peer may send (the gateway allows fewer)
+MAX_WIRE_STOP_CHARS = 4096  # characters per stop string from a peer
+MAX_WIRE_STOP_IDS = 256  # stop token ids a peer may send
+
+
+def check_wire_sampling(p: SamplingParams) -> SamplingParams:
+    """Range-check settings that came from a peer (:meth:`SamplingParams.from_wire`) before any
+    sampling uses them: ``max_tokens`` in ``[1, 2**31)``, ``temperature`` finite in ``[0, 2]``,
+    ``top_p`` finite in ``(0, 1]``, ``top_k`` -1 or in ``[0, 2**31)``, ``seed`` a 64-bit int, at most
+    :data:`MAX_WIRE_STOP` stop strings of :data:`MAX_WIRE_STOP_CHARS` characters, at most
+    :data:`MAX_WIRE_STOP_IDS` stop ids in ``[0, 2**31)``. A NaN temperature would otherwise fail the
+    whole decode batch. Returns ``p``; raises ``ValueError`` naming the field."""
+    def bad(field: str, v: Any) -> ValueError:
+        return ValueError(f"sampling.{field} out of range: {v!r}")
+
+    if not 1 <= p.max_tokens < 2**31:
+        raise bad("max_tokens", p.max_tokens)
+    if not (p.temperature == p.temperature and 0.0 <= p.temperature <= 2.0):
+        raise bad("temperature", p.temperature)
+    if not (p.top_p == p.top_p and 0.0 < p.top_p <= 1.0):
+        raise bad("top_p", p.top_p)
+    if not -1 <= p.top_k < 2**31:
+        raise bad("top_k", p.top_k)
+    if not -(2**63) <= p.seed < 2**64:
+        raise bad("seed", p.seed)
+    if len(p.stop) > MAX_WIRE_STOP or any(not s or len(s) > MAX_WIRE_STOP_CHARS for s in p.stop):
+        raise bad("stop", f"{len(p.stop)} strings")
+    if len(p.stop_token_ids) > MAX_WIRE_STOP_IDS or any(not 0 <= t < 2**31 for t in p.stop_token_ids):
+        raise bad("stop_token_ids", f"{len(p.stop_token_ids)} ids")
+    return p

@@ -13,10 +13,14 @@ Transfer lifecycle on the receiver (who frees what):
 5. ``release(req_id)`` by the owner returns the reservation, whatever happened (done, aborted,
    cancelled). A lease (``lease_s``) releases reservations whose owner never does.
 
-Each connection starts with HELLO, answered by the same accept path as RPC servers
-(:class:`common.rpc.handshake.HelloListener`): authentication (when a shared secret is set) and the
-fingerprint (model, weights, dtype, layer layout, block size; a sender without one is refused) are
-checked there, and a mismatch is refused at connect.
+Each connection starts with HELLO (and, with authentication on, AUTH), answered by the same accept
+path as RPC servers (:class:`common.rpc.handshake.HelloListener`): authentication (when a shared
+secret is set) and the fingerprint (model, weights, dtype, layer layout, block size; a sender without
+one is refused) are checked there, and a mismatch is refused at connect. Until then a frame may
+carry at most ``PRE_AUTH_MAX_HEADER`` bytes of header and no payload. Connections are bounded like
+RPC ones (:class:`common.rpc.limits.ConnLimits`: per listener, in the handshake, bytes queued to a
+peer that does not read, an idle timeout; senders ping every second). Every number in a KV header
+is checked (:mod:`proto.values`) before use; a bad one fails only its own transfer.
 """
 
 from __future__ import annotations
@@ -31,12 +35,14 @@ from typing import Any
 
 from common.kv.layout import KvError
 from common.rpc.handshake import HelloListener, hello_timeout_frame
+from common.rpc.limits import DEFAULT_LIMITS, ENV_INSECURE, ConnLimits, check_bind, set_keepalive
 from common.runtime import service
 from common.transfer.assembly import BufferPool, KvAssembly
 from common.transfer.connection import SOCKET_BUFFER_BYTES
 from proto.frames import (
     DEFAULT_MAX_HEADER,
     MAGIC,
+    PRE_AUTH_MAX_HEADER,
     PREFIX,
     PREFIX_SIZE,
     VERSION,
@@ -51,6 +57,7 @@ from proto.frames import (
     encode_frame,
     parse_header,
 )
+from proto.values import BadValue, wire_int
 
 log = logging.getLogger("prfaas.kv.recv")
 
@@ -75,13 +82,17 @@ class KvReceiver:
     seconds after which an unreleased reservation is freed. ``secret`` enables peer auth; ``ssl``
     (a server ``SSLContext``) enables TLS. ``socket_buffer_bytes``: the receive buffer asked for per
     connection (measured on loopback: the kernel's autotuned buffer halves goodput, both ends taking
-    turns at about 50% busy); 0 leaves the kernel's autotuning."""
+    turns at about 50% busy); 0 leaves the kernel's autotuning. ``limits``: connection bounds;
+    ``insecure``: allow a non-loopback address without a secret (see :func:`common.rpc.limits.check_bind`)."""
 
     def __init__(self, name: str, fingerprint: dict[str, Any] | None, num_layers: int, *, budget_bytes: int = 8 << 30,
-                 lease_s: float = 600.0, secret: bytes | None = None, ssl: ssl_mod.SSLContext | None = None,
+                 lease_s: float = 600.0, secret: Any = None, ssl: ssl_mod.SSLContext | None = None,
                  max_header: int = DEFAULT_MAX_HEADER, max_payload: int = 256 << 20, handshake_timeout_s: float = 5.0,
-                 socket_buffer_bytes: int = SOCKET_BUFFER_BYTES):
+                 socket_buffer_bytes: int = SOCKET_BUFFER_BYTES, limits: ConnLimits = DEFAULT_LIMITS,
+                 insecure: Any = ENV_INSECURE):
         self.name = name
+        self.limits = limits
+        self.insecure = insecure
         self.hello = HelloListener("kv-receiver", name, fingerprint, secret, require_fingerprint=True)
         self.num_layers = num_layers
         self.budget_bytes = budget_bytes
@@ -98,7 +109,8 @@ class KvReceiver:
         self._server: asyncio.base_events.Server | None = None
         self._lease_task: asyncio.Task | None = None
         self.counters = {"admitted": 0, "refused": 0, "acked": 0, "bytes_received": 0, "frames": 0,
-                         "dropped_frames": 0, "expired_leases": 0, "refused_peers": 0}
+                         "dropped_frames": 0, "expired_leases": 0, "refused_peers": 0, "refused_connections": 0,
+                         "bad_values": 0, "idle_closed": 0}
 
     # -- owner API ---------------------------------------------------------------------------
     def expect(self, req_id: str, nbytes: int, assembly: KvAssembly | None = None) -> KvAssembly:
@@ -137,7 +149,9 @@ class KvReceiver:
 
     # -- server ------------------------------------------------------------------------------
     async def start(self, host: str, port: int) -> int:
-        """Listen; returns the bound port."""
+        """Listen; returns the bound port. Raises :class:`~common.rpc.limits.InsecureBind` for a
+        non-loopback ``host`` without a secret (unless ``insecure``), ``OSError``."""
+        check_bind(host, self.hello.authenticates, self.insecure, "KV listener")
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _KvConnection(self), host, port, ssl=self.ssl)
         self._lease_task = asyncio.create_task(self._lease_loop(), name=f"{self.name}:kv-leases")
@@ -156,10 +170,19 @@ class KvReceiver:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
+    def handshaking(self) -> int:
+        """Connections that have not finished their handshake."""
+        return sum(1 for c in self.connections if c.hello_state != _READY)
+
     async def _lease_loop(self) -> None:
+        """Free expired leases; close connections idle past ``limits.idle_timeout_s``."""
         while True:
-            await asyncio.sleep(min(5.0, self.lease_s / 4))
+            await asyncio.sleep(min(5.0, self.lease_s / 4, self.limits.idle_timeout_s / 4))
             now = time.monotonic()
+            for c in list(self.connections):
+                if now - c.last_rx > self.limits.idle_timeout_s and c.transport is not None:
+                    self.counters["idle_closed"] += 1
+                    c.transport.abort()
             for req_id, res in list(self.reservations.items()):
                 if now - res.created > self.lease_s:
                     log.warning("KV lease of %s expired after %.0fs", req_id, self.lease_s)
@@ -168,17 +191,19 @@ class KvReceiver:
 
     # -- frame handling (called by connections, synchronously) -------------------------------
     def on_begin(self, conn: _KvConnection, h: dict[str, Any]) -> None:
-        req_id = str(h["req_id"])
-        res = self.reservations.get(req_id)
+        req_id = h["req_id"]
+        res = self.reservations.get(req_id) if isinstance(req_id, str) else None
         if res is None:
             self.counters["refused"] += 1
-            conn.send(encode_frame(Kind.KV_REFUSE, {"req_id": req_id, "reason": "no reservation for this request", "retry_after": None}))
+            conn.send(encode_frame(Kind.KV_REFUSE, {"req_id": str(req_id)[:256], "reason": "no reservation for this request",
+                                                    "retry_after": None}))
             return
         try:
-            if int(h["num_layers"]) != self.num_layers:
-                raise KvError(f"sender has {h['num_layers']} layers, this receiver {self.num_layers}")
+            num_layers = wire_int(h["num_layers"], "num_layers", 0, 1 << 16)
+            if num_layers != self.num_layers:
+                raise KvError(f"sender has {num_layers} layers, this receiver {self.num_layers}")
             res.asm.allocate(h["layers"])
-        except (KvError, TypeError, ValueError) as e:
+        except (KvError, BadValue) as e:
             self.counters["refused"] += 1
             res.asm.abort(f"bad KV_BEGIN: {e}")
             conn.send(encode_frame(Kind.KV_REFUSE, {"req_id": req_id, "reason": str(e), "retry_after": None}))
@@ -187,7 +212,8 @@ class KvReceiver:
         conn.send(encode_frame(Kind.KV_ADMIT, {"req_id": req_id}))
 
     def assembly(self, req_id: Any) -> KvAssembly | None:
-        res = self.reservations.get(str(req_id))
+        """The assembly of reservation ``req_id`` (a str from a peer's header), or None."""
+        res = self.reservations.get(req_id) if isinstance(req_id, str) else None
         return None if res is None else res.asm
 
     def maybe_ack(self, conn: _KvConnection, asm: KvAssembly, again: bool = False) -> None:
@@ -199,7 +225,20 @@ class KvReceiver:
             conn.send(encode_frame(Kind.KV_ACK, {"req_id": asm.req_id, "bytes": asm.bytes_received}))
 
 
+def check_done(h: dict[str, Any]) -> dict[str, Any]:
+    """A ``KV_DONE`` header with its numbers checked: ``first_token`` an int in ``[0, 2**31)`` (the
+    vocabulary bound is the owner's to check), ``prompt_len`` an int if present, ``timings`` a map
+    (anything else is dropped). Raises :class:`BadValue`."""
+    out = {"req_id": h["req_id"], "first_token": wire_int(h["first_token"], "first_token", 0, 2**31 - 1)}
+    if h.get("prompt_len") is not None:
+        out["prompt_len"] = wire_int(h["prompt_len"], "prompt_len", 0, 2**31 - 1)
+    if isinstance(h.get("timings"), dict):
+        out["timings"] = h["timings"]
+    return out
+
+
 _PREFIX, _HEADER, _PAYLOAD, _DISCARD = range(4)
+_HELLO, _AUTH, _READY = range(3)  # handshake state of a connection
 
 
 class _KvConnection(asyncio.BufferedProtocol):
@@ -214,7 +253,10 @@ class _KvConnection(asyncio.BufferedProtocol):
         self.state = _PREFIX
         self.pos = 0
         self.need = PREFIX_SIZE
-        self.hello_done = False
+        self.hello_state = _HELLO
+        self.challenge = None  # the open challenge the peer's AUTH must answer
+        self.peer_name = "?"
+        self.last_rx = time.monotonic()
         self.kind: Kind | None = None
         self.header_len = 0
         self.payload_len = 0
@@ -229,28 +271,39 @@ class _KvConnection(asyncio.BufferedProtocol):
     # asyncio protocol callbacks ------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        rx = self.rx
+        if len(rx.connections) >= rx.limits.max_connections or rx.handshaking() >= rx.limits.max_unauthenticated:
+            rx.counters["refused_connections"] += 1
+            transport.abort()  # type: ignore[attr-defined]
+            return
         sock = transport.get_extra_info("socket")
-        if sock is not None and self.rx.socket_buffer_bytes > 0:
+        set_keepalive(sock)
+        if sock is not None and rx.socket_buffer_bytes > 0:
             # A fixed, large receive buffer: with the kernel's autotuned one, sender and receiver take
             # turns (each ~50% busy) and goodput halves; the kernel caps the request at rmem_max.
             with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rx.socket_buffer_bytes)
-        self.rx.connections.add(self)
-        self._hello_timer = asyncio.get_running_loop().call_later(self.rx.handshake_timeout_s, self._hello_overdue)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rx.socket_buffer_bytes)
+        rx.connections.add(self)
+        self._hello_timer = asyncio.get_running_loop().call_later(rx.handshake_timeout_s, self._hello_overdue)
 
     def _hello_overdue(self) -> None:
-        if not self.hello_done and self.transport is not None:
+        if self.hello_state != _READY and self.transport is not None:
             self.send(hello_timeout_frame())
             self.transport.close()
 
-
     def connection_lost(self, exc: Exception | None) -> None:
-        self._hello_timer.cancel()
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
         self.rx.connections.discard(self)
 
     def send(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+        """Write a frame; a peer that does not read (over ``max_write_buffer`` bytes queued) is cut off."""
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.write(data)
+            if t.get_write_buffer_size() > self.rx.limits.max_write_buffer:
+                log.warning("%s: KV peer %s does not read; closing", self.rx.name, self.peer_name)
+                t.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.state == _PAYLOAD:
@@ -274,7 +327,7 @@ class _KvConnection(asyncio.BufferedProtocol):
         try:
             self._advance()
         except ProtocolError as e:
-            log.warning("%s: bad frame from a KV peer: %s", self.rx.name, e)
+            log.warning("%s: bad frame from KV peer %s: %s", self.rx.name, self.peer_name, e)
             self.send(encode_error(e.code, str(e)))
             self.transport.close()
 
@@ -296,9 +349,10 @@ class _KvConnection(asyncio.BufferedProtocol):
                 self.kind = Kind(kind_no)
             except ValueError:
                 raise UnknownKind(kind_no) from None
-            if self.header_len > min(self.rx.max_header, len(self.small)):
-                raise FrameTooLarge("header", self.header_len, min(self.rx.max_header, len(self.small)))
-            if self.kind is not Kind.KV_LAYER and self.payload_len > 0:
+            max_header = min(self.rx.max_header, len(self.small)) if self.hello_state == _READY else PRE_AUTH_MAX_HEADER
+            if self.header_len > max_header:
+                raise FrameTooLarge("header", self.header_len, max_header)
+            if (self.kind is not Kind.KV_LAYER or self.hello_state != _READY) and self.payload_len > 0:
                 raise FrameTooLarge("payload", self.payload_len, 0)
             if self.payload_len > self.rx.max_payload:
                 raise FrameTooLarge("payload", self.payload_len, self.rx.max_payload)
@@ -307,6 +361,7 @@ class _KvConnection(asyncio.BufferedProtocol):
                 self._advance()
         elif self.state == _HEADER:
             self.header = parse_header(self.kind, bytes(self.small[: self.header_len]), self.rx.max_header)
+            self.last_rx = time.monotonic()
             self._on_header()
         elif self.state == _PAYLOAD:
             asm, layer, offset = self.target
@@ -319,54 +374,86 @@ class _KvConnection(asyncio.BufferedProtocol):
         elif self.state == _DISCARD:
             self._expect(_PREFIX, PREFIX_SIZE)
 
+    def _handshake(self, kind: Kind, h: dict[str, Any]) -> bool:
+        """The HELLO, then (with authentication on) the AUTH; False when the peer was refused (closed)."""
+        if self.hello_state == _HELLO:
+            answer = self.rx.hello.answer(kind, h)
+            self.peer_name = answer.peer_name
+            self.send(answer.reply)
+            if answer.accepted:
+                self.challenge = answer.challenge
+                self.hello_state = _AUTH if answer.challenge is not None else _READY
+                return True
+            if kind is Kind.HELLO:
+                self.rx.counters["refused_peers"] += 1
+        else:
+            role, refusal = self.rx.hello.check_auth(self.challenge, kind, h, self.peer_name)
+            if role is not None:
+                self.hello_state, self.challenge = _READY, None
+                return True
+            self.rx.counters["refused_peers"] += 1
+            self.send(refusal)
+        self.transport.close()
+        return False
+
     def _on_header(self) -> None:
         kind, h = self.kind, self.header
         self.rx.counters["frames"] += 1
-        if not self.hello_done:
-            answer = self.rx.hello.answer(kind, h)
-            self.send(answer.reply)
-            if not answer.accepted:
-                if kind is Kind.HELLO:
-                    self.rx.counters["refused_peers"] += 1
-                self.transport.close()
+        if self.hello_state != _READY:
+            if not self._handshake(kind, h):
                 return
-            self.hello_done = True
         elif kind is Kind.KV_LAYER:
-            asm = self.rx.assembly(h["req_id"])
-            try:
-                if asm is None or asm.error is not None or asm.complete:
-                    raise LookupError  # unknown, failed, or a late duplicate of a finished transfer
-                layer, offset = int(h["layer"]), int(h["offset"])
-                self.pieces = [p for p in asm.dest(layer, offset, self.payload_len) if p.nbytes]
-                self.piece_i = self.piece_pos = 0
-                self.target = (asm, layer, offset)
-            except LookupError:
-                self.rx.counters["dropped_frames"] += 1  # cancelled or unknown request: discard its bytes
-            except (KvError, TypeError, ValueError) as e:
-                self.rx.counters["dropped_frames"] += 1
-                asm.abort(f"bad KV_LAYER: {e}")
-                self.send(encode_frame(Kind.KV_ABORT, {"req_id": asm.req_id, "reason": str(e)}))
-            if self.target is not None and self.payload_len > 0:
-                self._expect(_PAYLOAD, self.payload_len)
-                return
-            if self.target is not None:  # an empty range
-                self.target = None
-            if self.payload_len > 0:
-                self._expect(_DISCARD, self.payload_len)
+            if self._on_layer(h):
                 return
         elif kind is Kind.KV_BEGIN:
             self.rx.on_begin(self, h)
         elif kind is Kind.KV_DONE:
             asm = self.rx.assembly(h["req_id"])
             if asm is not None:
-                asm.finish(h)
-                self.rx.maybe_ack(self, asm, again=True)
+                try:
+                    asm.finish(check_done(h))
+                except BadValue as e:
+                    self._bad(asm, f"bad KV_DONE: {e}")
+                else:
+                    self.rx.maybe_ack(self, asm, again=True)
         elif kind is Kind.KV_ABORT:
             asm = self.rx.assembly(h["req_id"])
             if asm is not None:
-                asm.abort(f"sender aborted: {h['reason']}")
+                asm.abort(f"sender aborted: {str(h['reason'])[:512]}")
         elif kind is Kind.PING:
             self.send(encode_frame(Kind.PONG, {"t": h["t"]}))
         else:
             self.send(encode_error(ErrorCode.BAD_FRAME, f"KV listener does not accept {kind.name}"))
         self._expect(_PREFIX, PREFIX_SIZE)
+
+    def _bad(self, asm: KvAssembly, why: str) -> None:
+        """A frame of ``asm``'s transfer carried a bad value: fail that transfer alone (the connection stays)."""
+        self.rx.counters["bad_values"] += 1
+        asm.abort(why)
+        self.send(encode_frame(Kind.KV_ABORT, {"req_id": asm.req_id, "reason": why}))
+
+    def _on_layer(self, h: dict[str, Any]) -> bool:
+        """Route a ``KV_LAYER`` payload into its transfer's memory, or to the discard buffer; True when
+        the connection now reads the payload."""
+        asm = self.rx.assembly(h["req_id"])
+        try:
+            if asm is None or asm.error is not None or asm.complete:
+                raise LookupError  # unknown, failed, or a late duplicate of a finished transfer
+            layer = wire_int(h["layer"], "layer", 0, asm.num_layers - 1)
+            offset = wire_int(h["offset"], "offset")
+            self.pieces = [p for p in asm.dest(layer, offset, self.payload_len) if p.nbytes]
+            self.piece_i = self.piece_pos = 0
+            self.target = (asm, layer, offset)
+        except LookupError:
+            self.rx.counters["dropped_frames"] += 1  # cancelled or unknown request: discard its bytes
+        except (KvError, BadValue) as e:
+            self.rx.counters["dropped_frames"] += 1
+            self._bad(asm, f"bad KV_LAYER: {e}")
+        if self.target is not None and self.payload_len > 0:
+            self._expect(_PAYLOAD, self.payload_len)
+            return True
+        self.target = None  # an empty range
+        if self.payload_len > 0:
+            self._expect(_DISCARD, self.payload_len)
+            return True
+        return False

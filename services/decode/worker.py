@@ -66,7 +66,7 @@ from common.kv.paged_store import PagedSeq, PoolExhausted
 from common.kv.prefix_cache import PrefixCache
 from common.model.backend import Backend
 from common.model.prompt import validate_prompt
-from common.model.sampling import SamplingParams, shifted_seed
+from common.model.sampling import SamplingParams, check_wire_sampling, shifted_seed
 from common.rpc.errors import RpcError
 from common.rpc.handshake import parse_addr
 from common.rpc.schema import takes
@@ -263,8 +263,8 @@ class DecodeWorker:
         req_id, prefill_addr = args.req_id, args.prefill_addr
         try:
             parse_addr(prefill_addr)
-            sampling = SamplingParams.from_wire(args.sampling)
-        except (KeyError, TypeError, ValueError) as e:
+            sampling = check_wire_sampling(SamplingParams.from_wire(args.sampling))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed generate request: {e}") from None
         if sampling.max_tokens < 1:
             raise RpcError(ErrorCode.BAD_REQUEST, "max_tokens must be at least 1")
@@ -313,6 +313,9 @@ class DecodeWorker:
                 "kv_from": kv_from, "prefix_source": args.prefix_source})
             await leg.first_token()  # 3. wait for the first token (KV_DONE); the last layers may still be landing
             final = asm.final or {}
+            if not 0 <= final.get("first_token", -1) < self.vocab_size:  # one bad peer must not fail the batch
+                asm.abort(f"first token {final.get('first_token')!r} is outside the vocabulary [0, {self.vocab_size})")
+                raise self.prefill.failure(req_id, prefill_addr, leg.call, asm.error)
             req.seq.length = len(input_ids)
             self.transferring.discard(req_id)
             timings = dict(final.get("timings") or {})

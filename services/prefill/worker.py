@@ -34,7 +34,7 @@ from typing import Any
 from common.kv.prefix_cache import PrefixCache
 from common.model.backend import Backend
 from common.model.prompt import validate_prompt
-from common.model.sampling import SamplingParams, sample_next
+from common.model.sampling import SamplingParams, check_wire_sampling, sample_next
 from common.rpc.client import ClientPool
 from common.rpc.errors import RpcError
 from common.rpc.schema import takes
@@ -125,8 +125,8 @@ class PrefillWorker:
         vocabulary or the context, or a ``kv_from`` that is not a whole number of blocks below its length."""
         req_id, kv_addr = args.req_id, args.kv_addr
         try:
-            sampling = SamplingParams.from_wire(args.sampling)
-        except (KeyError, TypeError, ValueError) as e:
+            sampling = check_wire_sampling(SamplingParams.from_wire(args.sampling))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed prefill request: {e}") from None
         input_ids = validate_prompt(args.input_ids, self.vocab_size, self.backend.loaded.max_model_len)
         kv_from = args.kv_from
