@@ -41,7 +41,7 @@ from common.rpc.auth import ENV_SECRET, ENV_TLS, resolve_tls
 from common.rpc.errors import RpcError
 from common.rpc.handshake import HelloListener, hello_timeout_frame
 from common.rpc.limits import DEFAULT_LIMITS, ENV_INSECURE, ConnLimits, check_bind, set_keepalive
-from common.rpc.schema import convert_call, to_wire
+from common.rpc.schema import NoArgs, convert_call, takes, to_wire
 from proto.frames import (
     DEFAULT_MAX_HEADER,
     PRE_AUTH_MAX_HEADER,
@@ -194,7 +194,9 @@ class RpcServer:
                 "calls": sum(len(c.tasks) for c in self._conns.values()), "tasks": len(asyncio.all_tasks()),
                 **self.counters}
 
-    async def _rpc_stats(self, args: dict[str, Any]) -> dict[str, Any]:
+    @takes(NoArgs)
+    async def _rpc_stats(self, args: NoArgs) -> dict[str, Any]:
+        """The built-in ``rpc_stats`` method of every server: :meth:`stats`."""
         return self.stats()
 
     async def _sweep(self) -> None:

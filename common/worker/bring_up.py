@@ -35,6 +35,12 @@ from common.runtime import service
 
 log = logging.getLogger("prfaas.worker")
 
+# Who may call a worker's methods, when peers authenticate (common.rpc.credentials): the gateway
+# generates, workers prefill and pull prefixes, the planner switches roles, the operator injects
+# faults; the rest (stats, health) is open to every role.
+WORKER_ALLOW = {"generate": {"gateway"}, "prefill": {"worker"}, "export_prefix": {"worker"}, "switch_role": {"planner"},
+                "inject_fault": {"operator"}}
+
 Closer = Callable[[], Awaitable[None]]
 
 
@@ -128,7 +134,8 @@ async def serve_worker(args: argparse.Namespace, stop: asyncio.Event, backend: B
     publisher = start_kv_publisher(args, worker, role, cluster)
     report = report_with_publisher(worker.stats, publisher)
     server = RpcServer(role, args.name, stream_handlers=stream_handlers or {},
-                       handlers={**(handlers or {}), "stats": stats_handler(report)})
+                       handlers={**(handlers or {}), "stats": stats_handler(report)}, allow=WORKER_ALLOW,
+                       insecure=args.insecure)
     host, port = parse_addr(addrs.listen)
     await server.start(host, port)
     if start is not None:

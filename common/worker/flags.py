@@ -29,6 +29,7 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
                    help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--report-interval", type=float, default=0.5, help="seconds between load reports to the planner")
     add_tls_flags(p)
+    service.add_insecure_flag(p)
 
 
 def add_block_size_flag(p: argparse.ArgumentParser, help: str) -> None:

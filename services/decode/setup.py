@@ -16,7 +16,8 @@ def decode_worker_from_args(args: argparse.Namespace, backend, kv_listen: str):
     :func:`common.worker.flags.add_decode_flags`'s flags; the worker advertises ``--kv-advertise`` or ``kv_listen``, and
     ``--kv-advertise-remote`` to PrfaaS prefill workers when set."""
     receiver = KvReceiver(args.name, backend.loaded.fingerprint, backend.num_layers, budget_bytes=args.kv_budget_bytes,
-                          lease_s=args.kv_lease_s, secret=peer_auth.ENV_SECRET, ssl=tls_server_context(args))
+                          lease_s=args.kv_lease_s, secret=peer_auth.ENV_SECRET, ssl=tls_server_context(args),
+                          insecure=getattr(args, "insecure", False))
     worker = DecodeWorker(backend, args.name, args.kv_advertise or kv_listen, receiver, prefill_timeout=args.prefill_timeout,
                           kv_addr_remote=args.kv_advertise_remote,
                           kv_pool_bytes=args.kv_budget_bytes, block_size=args.block_size, max_waiting=args.max_waiting,

@@ -1,7 +1,13 @@
 """Gateway: the OpenAI-compatible HTTP front door (aiohttp), port 8000 by default like vLLM.
 
 Request lifecycle (who frees what):
-1. Parse and validate the body (``services.gateway.openai``); bad input is a 4xx OpenAI error body, nothing else runs.
+0. Read the body within ``--body-timeout`` under a byte budget (:mod:`services.gateway.http_limits`:
+   slow headers, slow bodies and connections are bounded there), then take one of the
+   ``--max-inflight`` slots: a slow client never holds a slot.
+1. Parse and validate the body (``services.gateway.openai``; a large one in a worker thread, so that
+   tokenising a long prompt never stalls other streams); bad input is a 4xx OpenAI error body,
+   nothing else runs. A request whose call to the decode worker would be too large for the wire is
+   refused here too (400), so no request can cut a connection other streams share.
 2. ``place`` at the router with the prompt's chained full-block hashes (``PRFAAS_BLOCK_SIZE`` tokens
    per block): a prefill worker (PrfaaS or PD-P by the cached-prefix threshold rule) and a decode
    worker, each preferring the one that caches the longest prefix of the prompt.
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -35,6 +42,7 @@ from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
 from services.gateway.dispatch import RETRY_REASONS, Dispatcher
+from services.gateway.http_limits import BodyBudget, HttpLimits, check_wire_size, read_body, serve_http
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai import response
 from services.gateway.openai.chat import parse_chat
@@ -42,6 +50,8 @@ from services.gateway.openai.completions import parse_completion
 from services.gateway.openai.request import GenerateRequest, ModelContext, OpenAIError
 
 log = logging.getLogger("prfaas.gateway")
+
+PARSE_INLINE_BYTES = 16 << 10  # bodies up to this are parsed on the event loop; larger ones in a worker thread
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -72,9 +82,12 @@ class Gateway:
 
     def __init__(self, ctx: ModelContext, router_addr: str, planner_addr: str, name: str = "gateway",
                  request_timeout: float = 600.0, block_size: int | None = None, max_inflight: int = 256,
-                 place_retry_s: float = 15.0):
+                 place_retry_s: float = 15.0, limits: HttpLimits | None = None):
         self.ctx = ctx
         self.name = name
+        self.limits = limits or HttpLimits()
+        self.bodies = BodyBudget(self.limits.body_budget_bytes)
+        self._parsers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateway-parse")
         self.router = RpcClient(router_addr, service="gateway", name=name, connect_timeout=2.0)
         self.planner = RpcClient(planner_addr, service="gateway", name=name, connect_timeout=2.0)
         self.decoders = ClientPool(service="gateway", name=name, connect_timeout=5.0)
@@ -82,7 +95,8 @@ class Gateway:
                                     retry_reasons=RETRY_REASONS)
         self.dispatch = Dispatcher(self.router, self.decoders, self.stats, request_timeout=request_timeout,
                                    block_size=block_size, max_inflight=max_inflight, place_retry_s=place_retry_s)
-        self.app = web.Application(client_max_size=ctx.max_prompt_bytes + (64 << 10), middlewares=[_json_http_errors])
+        self.max_body = ctx.max_prompt_bytes + (64 << 10)
+        self.app = web.Application(client_max_size=self.max_body, middlewares=[_json_http_errors])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -96,6 +110,7 @@ class Gateway:
         for c in [self.router, self.planner]:
             await c.close()
         await self.decoders.close()
+        self._parsers.shutdown(wait=False, cancel_futures=True)
 
     # -- OpenAI endpoints -------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -110,9 +125,13 @@ class Gateway:
     async def _handle(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
         status = 200
         try:
+            body = await read_body(request, self.bodies, self.limits.body_timeout_s, self.max_body)
             with self.dispatch.admission():
-                body = await request.read()
-                req = parse(body, self.ctx)
+                if len(body) <= PARSE_INLINE_BYTES:
+                    req = parse(body, self.ctx)
+                else:  # tokenising a long prompt takes milliseconds to seconds: never on the loop
+                    req = await asyncio.get_running_loop().run_in_executor(self._parsers, parse, body, self.ctx)
+                check_wire_size(req, "prompt" if endpoint == "completions" else "messages")
                 resp = await (self._stream(request, req) if req.stream else self._unary(req))
                 status = resp.status
                 return resp
@@ -223,14 +242,19 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     info = await asyncio.to_thread(load_model_info, args.model, served_name=args.served_model_name)
     ctx = ModelContext(model_id=info.model_id, tokenizer=info.tokenizer, max_model_len=info.max_model_len,
                           eos_token_ids=info.eos_token_ids)
+    limits = HttpLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                        max_connections=args.max_connections)
     gw = Gateway(ctx, service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service.require(args, "planner", "PRFAAS_PLANNER_ADDR"),
-                 request_timeout=args.request_timeout, max_inflight=args.max_inflight, place_retry_s=args.place_retry_s)
-    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None)
+                 request_timeout=args.request_timeout, max_inflight=args.max_inflight, place_retry_s=args.place_retry_s,
+                 limits=limits)
+    # keepalive_timeout is also the header timeout: aiohttp closes a connection still waiting for a
+    # whole request head that long after it opened or after its previous response
+    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, keepalive_timeout=limits.header_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
+    server = await serve_http(runner, args.host, args.port, limits)
     print(f"READY gateway on http://{args.host}:{args.port} serving {ctx.model_id}", flush=True)
     await stop.wait()
+    server.close()
     await runner.cleanup()
 
 
@@ -246,6 +270,10 @@ def main() -> None:
                    help="requests in flight at once; more are answered 429 with Retry-After at once")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take in all, retries included (504 past it)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a whole request head (and may idle between requests)")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408 past it)")
+    p.add_argument("--max-connections", type=int, default=2048, help="open HTTP connections; more are answered 503")
     p.add_argument("--place-retry-s", type=float, default=15.0,
                    help="seconds to keep asking an unreachable router (or one with no alive worker) for a placement")
     args = p.parse_args()

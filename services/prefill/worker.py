@@ -49,8 +49,18 @@ from services.prefill.prefix import Hit, PrefillPrefix
 log = logging.getLogger("prfaas.prefill")
 
 
+MAX_LINKS = 64  # KV links (decode peers) held at once; past it the least recently used idle one is closed
+LINK_IDLE_S = 300.0  # a link that carried no transfer this long is closed (its decode worker may be gone)
+
+
 class PrefillWorker:
-    """Serves ``prefill`` over RPC and streams KVCache to decode workers; ``chunk_bytes`` per KV frame."""
+    """Serves ``prefill`` over RPC and streams KVCache to decode workers; ``chunk_bytes`` per KV frame.
+
+    KV links (one per decode worker's KV address, named by the caller) are bounded: at most
+    :data:`MAX_LINKS`; one whose receiver could not be reached is dropped when its transfer fails,
+    one idle for :data:`LINK_IDLE_S` is closed, so an address nobody listens on never keeps a link
+    (and its dialling) alive.
+    """
 
     def __init__(self, backend: Backend, name: str, *, prefill_chunk_tokens: int = 0, kv_stream: str = "layer",
                  prefix_cache_bytes: int = 1 << 30, block_size: int = 16, checkpoint_every: int = 32,
@@ -66,7 +76,9 @@ class PrefillWorker:
         self.vocab_size = int(backend.loaded.model.config.vocab_size)
         self.faults = Faults()
         self._slot = asyncio.Semaphore(1)
-        self._links: dict[str, KvLink] = {}
+        self._links: dict[str, KvLink] = {}  # by KV address, least recently used first
+        self._link_used: dict[str, float] = {}
+        self.links_dropped = 0
         self.waiting = 0
         self.running = 0
         self.kv_bytes_inflight = 0
@@ -88,25 +100,57 @@ class PrefillWorker:
             "waiting": self.waiting, "running": self.running, "kv_bytes_inflight": self.kv_bytes_inflight,
             "completed": self.completed, "cancelled": self.cancelled, "prompt_tokens": self.prompt_tokens,
             "links": self.link_stats(), "request_tasks": service.live_call_tasks("prefill"),
+            "kv_links_dropped": self.links_dropped,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_pulled_tokens": self.prefix_pulled_tokens,
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,
         }
 
-    def _link(self, kv_addr: str) -> KvLink:
-        link = self._links.get(kv_addr)
+    async def _link(self, kv_addr: str) -> KvLink:
+        """The link to ``kv_addr``, made on first use; first closes links idle past :data:`LINK_IDLE_S`
+        and, at :data:`MAX_LINKS`, the least recently used idle one. Raises :class:`RpcError`
+        ``overloaded`` when every link carries a transfer, ``bad_request`` for a malformed address."""
+        now = time.monotonic()
+        for addr, link in list(self._links.items()):
+            if addr != kv_addr and not link.transfers and now - self._link_used.get(addr, now) > LINK_IDLE_S:
+                await self._drop_link(addr, "idle")
+        link = self._links.pop(kv_addr, None)
         if link is None:
-            link = KvLink(kv_addr, name=self.name, fingerprint=self.fingerprint, **self.link_options)
-            self._links[kv_addr] = link
+            if len(self._links) >= MAX_LINKS:
+                idle = next((a for a, lk in self._links.items() if not lk.transfers), None)
+                if idle is None:
+                    raise RpcError(ErrorCode.OVERLOADED, f"{self.name} streams to {len(self._links)} decode workers, its "
+                                   "limit", retry_after=1)
+                await self._drop_link(idle, "least recently used")
+            try:
+                link = KvLink(kv_addr, name=self.name, fingerprint=self.fingerprint, **self.link_options)
+            except ValueError as e:
+                raise RpcError(ErrorCode.BAD_REQUEST, f"kv_addr: {e}") from None
+        self._links[kv_addr] = link  # re-inserted: most recently used last
+        self._link_used[kv_addr] = now
         return link
+
+    async def _drop_link(self, addr: str, why: str) -> None:
+        link = self._links.pop(addr, None)
+        self._link_used.pop(addr, None)
+        if link is not None:
+            self.links_dropped += 1
+            log.info("closing the KV link to %s (%s)", addr, why)
+            await link.close()
+
+    async def _forget_dead_link(self, kv_addr: str) -> None:
+        """After a failed transfer: drop the link if it has no live connection and carries nothing."""
+        link = self._links.get(kv_addr)
+        if link is not None and not link._live() and not link.transfers:
+            await self._drop_link(kv_addr, "its receiver could not be reached")
 
     def link_stats(self) -> dict[str, Any]:
         """Congestion signals of every KV link, keyed by the receiver's address."""
         return {addr: link.snapshot() for addr, link in self._links.items()}
 
     async def close(self) -> None:
-        for link in self._links.values():
-            await link.close()
+        for addr in list(self._links):
+            await self._drop_link(addr, "shutting down")
         await self._peers.close()
 
     @takes(InjectFaultArgs)
@@ -175,7 +219,7 @@ class PrefillWorker:
         trip the compute need not wait for). The link's in-flight bound keeps that overlap's memory
         bounded. ``delivered[0]`` is set to whether ``KV_DONE`` was written, once ``finish`` returns or
         raises."""
-        link = self._link(kv_addr)
+        link = await self._link(kv_addr)
         loop = asyncio.get_running_loop()
         ready: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
@@ -260,6 +304,8 @@ class PrefillWorker:
                 await asyncio.wait_for(asyncio.shield(compute), 60)
             if transfer is not None:
                 link.abort(transfer, "cancelled" if isinstance(e, asyncio.CancelledError) else f"{type(e).__name__}: {e}")
+            if not isinstance(e, asyncio.CancelledError):
+                await self._forget_dead_link(kv_addr)
             raise
         finally:
             hit.unpin()
