@@ -24,7 +24,7 @@ from typing import Any
 from common.rpc.auth import ENV_SECRET, ENV_TLS, resolve_credentials, resolve_tls
 from common.rpc.errors import RpcError, Unavailable
 from common.rpc.handshake import client_handshake, parse_addr
-from common.rpc.limits import DEFAULT_LIMITS, set_keepalive
+from common.rpc.limits import ConnLimits, set_keepalive
 from common.runtime.backoff import Backoff
 from proto.frames import (
     DEFAULT_MAX_HEADER,
@@ -51,7 +51,8 @@ class RpcClient:
     with jittered backoff, so services may start in any order. ``secret``: a master secret,
     :class:`~common.rpc.credentials.Credentials` or None (default: from the environment); ``ssl``: a
     client ``SSLContext`` (default: from the environment, see :func:`common.rpc.auth.rpc_tls_from_env`);
-    ``keepalive_s``: seconds between pings of an idle connection; ``max_header``: the largest request
+    ``keepalive_s``: seconds between pings of a connection (default: a third of the listeners' idle
+    timeout, :meth:`~common.rpc.limits.ConnLimits.from_env`); ``max_header``: the largest request
     header written (bytes), the peer's read limit.
     """
 
@@ -66,7 +67,7 @@ class RpcClient:
         max_stream_backlog: int = 4096,
         secret: Any = ENV_SECRET,
         ssl: Any = ENV_TLS,
-        keepalive_s: float = DEFAULT_LIMITS.keepalive_s,
+        keepalive_s: float | None = None,
         max_header: int = DEFAULT_MAX_HEADER,
     ):
         self.addr = addr
@@ -78,7 +79,7 @@ class RpcClient:
         self.max_stream_backlog = max_stream_backlog
         self.creds = resolve_credentials(secret, service)
         self.ssl = resolve_tls(ssl, "client")
-        self.keepalive_s = keepalive_s
+        self.keepalive_s = keepalive_s if keepalive_s is not None else ConnLimits.from_env().keepalive_s
         self.max_header = max_header
         self.peer_name: str | None = None
         self._ids = itertools.count(1)

@@ -42,6 +42,17 @@ class ConnLimits:
     max_write_buffer: int = 16 << 20
     handshake_timeout_s: float = 5.0
 
+    @classmethod
+    def from_env(cls) -> ConnLimits:
+        """The defaults, each overridable by ``PRFAAS_RPC_<FIELD>`` (e.g. ``PRFAAS_RPC_IDLE_TIMEOUT_S=30``):
+        labs and tests shorten the timeouts this way. Raises ``ValueError`` for a malformed value."""
+        out = {}
+        for name, default in ((f, getattr(DEFAULT_LIMITS, f)) for f in cls.__dataclass_fields__):
+            raw = os.environ.get(f"PRFAAS_RPC_{name.upper()}")
+            if raw:
+                out[name] = type(default)(raw)
+        return cls(**out) if out else DEFAULT_LIMITS
+
     @property
     def keepalive_s(self) -> float:
         """How often a dialler pings an otherwise idle connection, so that the listener's idle timeout

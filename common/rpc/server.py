@@ -121,8 +121,9 @@ class RpcServer:
     listener (methods not named are open to every authenticated role). ``ssl``: a server
     ``SSLContext`` (default from the environment, :func:`common.rpc.auth.rpc_tls_from_env`).
     ``insecure``: allow binding a non-loopback address without authentication. ``limits``: see
-    :class:`~common.rpc.limits.ConnLimits`. ``max_header``/``max_payload`` (bytes) bound frames after
-    the handshake, and answers: none is written larger than ``max_header``.
+    :class:`~common.rpc.limits.ConnLimits` (default: :meth:`~common.rpc.limits.ConnLimits.from_env`).
+    ``max_header``/``max_payload`` (bytes) bound frames after the handshake, and answers: none is
+    written larger than ``max_header``.
     """
 
     def __init__(
@@ -141,7 +142,7 @@ class RpcServer:
         allow: dict[str, frozenset[str] | set[str]] | None = None,
         ssl: Any = ENV_TLS,
         insecure: Any = ENV_INSECURE,
-        limits: ConnLimits = DEFAULT_LIMITS,
+        limits: ConnLimits | None = None,
     ):
         self.service = service
         self.name = name
@@ -156,7 +157,7 @@ class RpcServer:
         self.allow = {m: frozenset(r) for m, r in (allow or {}).items()}
         self.ssl = resolve_tls(ssl, "server")
         self.insecure = insecure
-        self.limits = limits
+        self.limits = limits or ConnLimits.from_env()
         self.counters = {"refused_connections": 0, "forbidden": 0, "overloaded_calls": 0, "idle_closed": 0,
                          "oversized_answers": 0}
         self._server: asyncio.base_events.Server | None = None

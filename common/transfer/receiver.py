@@ -35,7 +35,7 @@ from typing import Any
 
 from common.kv.layout import KvError
 from common.rpc.handshake import HelloListener, hello_timeout_frame
-from common.rpc.limits import DEFAULT_LIMITS, ENV_INSECURE, ConnLimits, check_bind, set_keepalive
+from common.rpc.limits import ENV_INSECURE, ConnLimits, check_bind, set_keepalive
 from common.runtime import service
 from common.transfer.assembly import BufferPool, KvAssembly
 from common.transfer.connection import SOCKET_BUFFER_BYTES
@@ -88,10 +88,10 @@ class KvReceiver:
     def __init__(self, name: str, fingerprint: dict[str, Any] | None, num_layers: int, *, budget_bytes: int = 8 << 30,
                  lease_s: float = 600.0, secret: Any = None, ssl: ssl_mod.SSLContext | None = None,
                  max_header: int = DEFAULT_MAX_HEADER, max_payload: int = 256 << 20, handshake_timeout_s: float = 5.0,
-                 socket_buffer_bytes: int = SOCKET_BUFFER_BYTES, limits: ConnLimits = DEFAULT_LIMITS,
+                 socket_buffer_bytes: int = SOCKET_BUFFER_BYTES, limits: ConnLimits | None = None,
                  insecure: Any = ENV_INSECURE):
         self.name = name
-        self.limits = limits
+        self.limits = limits or ConnLimits.from_env()
         self.insecure = insecure
         self.hello = HelloListener("kv-receiver", name, fingerprint, secret, require_fingerprint=True)
         self.num_layers = num_layers

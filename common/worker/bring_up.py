@@ -30,6 +30,7 @@ from common.control.planner_agent import PlannerAgent
 from common.model.backend import Backend, make_backend
 from common.model.loader import load_model
 from common.rpc.handshake import parse_addr
+from common.rpc.limits import ENV_INSECURE
 from common.rpc.server import RpcServer
 from common.runtime import service
 
@@ -135,7 +136,7 @@ async def serve_worker(args: argparse.Namespace, stop: asyncio.Event, backend: B
     report = report_with_publisher(worker.stats, publisher)
     server = RpcServer(role, args.name, stream_handlers=stream_handlers or {},
                        handlers={**(handlers or {}), "stats": stats_handler(report)}, allow=WORKER_ALLOW,
-                       insecure=args.insecure)
+                       insecure=getattr(args, "insecure", ENV_INSECURE))
     host, port = parse_addr(addrs.listen)
     await server.start(host, port)
     if start is not None:

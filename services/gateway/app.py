@@ -52,6 +52,7 @@ from services.gateway.openai.request import GenerateRequest, ModelContext, OpenA
 log = logging.getLogger("prfaas.gateway")
 
 PARSE_INLINE_BYTES = 16 << 10  # bodies up to this are parsed on the event loop; larger ones in a worker thread
+MAX_LARGE_PARSES = 4  # large bodies being parsed or waiting for a parser thread; more are answered 429
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -88,6 +89,7 @@ class Gateway:
         self.limits = limits or HttpLimits()
         self.bodies = BodyBudget(self.limits.body_budget_bytes)
         self._parsers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateway-parse")
+        self.large_parses = 0  # bodies over PARSE_INLINE_BYTES in (or waiting for) a parser thread
         self.router = RpcClient(router_addr, service="gateway", name=name, connect_timeout=2.0)
         self.planner = RpcClient(planner_addr, service="gateway", name=name, connect_timeout=2.0)
         self.decoders = ClientPool(service="gateway", name=name, connect_timeout=5.0)
@@ -127,10 +129,7 @@ class Gateway:
         try:
             body = await read_body(request, self.bodies, self.limits.body_timeout_s, self.max_body)
             with self.dispatch.admission():
-                if len(body) <= PARSE_INLINE_BYTES:
-                    req = parse(body, self.ctx)
-                else:  # tokenising a long prompt takes milliseconds to seconds: never on the loop
-                    req = await asyncio.get_running_loop().run_in_executor(self._parsers, parse, body, self.ctx)
+                req = await self._parse(parse, body)
                 check_wire_size(req, "prompt" if endpoint == "completions" else "messages")
                 resp = await (self._stream(request, req) if req.stream else self._unary(req))
                 status = resp.status
@@ -148,6 +147,21 @@ class Gateway:
             raise
         finally:
             self.stats.count_request(endpoint, status)
+
+    async def _parse(self, parse, body: bytes) -> GenerateRequest:
+        """``parse(body, ctx)``: on the loop for a small body; in a parser thread for a large one
+        (tokenising a 1 MiB prompt takes seconds, which would stall every stream), at most
+        :data:`MAX_LARGE_PARSES` at once (more: 429, so they cannot take every slot)."""
+        if len(body) <= PARSE_INLINE_BYTES:
+            return parse(body, self.ctx)
+        if self.large_parses >= MAX_LARGE_PARSES:
+            raise OpenAIError(f"{self.large_parses} large requests are being tokenised (the gateway's limit); retry",
+                              status=429, type="rate_limit_error", param=None, code="overloaded")
+        self.large_parses += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._parsers, parse, body, self.ctx)
+        finally:
+            self.large_parses -= 1
 
     async def _unary(self, req: GenerateRequest) -> web.Response:
         text, ids, reason, usage = [], [], None, None

@@ -57,6 +57,7 @@ from common.control.planner_agent import PlannerAgent
 from common.model.backend import Backend
 from common.rpc.errors import RpcError
 from common.rpc.handshake import parse_addr
+from common.rpc.limits import ENV_INSECURE
 from common.rpc.schema import convert_call, takes
 from common.rpc.server import RpcServer
 from common.runtime import service
@@ -115,7 +116,7 @@ class PdWorker:
             handlers={"prefill": self._unary("prefill"), "inject_fault": self._unary("inject_fault"),
                       "switch_role": self.switch_role, "stats": self._stats_rpc, "health": self._health},
             stream_handlers={"generate": self._stream("generate"), "export_prefix": self._stream("export_prefix")},
-            allow=WORKER_ALLOW, insecure=getattr(args, "insecure", False),
+            allow=WORKER_ALLOW, insecure=getattr(args, "insecure", ENV_INSECURE),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -101,6 +101,7 @@ class PrefillWorker:
             "completed": self.completed, "cancelled": self.cancelled, "prompt_tokens": self.prompt_tokens,
             "links": self.link_stats(), "request_tasks": service.live_call_tasks("prefill"),
             "kv_links_dropped": self.links_dropped,
+            "prefix_pool_pages_used": self.prefix.store.pool.stats()["pages_used"] if self.prefix is not None else 0,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_pulled_tokens": self.prefix_pulled_tokens,
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,
