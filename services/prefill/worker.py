@@ -78,6 +78,7 @@ class PrefillWorker:
         self._slot = asyncio.Semaphore(1)
         self._links: dict[str, KvLink] = {}  # by KV address, least recently used first
         self._link_used: dict[str, float] = {}
+        self._link_users: dict[str, int] = {}  # prefill calls holding each link (never closed under them)
         self.links_dropped = 0
         self.waiting = 0
         self.running = 0
@@ -112,13 +113,13 @@ class PrefillWorker:
         and, at :data:`MAX_LINKS`, the least recently used idle one. Raises :class:`RpcError`
         ``overloaded`` when every link carries a transfer, ``bad_request`` for a malformed address."""
         now = time.monotonic()
-        for addr, link in list(self._links.items()):
-            if addr != kv_addr and not link.transfers and now - self._link_used.get(addr, now) > LINK_IDLE_S:
+        for addr in list(self._links):
+            if addr != kv_addr and self._idle(addr) and now - self._link_used.get(addr, now) > LINK_IDLE_S:
                 await self._drop_link(addr, "idle")
         link = self._links.pop(kv_addr, None)
         if link is None:
             if len(self._links) >= MAX_LINKS:
-                idle = next((a for a, lk in self._links.items() if not lk.transfers), None)
+                idle = next((a for a in self._links if self._idle(a)), None)
                 if idle is None:
                     raise RpcError(ErrorCode.OVERLOADED, f"{self.name} streams to {len(self._links)} decode workers, its "
                                    "limit", retry_after=1)
@@ -131,6 +132,10 @@ class PrefillWorker:
         self._link_used[kv_addr] = now
         return link
 
+    def _idle(self, addr: str) -> bool:
+        """No transfer on the link and no prefill call holding it."""
+        return not self._links[addr].transfers and not self._link_users.get(addr)
+
     async def _drop_link(self, addr: str, why: str) -> None:
         link = self._links.pop(addr, None)
         self._link_used.pop(addr, None)
@@ -142,7 +147,7 @@ class PrefillWorker:
     async def _forget_dead_link(self, kv_addr: str) -> None:
         """After a failed transfer: drop the link if it has no live connection and carries nothing."""
         link = self._links.get(kv_addr)
-        if link is not None and not link._live() and not link.transfers:
+        if link is not None and not link._live() and self._idle(kv_addr):
             await self._drop_link(kv_addr, "its receiver could not be reached")
 
     def link_stats(self) -> dict[str, Any]:
@@ -181,6 +186,20 @@ class PrefillWorker:
         if args.prefix_source and self.prefix is not None:
             self.prefix_pulled_tokens += await self.prefix.pull(self._peers.get(args.prefix_source), args.prefix_source,
                                                                 input_ids)
+        link = await self._link(kv_addr)
+        self._link_users[kv_addr] = self._link_users.get(kv_addr, 0) + 1
+        try:
+            return await self._prefill_on(link, req_id, input_ids, sampling, kv_from)
+        finally:
+            self._link_users[kv_addr] -= 1
+            if not self._link_users[kv_addr]:
+                del self._link_users[kv_addr]
+            await self._forget_dead_link(kv_addr)
+
+    async def _prefill_on(self, link: KvLink, req_id: str, input_ids: list[int], sampling: SamplingParams,
+                          kv_from: int) -> dict[str, Any]:
+        """The rest of :meth:`prefill` once its link is chosen: connect it, wait for the compute slot, run."""
+        await link.ensure_connected()  # before the slot: a receiver nobody can reach must not cost another request its turn
         self.waiting += 1
         try:
             await self._slot.acquire()
@@ -195,7 +214,7 @@ class PrefillWorker:
                 self._slot.release()
         delivered = [False]  # set once KV_DONE (with the first token) has been written
         try:
-            result = await self._run(req_id, input_ids, sampling, kv_addr, kv_from, release_slot, delivered)
+            result = await self._run(req_id, input_ids, sampling, link, kv_from, release_slot, delivered)
             self.completed += 1
             self.prompt_tokens += len(input_ids)
             return result
@@ -212,7 +231,7 @@ class PrefillWorker:
             self.running -= 1
             release_slot()
 
-    async def _run(self, req_id: str, input_ids: list[int], sampling: SamplingParams, kv_addr: str,
+    async def _run(self, req_id: str, input_ids: list[int], sampling: SamplingParams, link: KvLink,
                    kv_from: int = 0, release_slot=lambda: None, delivered: list[bool] | None = None) -> dict[str, Any]:
         """Compute the prefill, streaming each layer's KVCache to ``kv_addr``. ``release_slot`` is
         called once the compute has ended and every layer is queued on the link: the next request
@@ -220,7 +239,6 @@ class PrefillWorker:
         trip the compute need not wait for). The link's in-flight bound keeps that overlap's memory
         bounded. ``delivered[0]`` is set to whether ``KV_DONE`` was written, once ``finish`` returns or
         raises."""
-        link = await self._link(kv_addr)
         loop = asyncio.get_running_loop()
         ready: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
@@ -305,8 +323,6 @@ class PrefillWorker:
                 await asyncio.wait_for(asyncio.shield(compute), 60)
             if transfer is not None:
                 link.abort(transfer, "cancelled" if isinstance(e, asyncio.CancelledError) else f"{type(e).__name__}: {e}")
-            if not isinstance(e, asyncio.CancelledError):
-                await self._forget_dead_link(kv_addr)
             raise
         finally:
             hit.unpin()

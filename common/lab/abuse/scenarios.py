@@ -70,10 +70,11 @@ def _expect_400(found: Findings, what: str, status: int, body: dict, param: str)
 
 # -- kind 1: one request must never break a connection other requests share -----------------------
 async def oversized_stop(s: AbuseSystem) -> Findings:
-    """Stop strings of 250 KB (a 1 MB body, within the HTTP limit) while streams share the
-    gateway->decode connection: a 400 naming ``stop``, never a frame too large for the wire."""
+    """Stop strings of 270 KB (a 1.08 MB body: within the HTTP limit, over the 1 MiB frame limit)
+    while streams share the gateway->decode connection: a 400 naming ``stop``, never a frame too
+    large for the wire (which would cut that connection and every stream on it)."""
     found = Findings()
-    body = {"model": s.model_id, "prompt": "hello", "max_tokens": 4, "stop": ["x" * 250_000] * 4}
+    body = {"model": s.model_id, "prompt": "hello", "max_tokens": 4, "stop": ["x" * 270_000] * 4}
     for status, ans in await gather_quiet([_post(s, "/v1/completions", body) for _ in range(3)]):
         _expect_400(found, "oversized stop", status, ans, "stop")
     await asyncio.sleep(1.0)
