@@ -116,6 +116,20 @@ async def test_pool_is_what_was_asked(small):
         assert sample_value(text, f"prfaas_decode_{name}", worker="decode-0") is not None, name
 
 
+async def test_n_branches_beyond_the_pool_are_a_400_naming_n_and_fitting_ones_are_exact(small):
+    """4 branches of 200 tokens after a 100-token prompt need 6 shared + 4 x 13 own blocks > 40: a 400
+    naming ``n``; 2 greedy branches of 100 fit, share the prompt and each equal ``model.generate``."""
+    prompt = prompt_of(100, seed=5)
+    status, err, _ = await run(small, {**body_of(prompt, 200), "n": 4})
+    assert status == 400 and err["error"]["param"] == "n", err
+    async with aiohttp.ClientSession() as s, s.post(small.url + "/v1/completions", json={
+            **body_of(prompt, 100), "n": 2, "stream": False}) as r:
+        body = await r.json()
+    assert r.status == 200, body
+    assert [ch["token_ids"] for ch in body["choices"]] == [reference(tuple(prompt), 100)] * 2
+    await wait_drained(small)
+
+
 async def test_preemption_swaps_out_and_resumes_exactly(small):
     """Three rows whose prompts fit (10 blocks each) but whose growth (to 17 blocks each) does not:
     the newest is swapped out, resumes when blocks free up, and every row's tokens stay exact."""

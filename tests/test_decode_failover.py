@@ -55,7 +55,9 @@ def prompt_of(n: int, seed: int) -> list[int]:
 
 
 def sampling(max_tokens: int, **kw: Any) -> dict[str, Any]:
-    return SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, "stop_token_ids": EOS, **kw}).to_wire()
+    """The sampling map a gateway sends: the EOS ids stop generation unless ``ignore_eos`` (it leaves them out)."""
+    eos = () if kw.get("ignore_eos") else EOS
+    return SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, "stop_token_ids": eos, **kw}).to_wire()
 
 
 async def generate(client: RpcClient, args: dict[str, Any], cut: int | None = None) -> list[dict[str, Any]]:

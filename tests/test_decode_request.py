@@ -28,11 +28,31 @@ def test_eos_finishes_with_stop_and_counts_the_token():
 
 
 def test_ignore_eos_keeps_going_until_length():
-    req = DecodeRequest("r", SamplingParams(max_tokens=2, stop_token_ids=(256,), ignore_eos=True), 1, TOK)
+    # the gateway leaves the EOS ids out of stop_token_ids under ignore_eos
+    req = DecodeRequest("r", SamplingParams(max_tokens=2, stop_token_ids=(), ignore_eos=True), 1, TOK)
     req.push(256)
     assert not req.done
     req.push(65)
     assert [i["finish_reason"] for i in drain(req)] == [None, "length"]
+
+
+def test_client_stop_token_ids_end_generation_even_with_ignore_eos():
+    req = DecodeRequest("r", SamplingParams(max_tokens=5, stop_token_ids=(66,), ignore_eos=True), 1, TOK)
+    req.push(65)
+    req.push(66)
+    items = drain(req)
+    assert [i["finish_reason"] for i in items] == [None, "stop"] and "".join(i["text"] for i in items) == "A"
+
+
+def test_min_tokens_holds_stop_strings_and_stop_tokens_back():
+    req = DecodeRequest("r", SamplingParams(max_tokens=8, stop=("b",), stop_token_ids=(256,), min_tokens=3), 1, TOK)
+    for t in (97, 98, 256):  # "a", "b" (a stop string), EOS: all before min_tokens is reached
+        req.push(t)
+    assert not req.done
+    req.push(98)  # the 4th token: "b" now stops
+    items = drain(req)
+    assert [i["finish_reason"] for i in items] == [None, None, None, "stop"]
+    assert "".join(i["text"] for i in items) == "ab"
 
 
 def test_max_tokens_one_finishes_on_the_first_token():

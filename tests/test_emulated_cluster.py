@@ -44,6 +44,21 @@ async def test_emulated_cluster_under_poisson_load(tmp_path):
         assert remote_bytes == pytest.approx(expect, rel=0.10)  # only the remote prompt's KV crossed the link
         assert remote_bytes / (c.prfaas_hw.s_kv(c.carried(100_000) * 32) * c.model.byte_scale) == pytest.approx(1.0, rel=0.10)
 
+        # 1b) the prefill worker's share of a request ends at its first token (the gateway's
+        #     prefill_done), while the decode worker holds it until its last
+        task = asyncio.create_task(drive(c.url, SCALES, [0.0], [prompt_tokens(c.carried(30_000), 950)], [30_000], c.max_tokens,
+                                         c.pd_hw.t_prefill))
+        seen: list[dict] = []
+        while not task.done():
+            st = await c.router_stats()
+            seen.append(st["inflight"])
+            if st["inflight"] == {"pd-1": 1} and not st["prefill_work"]:
+                break
+            await asyncio.sleep(0.02)
+        assert not task.done(), f"the request ended before its prefill worker was freed: {seen[-5:]}"
+        assert {"pd-0": 1, "pd-1": 1} in seen  # placed on both, then the prefill worker let go
+        assert (await task)[0].exact
+
         # 2) a short Poisson load (about 40 requests over 4 real seconds)
         st0 = await c.router_stats()
         arr = poisson_arrivals(1.0, 40.0, 3)
@@ -63,7 +78,8 @@ async def test_emulated_cluster_under_poisson_load(tmp_path):
         decode = await c.client("pd-1").call("stats", {}, timeout=5)
         assert decode["kv_blocks_held"] == 0 and decode["kv_reserved_bytes"] == 0 and decode["running"] == 0
         assert decode["request_tasks"] == 0
-        assert (await c.router_stats())["inflight"] == {}
+        st = await c.router_stats()
+        assert st["inflight"] == {} and st["prefill_work"] == {}
         prefill = await c.client("prfaas-0").call("stats", {}, timeout=5)
         assert prefill["running"] == 0 and prefill["waiting"] == 0 and prefill["kv_bytes_inflight"] == 0
     finally:

@@ -4,6 +4,7 @@ the capacity read off a rate sweep (scripts/bench_cluster.py)."""
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import pytest
 
@@ -24,6 +25,26 @@ def test_lengths_are_truncated_log_normal():
     ls = sample_lengths(20000, 9.9, 1.0, 128, 131072, 3)
     assert min(ls) >= 128 and max(ls) <= 131072
     assert sum(ls) / len(ls) == pytest.approx(tm.TruncatedLogNormal(9.9, 1.0, 128, 131072).mean(), rel=0.03)
+
+
+def test_stratified_lengths_keep_the_distribution_and_cut_the_window_to_window_spread():
+    dist = tm.TruncatedLogNormal(9.9, 1.0, 128, 131072)
+    big = sample_lengths(20000, 9.9, 1.0, 128, 131072, 3, stratified=True)
+    assert min(big) >= 128 and max(big) <= 131072
+    assert sum(big) / len(big) == pytest.approx(dist.mean(), rel=0.005)
+    assert big != sorted(big)  # shuffled: the order of arrivals carries no length trend
+    qs = sorted(big)
+    nd = NormalDist(9.9, 1.0)
+    for q in (0.1, 0.5, 0.9):  # quantiles of the truncated log-normal
+        want = math.exp(nd.inv_cdf(nd.cdf(math.log(128)) + q * (nd.cdf(math.log(131072)) - nd.cdf(math.log(128)))))
+        assert qs[int(q * len(qs))] == pytest.approx(want, rel=0.01)
+
+    def spread(stratified: bool) -> float:
+        means = [sum(sample_lengths(300, 9.9, 1.0, 128, 131072, s, stratified)) / 300 for s in range(30)]
+        m = sum(means) / len(means)
+        return math.sqrt(sum((x - m) ** 2 for x in means) / len(means)) / m
+
+    assert spread(True) < 0.1 * spread(False)
 
 
 def test_slo_and_summary():

@@ -114,23 +114,62 @@ async def test_prefill_killed_mid_transfer_requests_reprefill_locally(cluster):
     cluster.wait_healthy()
 
 
-async def test_decode_killed_mid_stream_resumes_on_the_other_decoder(cluster):
-    cluster.wait_healthy()
-    prompt = prompt_of(60, 7)
-    killed: list[str] = []
-
+def kill_serving_decoder(cluster: Cluster, after: int, killed: list[str]):
+    """An ``on_token`` callback that SIGKILLs the decode worker running the stream once ``after``
+    tokens have arrived (its name is appended to ``killed``)."""
     async def on_token(n: int) -> None:
-        if n >= 6 and not killed:
+        if n >= after and not killed:
             for d in ("decode", "decode2"):
                 if (await cluster.call(d, "stats"))["running"]:
                     cluster.kill(d)
                     killed.append(d)
                     return
-    status, ids, err = await stream_ids(cluster.url, body_of(prompt, 48), on_token)
+    return on_token
+
+
+async def test_decode_killed_mid_stream_resumes_on_the_other_decoder(cluster):
+    cluster.wait_healthy()
+    prompt = prompt_of(60, 7)
+    killed: list[str] = []
+    status, ids, err = await stream_ids(cluster.url, body_of(prompt, 48), kill_serving_decoder(cluster, 6, killed))
     assert killed, "the stream finished before a decoder could be killed"
     assert status == 200 and not err, err
     assert ids == reference(tuple(prompt), 48)
     assert await metric(cluster, "prfaas_gateway_retries_total", reason="decode_resumed") >= 1
+    cluster.restart(killed[0])
+    cluster.wait_healthy()
+
+
+async def branch_ids(url: str, body: dict, on_token=None) -> dict[int, list[int]]:
+    """Token ids per choice index of one streaming completion (an SSE error fails the test)."""
+    out: dict[int, list[int]] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        async with s.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for ch in chunk["choices"]:
+                    out.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
+                if on_token is not None:
+                    await on_token(sum(map(len, out.values())))
+    return out
+
+
+async def test_decode_killed_mid_stream_of_n_penalized_branches_resumes_each_exactly(cluster):
+    """n = 3 seeded branches with every penalty: each branch resumes on the other decoder with its
+    penalty state rebuilt from the tokens already streamed, and gives the uninterrupted tokens."""
+    cluster.wait_healthy()
+    body = {**body_of(prompt_of(60, 8), 40), "n": 3, "temperature": 0.8, "seed": 11, "presence_penalty": 0.5,
+            "frequency_penalty": 0.3, "repetition_penalty": 1.2, "logit_bias": {"32": 2.0}}
+    want = await branch_ids(cluster.url, body)
+    assert sorted(want) == [0, 1, 2] and all(len(v) == 40 for v in want.values())
+    killed: list[str] = []
+    got = await branch_ids(cluster.url, body, kill_serving_decoder(cluster, 15, killed))
+    assert killed, "the stream finished before a decoder could be killed"
+    assert got == want
     cluster.restart(killed[0])
     cluster.wait_healthy()
 

@@ -117,9 +117,9 @@ async def test_a_repeated_req_id_leaves_no_in_flight_count():
     r = _router([_w("p", "prefill"), _w("d", "decode")])
     for _ in range(5):
         await r.place(PlaceArgs(prompt_len=10, req_id="same"))
-    assert dict(r.inflight) == {"p": 1, "d": 1} and len(r.placed) == 1
+    assert dict(r.inflight) == {"p": 1, "d": 1} and len(r.leases.by_req) == 1
     await r.release(ReleaseArgs(req_id="same"))
-    assert not r.inflight and not r.placed
+    assert not r.inflight and not r.leases.by_req
     await r.place(PlaceArgs(prompt_len=10))  # no req_id: no lease, so no count that nobody could release
     assert not r.inflight
 

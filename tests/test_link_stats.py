@@ -478,6 +478,7 @@ def test_rtt_ewma_and_events():
     snap = ls.snapshot()
     assert snap["rtt_ms"] == pytest.approx(11.0)  # 10 -> 20 -> 11
     assert snap["rtt_last_ms"] == pytest.approx(2.0) and snap["rtt_min_ms"] == pytest.approx(2.0)
+    assert snap["rtt_floor_ms"] == pytest.approx(2.0)
     with pytest.raises(ValueError):
         ls.on_rtt(-0.001)
     with pytest.raises(ValueError):
@@ -827,7 +828,7 @@ async def test_capacity_of_a_rate_capped_loopback_link(monkeypatch):
 
 EXPECTED_KEYS = {
     "peer", "connections", "goodput_bps", "goodput_window_bps", "tcp_goodput_bps", "bytes_sent",
-    "bytes_queued", "rtt_ms", "rtt_last_ms", "rtt_min_ms", "tcp_srtt_ms", "tcp_srtt_max_ms", "tcp_lost",
+    "bytes_queued", "rtt_ms", "rtt_last_ms", "rtt_min_ms", "rtt_floor_ms", "tcp_srtt_ms", "tcp_srtt_max_ms", "tcp_lost",
     "tcp_unacked", "tcp_snd_cwnd", "tcp_notsent_bytes", "retransmits", "retransmits_window", "stalls",
     "reconnects", "capacity_bps",
 }
@@ -897,6 +898,7 @@ def test_link_metric_families_match_snapshot():
         ("prfaas_link_bytes_queued", lab): 4096.0,
         ("prfaas_link_rtt_seconds", lab): snap["rtt_ms"] * 1e-3,
         ("prfaas_link_rtt_min_seconds", lab): snap["rtt_min_ms"] * 1e-3,
+        ("prfaas_link_rtt_floor_seconds", lab): snap["rtt_floor_ms"] * 1e-3,
         ("prfaas_link_tcp_srtt_seconds", lab): snap["tcp_srtt_ms"] * 1e-3,
         ("prfaas_link_tcp_srtt_max_seconds", lab): snap["tcp_srtt_max_ms"] * 1e-3,
         ("prfaas_link_tcp_lost_segments", lab): float(snap["tcp_lost"]),
@@ -942,3 +944,23 @@ def test_link_metric_families_many_links_one_type_each():
 def test_link_metric_families_reject_bad_names(prefix, labels):
     with pytest.raises(ValueError, match="invalid Prometheus|reserved"):
         link_metric_families(prefix, [(labels, LinkStats(clock=FakeClock()))])
+
+
+def test_rtt_floor_tells_a_standing_queue_from_bursts():
+    """The floor is the lowest ping of the last ``rtt_floor_window_s``: bursts (high pings with a low
+    one among them) keep it at the base RTT; a queue that never drains lifts it."""
+    clk = FakeClock()
+    ls = LinkStats("decode-0", rtt_floor_window_s=3.0, clock=clk)
+    for rtt in (0.001, 0.200, 0.150, 0.001, 0.300):  # our own KV bursts, one ping a second
+        ls.on_rtt(rtt)
+        clk.t += 1.0
+    snap = ls.snapshot()
+    assert snap["rtt_floor_ms"] == pytest.approx(1.0) and snap["rtt_ms"] > 50.0
+    for rtt in (0.200, 0.250, 0.300, 0.350):  # the link shrank: every ping queues
+        ls.on_rtt(rtt)
+        clk.t += 1.0
+    assert ls.snapshot()["rtt_floor_ms"] == pytest.approx(300.0)  # pings of the last 3 s: 300, 350
+    clk.t += 5.0
+    assert ls.snapshot()["rtt_floor_ms"] is None  # no ping in the window
+    with pytest.raises(ValueError):
+        LinkStats(rtt_floor_window_s=0.0)

@@ -57,6 +57,15 @@ def test_signals_from_the_view():
     assert counts(workers()) == (4, 3, 5)
 
 
+def test_signals_carry_the_worst_standing_queue():
+    ws = workers(goodput_bps=10e9)
+    ws[0]["stats"]["links"]["decode:1"].update(rtt_ms=90.0, rtt_min_ms=1.0, rtt_floor_ms=61.0)
+    ws[1]["stats"]["links"]["decode:1"].update(rtt_ms=300.0, rtt_min_ms=1.0, rtt_floor_ms=2.0)  # bursts only
+    sig, _ = signals(ws, 100.0, {})
+    assert sig.rtt_standing_ms == pytest.approx(60.0) and sig.rtt_excess_ms == pytest.approx(299.0)
+    assert signals(workers(), 100.0, {})[0].rtt_standing_ms == 0.0
+
+
 def test_signals_use_the_measured_capacity():
     # 4 workers, each link measured at 10 Gbit/s: 40 Gbit/s, below the configured 100.
     sig, _ = signals(workers(goodput_bps=20e9, capacity_bps=10e9), 100.0, {})

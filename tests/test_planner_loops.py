@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -322,9 +323,10 @@ def test_a_standing_queue_is_congestion_even_when_utilisation_reads_low(model):
     solve it with the link bound it now sees (the goodput), not the stale capacity."""
     loop = ShortLoop(CFG, model)
     t0 = loop.t
-    trace = run(loop, [ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=49.0)] * 20)
-    assert changes(trace) == [] and loop.t == t0
-    trace = run(loop, [ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=400.0)] * 60, start=20)
+    trace = run(loop, [ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=400.0, rtt_standing_ms=49.0)] * 20)
+    assert changes(trace) == [] and loop.t == t0  # bursts: the smoothed RTT is high, its floor is not
+    trace = run(loop, [ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=400.0,
+                                    rtt_standing_ms=300.0)] * 60, start=20)
     assert changes(trace) and loop.t > t0 and "congestion" in changes(trace)[0][1].reason
     assert loop.t >= model(CFG.link_gbps * 0.26 * CFG.util_target) * 0.98
     with pytest.raises(ValueError):
@@ -335,7 +337,7 @@ def test_a_draining_queue_does_not_wind_the_threshold_up(model):
     """Once t is at the anchor, a queueing delay that shrinks after a raise (the backlog drains at the
     link's rate) holds t; a delay that keeps growing raises it again."""
     def sig(ms):
-        return ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=ms)
+        return ShortSignals(egress_util=0.26, rtt_inflation=2000.0, rtt_excess_ms=ms, rtt_standing_ms=ms)
 
     draining, growing = ShortLoop(CFG, model), ShortLoop(CFG, model)
     first = run(draining, [sig(400.0)] * 5)
@@ -348,3 +350,23 @@ def test_a_draining_queue_does_not_wind_the_threshold_up(model):
     # the same minute with the queue still growing: at least one more raise
     assert changes(run(growing, [sig(410.0 + 5 * i) for i in range(60)], start=5))
     assert growing.t > t1
+
+
+def test_the_model_anchor_sees_a_small_link_in_relative_steps():
+    """A scaled link (the emulated cluster's KV bytes x 1e-3) binds the model where the real one
+    does: its buckets are relative, so 6 and 12 Mbit/s are told apart as 6 and 12 Gbps are (an
+    absolute 0.5 Gbps step read every such link as 0.5 Gbps, where bandwidth never binds)."""
+    h200 = t6.load_h200()
+    h20 = t6.h20_profile(0.9, 5.5e-5, h200)
+
+    def small(p: tm.HardwareProfile) -> tm.HardwareProfile:
+        return replace(p, kv_bytes=tuple(b * 1e-3 for b in p.kv_bytes))
+
+    dep = tm.Deployment(4, 3, 5, small(h200), small(h20), small(h20), 100.0, 1024.0)
+    m = ModelThreshold(dep, t6.WORKLOAD, grid=60)
+    exact = [tm.best_threshold(replace(dep, link_gbps=g), t6.WORKLOAD, 60).t for g in (0.006, 0.012)]
+    assert exact[0] > exact[1]  # the less bandwidth, the fewer requests go remote
+    assert [m(0.006), m(0.012)] == pytest.approx(exact, rel=0.05)
+    assert m(0.012) == m(0.012 * 1.005)  # within one 2 % bucket: the cached answer
+    with pytest.raises(ValueError):
+        ModelThreshold(dep, t6.WORKLOAD, rel_quantum=0.0)

@@ -1,4 +1,5 @@
-"""How the prefill worker counts a request whose caller leaves (``services/prefill/worker.py``).
+"""How the prefill worker counts a request whose caller leaves, and how it hands the accelerator from
+one request to the next (``services/prefill/worker.py``).
 
 In-process: an emulated backend (no model), a real :class:`KvReceiver` on 127.0.0.1 that withholds
 its ``KV_ACK``, and the worker's ``prefill`` handler run as a task and cancelled.
@@ -8,12 +9,15 @@ its ``KV_ACK``, and the worker's ``prefill`` handler run as a task and cancelled
   does this to a request that ends at its first token while the last layers still land (seen as a CI
   flake of test_disconnect: the occupant counted as cancelled).
 - Cancelled while it computes: ``cancelled``, and its prompt tokens are not counted.
+- A staged request starts computing the moment the previous compute ends, from the compute thread,
+  even while the event loop is blocked; one cancelled while staged leaves at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
@@ -26,11 +30,12 @@ pytestmark = pytest.mark.timeout(30)
 PROMPT = 256  # carried tokens; x32 = 8K tokens of the H20 profile, about 1.5 s of prefill at time x1
 
 
-@pytest.fixture
-async def rig():
+@pytest.fixture(params=["withheld"])
+async def rig(request):
     backend = EmulatedBackend(EmulatedProfile.from_file("h20_table6_fit"), Scales(time_scale=1, token_scale=32, byte_scale=1e-4))
     rx = KvReceiver("rx", backend.loaded.fingerprint, len(backend.layer_layouts(1)))
-    rx.maybe_ack = lambda *a, **k: None  # the decode side never acknowledges: finish() waits for KV_ACK
+    if request.param == "withheld":
+        rx.maybe_ack = lambda *a, **k: None  # the decode side never acknowledges: finish() waits for KV_ACK
     port = await rx.start("127.0.0.1", 0)
     worker = PrefillWorker(backend, "p0", prefix_cache_bytes=0, block_size=16, connections=2)
     ids = itertools.count()
@@ -81,3 +86,36 @@ async def test_a_caller_leaving_during_the_compute_is_cancelled(rig):
     await cancel(task)
     assert (worker.completed, worker.cancelled, worker.prompt_tokens) == (0, 1, 0)
     assert worker.running == 0
+
+
+@pytest.mark.parametrize("rig", ["acked"], indirect=True)
+async def test_the_next_compute_starts_when_the_last_ends_even_with_the_loop_blocked(rig):
+    worker, start = rig
+    a, _ = await start(64)  # ~0.64 s of compute
+    await until(lambda: worker.running == 1)
+    b, _ = await start(32)
+    c, _ = await start(32)
+    await until(lambda: worker.waiting == 2)
+    await asyncio.sleep(0.45)
+    time.sleep(0.5)  # noqa: ASYNC251 -- the event loop is blocked, on purpose, across the end of a's compute
+    ra, rb = await a, await b
+    a_end = ra["timings"]["last_computed_at"]
+    b_start = rb["timings"]["last_computed_at"] - rb["timings"]["prefill_s"]
+    assert 0 <= b_start - a_end < 0.05, (a_end, b_start)
+    await c
+    assert (worker.completed, worker.cancelled, worker.running, worker.waiting) == (3, 0, 0, 0)
+
+
+@pytest.mark.parametrize("rig", ["acked"], indirect=True)
+async def test_a_staged_request_cancelled_leaves_at_once(rig):
+    worker, start = rig
+    a, _ = await start()  # ~1.5 s
+    await until(lambda: worker.running == 1)
+    b, _ = await start()
+    await until(lambda: worker.waiting == 1)
+    t0 = time.monotonic()
+    await cancel(b)
+    assert time.monotonic() - t0 < 0.2 and worker.waiting == 0 and worker.cancelled == 1
+    assert not a.done()
+    await a
+    assert (worker.completed, worker.running) == (1, 0)

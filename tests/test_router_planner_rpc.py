@@ -39,7 +39,8 @@ def test_every_handler_takes_a_struct():
     router = Router("127.0.0.1:1", 40)
     planner = Planner()
     assert sorted(router.server.handlers) == sorted(
-        ["place", "release", "kv_events", "kv_resync", "set_bandwidth", "set_threshold", "stats", "health", "rpc_stats"])
+        ["place", "release", "prefill_done", "kv_events", "kv_resync", "set_bandwidth", "set_threshold", "stats", "health",
+         "rpc_stats"])
     assert sorted(planner.server.handlers) == sorted(["register", "report", "view", "status", "move_worker", "health",
                                                       "rpc_stats"])
     for h in [*router.server.handlers.values(), *planner.server.handlers.values()]:
@@ -77,6 +78,7 @@ async def test_router_good_calls_answer_as_before(pair):
     assert await r.call("set_threshold", {"threshold": 7}, timeout=5.0) == {"threshold": 7, "previous": 40}
     assert await r.call("set_bandwidth", {"plentiful": True}, timeout=5.0) == {"plentiful": True, "previous": False}
     assert await r.call("release", {"req_id": "nope"}, timeout=5.0) == {"released": False}
+    assert await r.call("prefill_done", {"req_id": "nope"}, timeout=5.0) == {"done": False}
     events = {"node": "p0", "cluster": "pd", "role": "prefill", "epoch": "e", "first_seq": 1,
               "events": [[1, "stored", 5, None], [2, "stored", 6, 5]], "block_size": 4}
     assert await r.call("kv_events", events, timeout=5.0) == {"ok": True, "seq": 2}

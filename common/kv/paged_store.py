@@ -118,6 +118,28 @@ class PagedKvStore:
                 self.pool.incref(prefix_blocks)
         return PagedSeq(req_id, blocks=prefix_blocks + blocks, slot=slots[0] if slots else None)
 
+    def fork_tail(self, src: PagedSeq, dst: PagedSeq, tokens: int) -> None:
+        """Make ``dst`` a copy of ``src``'s first ``tokens`` tokens, where ``dst`` already shares
+        ``src``'s full blocks (``reserve(..., prefix_blocks=src.blocks[:tokens // block_size])``): copy the
+        partly filled last block (when ``tokens`` is not a whole number of blocks) of every attention
+        layer and the linear states of ``src``'s slot into ``dst``'s, and set ``dst.length``. The shared
+        blocks are not copied: they are never written again (each copy writes its own tail).
+        Raises ``ValueError`` when ``dst`` does not share those blocks or has no room for ``tokens``."""
+        bs = self.block_size
+        full, rest = divmod(tokens, bs)
+        if dst.blocks[:full] != src.blocks[:full] or len(dst.blocks) * bs < tokens or len(src.blocks) * bs < tokens:
+            raise ValueError(f"{dst.req_id} does not share the {full} full blocks of {src.req_id} or cannot hold {tokens} tokens")
+        if rest:
+            a, b = src.blocks[full], dst.blocks[full]
+            for i in self.attn_layers:
+                self.k[i][:, b, :rest].copy_(self.k[i][:, a, :rest])
+                self.v[i][:, b, :rest].copy_(self.v[i][:, a, :rest])
+        if src.slot is not None and dst.slot is not None:
+            for states in self.states.values():
+                for arena in states.values():
+                    arena[dst.slot].copy_(arena[src.slot])
+        dst.length = tokens
+
     def grow(self, seq: PagedSeq, tokens: int) -> None:
         """Make room for ``tokens`` tokens in total, continuing the last run where possible.
 

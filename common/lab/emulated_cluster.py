@@ -20,7 +20,9 @@ wire bytes. Every rate of the paper's model is then ``time_scale`` times the uns
 threshold is ``t / token_scale``, so the planner's decisions are the unscaled model's. Its time
 constants are divided by ``time_scale`` as well (short-loop tick 1 s, at most one threshold change per
 10 s, a reversal after 30 s; the long loop's period, hold and cool-down), so the controllers react
-on the emulated clock as they would on a real one. Without the planner loop the router keeps a
+on the emulated clock as they would on a real one. The router weighs the prefill work queued on
+each worker with its cluster's fixed per-request cost from the profile
+(:meth:`EmulatedProfile.prefill_fixed_tokens`, in carried tokens). Without the planner loop the router keeps a
 static ``threshold`` (carried tokens).
 
 Ownership: the cluster owns its processes (logs in ``log_dir``), its link proxies and its RPC
@@ -169,7 +171,9 @@ class EmulatedCluster:
         gw_port = a["gateway"].rpartition(":")[2]
         cmds = {
             "planner": self._planner_cmd(),
-            "router": py + ["services.router", "--listen", a["router"], "--planner", a["planner"], "--threshold", str(self.threshold)],
+            "router": py + ["services.router", "--listen", a["router"], "--planner", a["planner"], "--threshold", str(self.threshold),
+                            *(f for name, hw in (("pd", self.pd_hw), ("prfaas", self.prfaas_hw))
+                              for f in ("--prefill-fixed-tokens", f"{name}={hw.prefill_fixed_tokens() / self.scales.token_scale!r}"))],
             "gateway": py + ["services.gateway", "--host", LOCAL, "--port", gw_port, "--router", a["router"],
                              "--planner", a["planner"], "--model", "emulated", "--max-inflight", "4096"],
         }

@@ -14,6 +14,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import aiohttp
 import numpy as np
@@ -44,9 +45,23 @@ def on_off_arrivals(rate_on: float, rate_off: float, period_s: float, duration_s
     return sorted(out)
 
 
-def sample_lengths(n: int, mu: float, sigma: float, lo: float, hi: float, seed: int) -> list[int]:
-    """``n`` prompt lengths (tokens) ~ log-normal(``mu``, ``sigma``) truncated to [``lo``, ``hi``] (by rejection)."""
+def sample_lengths(n: int, mu: float, sigma: float, lo: float, hi: float, seed: int, stratified: bool = False) -> list[int]:
+    """``n`` prompt lengths (tokens) ~ log-normal(``mu``, ``sigma``) truncated to [``lo``, ``hi``].
+
+    Plain: independent draws (by rejection). ``stratified``: the ``i``-th length is drawn within the
+    ``i``-th of ``n`` equal-probability strata (quantile ``(i + U) / n`` of the truncated
+    distribution, ``U`` uniform) and the list is shuffled, so the lengths are still the paper's
+    distribution and their order random, but a short window carries the distribution's mean work
+    (the paper's mix, 300 requests: the sample's mean H20 prefill time has a 4.5 % standard deviation
+    drawn plainly, 0.04 % stratified; variance reduction, not a different workload)."""
     rng, out = random.Random(seed), []
+    if stratified:
+        nd = NormalDist(mu, sigma)
+        f_lo, f_hi = nd.cdf(math.log(lo)), nd.cdf(math.log(hi))
+        out = [round(min(hi, max(lo, math.exp(nd.inv_cdf(f_lo + (i + rng.random()) / n * (f_hi - f_lo))))))
+               for i in range(n)]
+        rng.shuffle(out)
+        return out
     while len(out) < n:
         x = rng.lognormvariate(mu, sigma)
         if lo <= x <= hi:

@@ -37,9 +37,12 @@ class PrefillCancelled(Exception):
 
 
 class Backend(ABC):
-    """Model compute behind a small interface. Implementations are not thread-safe: one call at a time."""
+    """Model compute behind a small interface. Implementations are not thread-safe: one call at a time.
+    ``prompt_logits``: whether :meth:`prefill` takes ``on_logits`` (every position's logits, for
+    prompt logprobs)."""
 
     loaded: LoadedModel
+    prompt_logits = False
 
     @property
     def num_layers(self) -> int:
@@ -108,6 +111,8 @@ def export_layer(cache: DynamicCache, i: int) -> LayerState:
 class TorchBackend(Backend):
     """Runs a transformers causal LM on the CPU (see ``common/model/loader.py``)."""
 
+    prompt_logits = True
+
     def __init__(self, loaded: LoadedModel, threads: int | None = None):
         self.loaded = loaded
         self.model = loaded.model
@@ -119,9 +124,12 @@ class TorchBackend(Backend):
     # -- prefill ------------------------------------------------------------------------------
     def prefill(self, input_ids: list[int], on_layer: OnLayer, should_stop: Callable[[], bool] = lambda: False,
                 chunk_tokens: int = 0, prefix: list[LayerState] | None = None, prefix_len: int = 0,
-                checkpoints: Iterable[int] = (), on_checkpoint: Callable[[int, dict[int, LayerState]], None] | None = None
-                ) -> torch.Tensor:
-        """See :meth:`Backend.prefill`. ``chunk_tokens`` > 0 runs a chunked prefill: each chunk's
+                checkpoints: Iterable[int] = (), on_checkpoint: Callable[[int, dict[int, LayerState]], None] | None = None,
+                on_logits: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """See :meth:`Backend.prefill`. ``on_logits(a, logits)``, when given, is called after each chunk
+        with the chunk's first position ``a`` and its logits, float ``[chunk tokens, vocab]`` (every
+        position, not only the last: the prompt's logprobs come from the same pass as its KVCache).
+        ``chunk_tokens`` > 0 runs a chunked prefill: each chunk's
         attention K/V is reported as soon as that layer finishes the chunk (``seq_from`` = the chunk's
         first token), and linear states once, after the last chunk (``seq_from`` None).
 
@@ -166,7 +174,10 @@ class TorchBackend(Backend):
                     current.update(a=a, final=b == n)
                     ids = torch.tensor([input_ids[a:b]], dtype=torch.long)
                     pos = torch.arange(a, b, dtype=torch.long).unsqueeze(0)
-                    out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1)
+                    out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
+                                     logits_to_keep=0 if on_logits is not None else 1)
+                    if on_logits is not None:
+                        on_logits(a, out.logits[0])
                     if b in marks and on_checkpoint is not None:
                         on_checkpoint(b, {i: export_layer(cache, i) for i, k in enumerate(kinds) if k != "attention"})
         finally:

@@ -56,6 +56,7 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded text not yet returned (a possible stop-string prefix)
         self._stopped = False
         self._matched_stop: str | None = None
+        self.armed = True  # stop strings match only while armed (``min_tokens``: not before that many tokens)
 
     @property
     def token_ids(self) -> list[int]:
@@ -120,6 +121,9 @@ class IncrementalDetokenizer:
 
     def _release(self, text: str, final: bool) -> tuple[str, bool]:
         """Split ``text`` (pending + new) into what can be returned now and what stays pending."""
+        if not self.armed:  # no stop string may match yet: release everything
+            self._pending = ""
+            return text, False
         cut = -1
         for s in self._stops:
             i = text.find(s)

@@ -192,6 +192,15 @@ class EmulatedProfile:
             return _poly(self.prefill_poly_s, l)
         return _interp(l, self.lengths, self.prefill_s)
 
+    def prefill_fixed_tokens(self, lo: float = 128.0, hi: float = 131072.0) -> float:
+        """The fixed cost of one prefill in token-equivalents (unscaled tokens): the intercept over
+        the slope of a least-squares line through ``t_prefill`` at 64 log-spaced lengths in [``lo``,
+        ``hi``] tokens, at least 0. The router adds it to each request's ``l`` when it weighs the
+        prefill work queued on a worker (``--prefill-fixed-tokens``)."""
+        x = np.geomspace(lo, hi, 64)
+        slope, intercept = np.polyfit(x, [self.t_prefill(v) for v in x], 1)
+        return max(0.0, float(intercept / slope)) if slope > 0 else 0.0
+
     def kv_affine(self) -> tuple[float, float]:
         """``(fixed bytes, bytes per token)`` of the KVCache: given, or fitted to ``kv_bytes`` by least
         squares in relative error (both clamped at 0)."""

@@ -1,6 +1,7 @@
-"""Two small estimators over time-stamped samples: :class:`Ewma` (per-sample or time-aware
-exponentially weighted moving average) and :class:`WindowedMax` (the largest sample of the last
-``window_s`` seconds, as BBR keeps its bandwidth). Times are seconds (``float``, from a monotonic
+"""Small estimators over time-stamped samples: :class:`Ewma` (per-sample or time-aware
+exponentially weighted moving average), :class:`WindowedMax` (the largest sample of the last
+``window_s`` seconds, as BBR keeps its bandwidth) and :class:`WindowedMin` (the smallest, as CoDel
+judges a standing queue by the minimum delay over an interval). Times are seconds (``float``, from a monotonic
 clock). Pure arithmetic: no I/O, no awaits; each instance holds only its own samples.
 """
 
@@ -11,7 +12,7 @@ import math
 import time
 from collections.abc import Callable
 
-__all__ = ["Clock", "Ewma", "WindowedMax", "check_finite"]
+__all__ = ["Clock", "Ewma", "WindowedMax", "WindowedMin", "check_finite"]
 
 Clock = Callable[[], float]
 
@@ -161,3 +162,29 @@ class WindowedMax:
         """Forget every sample."""
         self._items.clear()
         self._last = -math.inf
+
+
+class WindowedMin:
+    """Smallest sample seen in the last ``window_s`` seconds: a :class:`WindowedMax` of the negated
+    samples (same stamping rules, bounds and errors)."""
+
+    __slots__ = ("_max",)
+
+    def __init__(self, window_s: float) -> None:
+        self._max = WindowedMax(window_s)
+
+    @property
+    def window_s(self) -> float:
+        return self._max.window_s
+
+    def update(self, value: float, now: float) -> None:
+        """Add ``value`` observed at ``now`` (seconds)."""
+        self._max.update(-check_finite("value", value), now)
+
+    def value(self, now: float) -> float | None:
+        """The smallest sample stamped within ``window_s`` before ``now`` (None if there is none)."""
+        v = self._max.value(now)
+        return None if v is None else -v
+
+    def reset(self) -> None:
+        self._max.reset()

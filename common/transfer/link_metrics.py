@@ -33,6 +33,8 @@ _LINK_METRICS: tuple[tuple[str, str, str, float, str], ...] = (
     ("bytes_queued", "bytes_queued", "gauge", 1, "Bytes waiting in the engine's send queues."),
     ("rtt_ms", "rtt_seconds", "gauge", 1e-3, "Application ping/pong RTT EWMA, seconds."),
     ("rtt_min_ms", "rtt_min_seconds", "gauge", 1e-3, "Smallest application ping/pong RTT, seconds."),
+    ("rtt_floor_ms", "rtt_floor_seconds", "gauge", 1e-3,
+     "Smallest application ping/pong RTT of the last few seconds (a standing queue lifts it), seconds."),
     ("tcp_srtt_ms", "tcp_srtt_seconds", "gauge", 1e-3, "Mean kernel smoothed RTT over connections, seconds."),
     ("tcp_srtt_max_ms", "tcp_srtt_max_seconds", "gauge", 1e-3, "Largest kernel smoothed RTT over connections, seconds."),
     ("tcp_lost", "tcp_lost_segments", "gauge", 1, "Segments the kernel considers lost, summed over connections."),

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.transfer.estimators import Clock, Ewma, WindowedMax, check_finite
+from common.transfer.estimators import Clock, Ewma, WindowedMax, WindowedMin, check_finite
 from common.transfer.tcp_info import TcpInfo, as_socket, read_tcp_info
 
 __all__ = ["LinkStats"]
@@ -124,11 +124,12 @@ class LinkStats:
     """
 
     def __init__(self, peer: str = "", *, window_s: float = 1.0, half_life_s: float = 5.0,
-                 rtt_alpha: float = 0.125, capacity_window_s: float = 30.0,
+                 rtt_alpha: float = 0.125, capacity_window_s: float = 30.0, rtt_floor_window_s: float = 3.0,
                  clock: Clock = time.monotonic) -> None:
         """Raises ValueError if ``window_s`` or ``half_life_s`` is not a positive finite number of
         seconds, ``capacity_window_s`` is not a finite number of seconds >= ``window_s``, or
-        ``rtt_alpha`` is not in (0, 1]."""
+        ``rtt_alpha`` is not in (0, 1], or ``rtt_floor_window_s`` is not a positive finite number of
+        seconds."""
         w = float(window_s)
         if not (math.isfinite(w) and w > 0.0):
             raise ValueError(f"window_s must be a positive finite number of seconds, got {window_s!r}")
@@ -152,6 +153,7 @@ class LinkStats:
         self._rtt = Ewma(rtt_alpha, clock=clock)  # seconds
         self._rtt_last_s: float | None = None
         self._rtt_min_s: float | None = None
+        self._rtt_floor = WindowedMin(rtt_floor_window_s)  # seconds: the lowest ping of the last few seconds
         self._win_start: float | None = None
         self._win_bytes = 0
         self._last_window_rate: float | None = None  # bytes/s of the latest complete window
@@ -223,6 +225,7 @@ class LinkStats:
         self._rtt.update(s, self._now(now))
         self._rtt_last_s = s
         self._rtt_min_s = s if self._rtt_min_s is None else min(self._rtt_min_s, s)
+        self._rtt_floor.update(s, self._now(now))
 
     def on_stall(self, conn_id: Any) -> None:
         """Count one stall (a connection that made no progress within the engine's deadline)."""
@@ -363,6 +366,9 @@ class LinkStats:
         the latest complete window, None before one), ``tcp_goodput_bps`` (bits/s from bytes acked,
         None before two samples), ``bytes_sent`` (bytes, cumulative), ``bytes_queued`` (bytes),
         ``rtt_ms`` / ``rtt_last_ms`` / ``rtt_min_ms`` (application RTT, ms, None before a sample),
+        ``rtt_floor_ms`` (the lowest application RTT of the last ``rtt_floor_window_s``, ms, None
+        without a sample there: a floor above ``rtt_min_ms`` is a queue that did not drain once in
+        that window, where our own bursts of KV only raise the smoothed and the last RTT),
         ``tcp_srtt_ms`` / ``tcp_srtt_max_ms`` (ms, None when no socket was read),
         ``tcp_lost`` / ``tcp_unacked`` / ``tcp_snd_cwnd`` (segments, summed over connections),
         ``tcp_notsent_bytes`` (bytes or None), ``retransmits`` (segments, cumulative),
@@ -386,6 +392,7 @@ class LinkStats:
             "rtt_ms": None if rtt is None else rtt * 1000.0,
             "rtt_last_ms": None if self._rtt_last_s is None else self._rtt_last_s * 1000.0,
             "rtt_min_ms": None if self._rtt_min_s is None else self._rtt_min_s * 1000.0,
+            "rtt_floor_ms": None if (floor := self._rtt_floor.value(t)) is None else floor * 1000.0,
             "tcp_srtt_ms": self._tcp_srtt_ms,
             "tcp_srtt_max_ms": self._tcp_srtt_max_ms,
             "tcp_lost": int(self._tcp_lost),

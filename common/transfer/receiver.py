@@ -61,6 +61,8 @@ from proto.values import BadValue, wire_int
 
 log = logging.getLogger("prfaas.kv.recv")
 
+MAX_BRANCHES = 64  # first tokens one KV_DONE may carry (sampling.n branches; the gateway allows 16)
+
 
 class Overloaded(KvError):
     """The receiver's KV budget cannot take ``nbytes`` more now. ``retry_after`` in seconds."""
@@ -227,11 +229,18 @@ class KvReceiver:
 
 def check_done(h: dict[str, Any]) -> dict[str, Any]:
     """A ``KV_DONE`` header with its numbers checked: ``first_token`` an int in ``[0, 2**31)`` (the
-    vocabulary bound is the owner's to check), ``prompt_len`` an int if present, ``timings`` a map
-    (anything else is dropped). Raises :class:`BadValue`."""
+    vocabulary bound is the owner's to check), ``first_tokens`` (if present) at most
+    :data:`MAX_BRANCHES` such ints, ``first_logprobs`` (if present) a list as long, ``prompt_len`` an int
+    if present, ``timings`` a map (anything else is dropped). Raises :class:`BadValue`."""
     out = {"req_id": h["req_id"], "first_token": wire_int(h["first_token"], "first_token", 0, 2**31 - 1)}
     if h.get("prompt_len") is not None:
         out["prompt_len"] = wire_int(h["prompt_len"], "prompt_len", 0, 2**31 - 1)
+    for field in ("first_tokens", "first_logprobs"):
+        v = h.get(field)
+        if v is not None:
+            if not isinstance(v, list) or not 1 <= len(v) <= MAX_BRANCHES:
+                raise BadValue(field, f"expected a list of 1 to {MAX_BRANCHES} entries")
+            out[field] = [wire_int(t, field, 0, 2**31 - 1) for t in v] if field == "first_tokens" else v
     if isinstance(h.get("timings"), dict):
         out["timings"] = h["timings"]
     return out

@@ -20,7 +20,7 @@ from common.kv.layout import KvError
 from common.kv.paged_store import PagedKvStore, PoolExhausted
 from common.kv.prefix_cache import PrefixCache
 from common.model.backend import Backend
-from common.model.sampling import sample_batch
+from common.model.sampling import sample_rows
 from common.runtime import service
 from common.transfer.paged_assembly import LayerNotReady
 from common.transfer.receiver import KvReceiver
@@ -202,7 +202,8 @@ class BatchLoop:
         try:
             logits = await asyncio.to_thread(self.backend.paged_step, self.store, [r.seq for r in reqs],
                                              [r.generated[-1] for r in reqs], wait_layer)
-            tokens = sample_batch(logits, [r.sampling for r in reqs], [len(r.generated) for r in reqs])
+            tokens = sample_rows(logits, [r.sampling for r in reqs], [len(r.generated) for r in reqs],
+                                 [r.history for r in reqs])
         except LayerNotReady:
             raise
         except KvError as e:  # an early step's transfer failed under it (wait_layer): not a compute failure
@@ -224,4 +225,4 @@ class BatchLoop:
                 if last is not None:
                     self.first_step_after_kv_s = max(0.0, now - last)
             if not r.done:
-                r.push(tok)
+                r.push(tok.token, tok.logprobs)

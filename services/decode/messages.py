@@ -20,13 +20,18 @@ class ResumeArgs(msgspec.Struct):
     generated_ids: list[int]
 
 
+MAX_BRANCHES = 16  # most branches (sampling.n) one generate may fork
+
+
 class GenerateArgs(msgspec.Struct):
-    """``generate {req_id, input_ids, sampling, prefill_addr, resume?, route?, prefix_source?}``.
+    """``generate {req_id, input_ids, sampling, prefill_addr, resume?, route?, prefix_source?, branch?}``.
 
     ``input_ids``: the prompt's token ids (the prompt plus ``resume.generated_ids`` on a resume);
     ``sampling``: :meth:`~common.model.sampling.SamplingParams.to_wire`'s map; ``prefill_addr``: the
     chosen prefill worker's host:port; ``route``: ``"remote"`` when that worker is in the PrfaaS
-    cluster (it is told ``kv_addr_remote``); ``prefix_source``: passed to the prefill worker as is.
+    cluster (it is told ``kv_addr_remote``); ``prefix_source``: passed to the prefill worker as is;
+    ``branch``: the index of the first branch (``sampling.n`` branches, index ``branch + j``, seed
+    ``seed + branch + j``): a resumed branch of a request with several.
     """
 
     req_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -36,3 +41,4 @@ class GenerateArgs(msgspec.Struct):
     resume: ResumeArgs | None = None
     route: Annotated[str, msgspec.Meta(max_length=16)] | None = None
     prefix_source: Annotated[str, msgspec.Meta(max_length=262)] | None = None
+    branch: Annotated[int, msgspec.Meta(ge=0, lt=MAX_BRANCHES)] = 0

@@ -70,7 +70,8 @@ class PrefillLeg:
         ``bad_request`` stays one; anything else is ``prefill_failed`` naming ``addr``."""
         err = call.exception() if call.done() and not call.cancelled() else None
         if isinstance(err, RpcError) and err.code is ErrorCode.BAD_REQUEST:
-            return RpcError(ErrorCode.BAD_REQUEST, f"prefill worker {addr} refused {req_id}: {err.message}")
+            named = {"param": err.data["param"]} if isinstance(err.data.get("param"), str) else {}  # the field at fault
+            return RpcError(ErrorCode.BAD_REQUEST, f"prefill worker {addr} refused {req_id}: {err.message}", **named)
         self.prefill_failures += 1
         log.warning("prefill of %s on %s failed: %s", req_id, addr, reason)
         return RpcError(ErrorCode.PREFILL_FAILED, f"prefill of {req_id} on {addr} failed before the first token: {reason}",
@@ -133,6 +134,30 @@ class PrefillCall:
             asm.abort(f"its KVCache did not arrive within {timeout:g}s")
         if asm.error is not None:
             raise self.leg.failure(self.req_id, self.addr, self.call, asm.error)
+
+    async def result(self) -> dict[str, Any]:
+        """The ``prefill`` call's answer (it comes after ``KV_ACK``: the prompt logprobs ride in it),
+        within ``prefill_timeout``. Raises :class:`RpcError` (see :meth:`PrefillLeg.failure`)."""
+        try:
+            async with asyncio.timeout(self.leg.prefill_timeout):
+                return await asyncio.shield(self.call)
+        except TimeoutError:
+            reason = f"no answer within {self.leg.prefill_timeout:g}s"
+        except Exception as e:  # noqa: BLE001 - any failure of the call fails the leg, typed by failure()
+            reason = f"the prefill call failed: {_describe(e)}"
+        self.asm.abort(reason)
+        raise self.leg.failure(self.req_id, self.addr, self.call, reason)
+
+    async def landed(self) -> None:
+        """Wait until every layer of the KVCache is in (``KV_DONE`` already is), within
+        ``prefill_timeout``. Raises :class:`RpcError` (see :meth:`PrefillLeg.failure`)."""
+        try:
+            async with asyncio.timeout(self.leg.prefill_timeout):
+                await self.asm.done.wait()
+        except TimeoutError:
+            self.asm.abort(f"its KVCache did not arrive within {self.leg.prefill_timeout:g}s")
+        if self.asm.error is not None:
+            raise self.leg.failure(self.req_id, self.addr, self.call, self.asm.error)
 
     async def stop_watch(self) -> None:
         await service.stop_task(self.watch)

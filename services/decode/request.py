@@ -15,6 +15,7 @@ from typing import Any
 
 from common.kv.paged_store import PagedSeq
 from common.model.detok import IncrementalDetokenizer
+from common.model.logits import TokenLogprob
 from common.model.sampling import SamplingParams
 from common.rpc.errors import RpcError
 from common.transfer.paged_assembly import PagedAssembly
@@ -39,15 +40,22 @@ class DecodeRequest:
 
     ``prompt_len`` is the client's prompt (usage's ``prompt_tokens``). A resumed request first
     replays (:meth:`replay`) the tokens an earlier attempt already streamed; ``generated`` then starts with
-    them (``replayed`` of them), so ``max_tokens``, usage and the sampling positions count them.
+    them (``replayed`` of them), so ``max_tokens``, usage, the sampling positions and the penalties
+    count them. ``index`` is the branch (choice) it is, tagged on its items when not 0; the branches of
+    one ``generate`` share ``out`` (pass it). ``prompt_ids``: the prompt's token ids, kept only when a
+    penalty reads them (:attr:`history`).
     """
 
-    def __init__(self, req_id: str, sampling: SamplingParams, prompt_len: int, tokenizer: Any):
+    def __init__(self, req_id: str, sampling: SamplingParams, prompt_len: int, tokenizer: Any, index: int = 0,
+                 out: asyncio.Queue | None = None, prompt_ids: list[int] | None = None):
         self.req_id = req_id
         self.sampling = sampling
         self.prompt_len = prompt_len
+        self.index = index
+        self.prompt_ids = prompt_ids if sampling.processing.active else []
         self.detok = IncrementalDetokenizer(tokenizer, stop=sampling.stop)
-        self.out: asyncio.Queue[dict[str, Any] | StreamError] = asyncio.Queue()
+        self.detok.armed = sampling.min_tokens == 0
+        self.out: asyncio.Queue[dict[str, Any] | StreamError] = out if out is not None else asyncio.Queue()
         self.generated: list[int] = []
         self.replayed = 0  # leading tokens of ``generated`` streamed by an earlier attempt (resume)
         self.finish_reason: str | None = None
@@ -74,6 +82,11 @@ class DecodeRequest:
         """Its KV transfer is over: every layer and ``KV_DONE`` are in, or it failed."""
         return self.asm is not None and self.asm.done.is_set()
 
+    @property
+    def history(self) -> tuple[list[int], list[int]]:
+        """``(prompt_ids, generated)``: what the penalties and ``min_tokens`` read (sampling's ``history``)."""
+        return self.prompt_ids, self.generated
+
     def usage(self) -> dict[str, int]:
         """``{prompt_tokens, completion_tokens}``; completion counts replayed tokens too."""
         return {"prompt_tokens": self.prompt_len, "completion_tokens": len(self.generated)}
@@ -87,8 +100,10 @@ class DecodeRequest:
         """Record one token: the text it releases and the finish reason it causes (None: go on)."""
         self.generated.append(token)
         s = self.sampling
-        if token in s.stop_token_ids and not s.ignore_eos:
+        early = len(self.generated) <= s.min_tokens  # vLLM: no stop before min_tokens tokens (masked when sampled)
+        if token in s.stop_token_ids and not early:
             return self.detok.flush(), "stop"
+        self.detok.armed = len(self.generated) >= s.min_tokens
         text, hit = self.detok.push(token)
         if hit:
             return text, "stop"
@@ -96,10 +111,15 @@ class DecodeRequest:
             return text + self.detok.flush(), "length"
         return text, None
 
-    def push(self, token: int) -> None:
-        """Record one sampled token and queue its stream item (text delta, finish reason, usage)."""
+    def push(self, token: int, logprobs: TokenLogprob | None = None) -> None:
+        """Record one sampled token and queue its stream item (text delta, finish reason, usage, the
+        branch ``index``, ``logprobs`` when the request asked for them)."""
         text, reason = self._advance(token)
         item: dict[str, Any] = {"token_ids": [token], "text": text, "finish_reason": reason}
+        if self.index:
+            item["index"] = self.index
+        if logprobs is not None:
+            item["logprobs"] = [logprobs.to_wire()]
         if reason is not None:
             self.finish_reason = reason
             item["usage"] = self.usage()
@@ -122,7 +142,10 @@ class DecodeRequest:
                     raise ValueError(f"the request ends ({reason}) at generated token {i + 1} of the {len(token_ids)} "
                                      f"given (max_tokens {self.sampling.max_tokens})")
                 self.finish_reason = reason
-                return {"token_ids": [], "text": text, "finish_reason": reason, "usage": self.usage()}
+                item = {"token_ids": [], "text": text, "finish_reason": reason, "usage": self.usage()}
+                if self.index:
+                    item["index"] = self.index
+                return item
         self.replayed = len(token_ids)
         return None
 

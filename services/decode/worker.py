@@ -42,6 +42,13 @@ tokens. Seeded sampling continues the same per-position draws (:func:`common.mod
 for the first new token, which the prefill worker samples), so a resumed request gives exactly the
 tokens the uninterrupted one would have, as greedy does, wherever the logits are equal.
 
+**Branches** (``sampling.n`` > 1: ``n``, ``best_of``). Step 1 reserves every branch's table at once:
+the prompt's full blocks are shared by reference, each branch owns its tail block and state slot
+(:mod:`services.decode.branches`). The prefill worker samples each branch's first token; once the
+KVCache has landed the prompt's partial block and linear states are copied into each branch, and
+the branches join the batch as rows of their own (seed ``seed + index``). With prompt logprobs
+(``echo``) the first items wait for the prefill call's answer, which carries them.
+
 **Files.** The decisions (admission queue, batch composition, preemption and swap-in order) are
 :mod:`services.decode.scheduler`, pure; the request's state and stream items (a failure is a typed
 :class:`~services.decode.request.StreamError`) are :mod:`services.decode.request`; the prefill call
@@ -65,6 +72,7 @@ from common.kv.layout import KvError
 from common.kv.paged_store import PagedSeq, PoolExhausted
 from common.kv.prefix_cache import PrefixCache
 from common.model.backend import Backend
+from common.model.logits import TokenLogprob
 from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, check_wire_sampling, shifted_seed
 from common.rpc.errors import RpcError
@@ -75,7 +83,8 @@ from common.transfer.paged_assembly import PagedAssembly
 from common.transfer.receiver import KvReceiver, Overloaded
 from proto.frames import ErrorCode
 from services.decode.batch import BatchLoop
-from services.decode.messages import GenerateArgs
+from services.decode.branches import branch_pages, branches_demand, fork, reserve_branches
+from services.decode.messages import MAX_BRANCHES, GenerateArgs
 from services.decode.prefill_leg import PrefillCall, PrefillLeg
 from services.decode.request import DecodeRequest, StreamError, resume_of
 from services.decode.scheduler import DecodeScheduler, Refuse
@@ -173,17 +182,20 @@ class DecodeWorker:
         }
 
     # -- admission ---------------------------------------------------------------------------
-    def _reserve(self, req_id: str, input_ids: list[int], hashes: list[int]) -> PagedSeq | None:
+    def _reserve(self, req_id: str, input_ids: list[int], hashes: list[int], n: int = 1) -> list[PagedSeq] | None:
         """Blocks for the prompt plus one token and a state slot, starting with the longest cached
         prefix (shared blocks; at most ``len - 1`` tokens, so the prefill always computes the last
         token), evicting cached blocks LRU if that makes the room the scheduler wants
-        (:meth:`DecodeScheduler.pages_wanted`). None if it does not fit now."""
+        (:meth:`DecodeScheduler.pages_wanted`); and for each of ``n - 1`` more branches, a table that
+        shares the prompt's full blocks (by reference) with its own tail block and slot
+        (:func:`~services.decode.branches.reserve_branches`). All or nothing; None if it does not fit now."""
         tokens = len(input_ids) + 1
         bs = self.store.block_size
         prefix: list[int] = []
         if self.prefix_cache is not None:
             _, prefix, _ = self.prefix_cache.match(hashes[: (len(input_ids) - 1) // bs])
         want, pool = self.sched.pages_wanted(tokens, len(prefix)), self.store.pool
+        want += (n - 1) * branch_pages(pool, len(input_ids), self.sched.state_slots)
         if pool.free_pages < want and self.prefix_cache is not None:
             self.prefix_cache.ensure_free(want)
         if pool.free_pages < want:
@@ -193,32 +205,35 @@ class DecodeWorker:
         except PoolExhausted:
             return None
         seq.cached_tokens = len(prefix) * bs
-        return seq
+        seqs = reserve_branches(self.store, seq, len(input_ids), n)
+        if seqs is None:
+            self.store.release(seq)
+        return seqs
 
-    async def _admit(self, req_id: str, input_ids: list[int], hashes: list[int]) -> PagedSeq:
-        """Blocks for the prompt (see :meth:`_reserve`; ``hashes``: its full-block hashes, empty without
-        a prefix cache), now or after a bounded FIFO wait.
+    async def _admit(self, req_id: str, input_ids: list[int], hashes: list[int], n: int = 1) -> list[PagedSeq]:
+        """Blocks for the prompt and its ``n`` branches (see :meth:`_reserve`; ``hashes``: its full-block
+        hashes, empty without a prefix cache), now or after a bounded FIFO wait.
         Raises :class:`RpcError` (``bad_request``: never fits; ``overloaded``: queue full or deadline)."""
         refuse = self.sched.never_fits(len(input_ids) + 1)
         if refuse is not None:
             self.refused += 1
             raise _refusal(refuse)
         if self.sched.may_reserve_at_once():
-            seq = self._reserve(req_id, input_ids, hashes)
-            if seq is not None:
-                return seq
+            seqs = self._reserve(req_id, input_ids, hashes, n)
+            if seqs is not None:
+                return seqs
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        waiter = self.sched.enqueue(req_id, loop.time(), self.batch.step_time_ewma, ticket=(input_ids, hashes, fut))
+        waiter = self.sched.enqueue(req_id, loop.time(), self.batch.step_time_ewma, ticket=(input_ids, hashes, n, fut))
         if isinstance(waiter, Refuse):
             self.refused += 1
             raise _refusal(waiter)
         ok = False
         try:
             async with asyncio.timeout_at(waiter.deadline):  # not wait_for: see PrefillCall.first_token
-                seq = await asyncio.shield(fut)
+                seqs = await asyncio.shield(fut)
             ok = True
-            return seq
+            return seqs
         except TimeoutError:
             self.refused += 1
             raise _refusal(self.sched.timed_out(self.batch.step_time_ewma)) from None
@@ -227,20 +242,21 @@ class DecodeWorker:
             if not fut.done():
                 fut.cancel()
             elif not ok and not fut.cancelled():
-                self.store.release(fut.result())  # blocks arrived as the wait ended: give them back
+                for seq in fut.result():  # blocks arrived as the wait ended: give them back
+                    self.store.release(seq)
 
     def _pump(self) -> None:
         """Hand free blocks to waiting requests, oldest first (after swapped-out ones)."""
         while (w := self.sched.next_waiter()) is not None:
-            input_ids, hashes, fut = w.ticket
+            input_ids, hashes, n, fut = w.ticket
             if fut.done():
                 self.sched.leave(w)
                 continue
-            seq = self._reserve(w.req_id, input_ids, hashes)
-            if seq is None:
+            seqs = self._reserve(w.req_id, input_ids, hashes, n)
+            if seqs is None:
                 return
             self.sched.leave(w)
-            fut.set_result(seq)
+            fut.set_result(seqs)
 
     # -- generate ---------------------------------------------------------------------------
     @takes(GenerateArgs)
@@ -272,7 +288,20 @@ class DecodeWorker:
             raise RpcError(ErrorCode.BAD_REQUEST, f"request {req_id} is already running")
         input_ids = validate_prompt(args.input_ids, self.vocab_size, self.backend.loaded.max_model_len)
         prompt_len, generated = resume_of(args.resume, input_ids)
-        req = DecodeRequest(req_id, sampling, prompt_len, self.tokenizer)
+        n, base = sampling.n, args.branch
+        if not 1 <= n <= MAX_BRANCHES or (n > 1 and generated):
+            raise RpcError(ErrorCode.BAD_REQUEST, f"sampling.n must be in [1, {MAX_BRANCHES}] (1 with resume), got {n}",
+                           param="n")
+        pool = self.store.pool
+        if n > 1 and branches_demand(pool, len(input_ids), sampling.max_tokens, n, self.sched.state_slots) > pool.num_pages:
+            self.refused += 1
+            raise RpcError(ErrorCode.BAD_REQUEST, f"n={n} branches of up to {sampling.max_tokens} tokens after a "
+                           f"{len(input_ids)}-token prompt need more KVCache than this decode worker's whole pool "
+                           f"({pool.num_pages} blocks of {pool.block_size} tokens)", param="n")
+        out: asyncio.Queue = asyncio.Queue()  # every branch's items, in the order they are made
+        reqs = [DecodeRequest(req_id if j == 0 else f"{req_id}/{base + j}", sampling.branch(base + j), prompt_len,
+                              self.tokenizer, index=base + j, out=out, prompt_ids=input_ids[:prompt_len]) for j in range(n)]
+        req = reqs[0]
         try:
             ended = req.replay(generated)
         except ValueError as e:
@@ -283,17 +312,19 @@ class DecodeWorker:
             self.completed += 1
             yield ended
             return
-        prefill_sampling = sampling
-        if generated:  # the prefill worker samples at position 0; the resumed token sits at len(generated)
-            prefill_sampling = dataclasses.replace(sampling, seed=shifted_seed(sampling.seed, len(generated)))
+        # the prefill worker samples branch j at position 0 with seed + base + j; a resumed token sits at len(generated)
+        prefill_sampling = dataclasses.replace(sampling.branch(base), n=n)
+        if generated:
+            prefill_sampling = dataclasses.replace(prefill_sampling, seed=shifted_seed(prefill_sampling.seed, len(generated)))
         self.transferring.add(req_id)
         leg: PrefillCall | None = None
         asm: PagedAssembly | None = None
         try:
             # hashed once: the admission's prefix lookup and, after the transfer, the prefix cache's insert
             hashes = block_hashes(input_ids, self.store.block_size) if self.prefix_cache is not None else []
-            req.seq = await self._admit(req_id, input_ids, hashes)  # 1. pre-allocate
-            req.admitted_at = time.monotonic()
+            seqs = await self._admit(req_id, input_ids, hashes, n)  # 1. pre-allocate (every branch's table)
+            for r, seq in zip(reqs, seqs):
+                r.seq, r.admitted_at, r.no_early = seq, time.monotonic(), n > 1  # a branch forks from a landed prompt
             req.prompt_hashes = hashes
             kv_from = req.seq.cached_tokens  # only the suffix crosses the link
             self.prompt_tokens += len(input_ids)
@@ -310,12 +341,22 @@ class DecodeWorker:
             leg = self.prefill.start(req_id, prefill_addr, asm, {  # 2. transfer
                 "req_id": req_id, "input_ids": input_ids, "sampling": prefill_sampling.to_wire(),
                 "kv_addr": self.kv_addr_remote if args.route == "remote" else self.kv_addr,
-                "kv_from": kv_from, "prefix_source": args.prefix_source})
+                "kv_from": kv_from, "prefix_source": args.prefix_source, "prompt_len": prompt_len})
             await leg.first_token()  # 3. wait for the first token (KV_DONE); the last layers may still be landing
             final = asm.final or {}
-            if not 0 <= final.get("first_token", -1) < self.vocab_size:  # one bad peer must not fail the batch
-                asm.abort(f"first token {final.get('first_token')!r} is outside the vocabulary [0, {self.vocab_size})")
+            firsts = final.get("first_tokens") or [final.get("first_token")]
+            first_lps = final.get("first_logprobs") or [None] * n
+            bad = [t for t in firsts if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            if len(firsts) != n or len(first_lps) != n or bad:  # one bad peer must fail its leg, never the batch
+                asm.abort(f"the prefill worker sent {len(firsts)} first tokens for {n} branches, {len(bad)} of them "
+                          f"outside the vocabulary [0, {self.vocab_size})")
                 raise self.prefill.failure(req_id, prefill_addr, leg.call, asm.error)
+            prompt_lps = (await leg.result()).get("prompt_logprobs") if sampling.prompt_logprobs is not None else None
+            if n > 1:  # the branches copy the prompt's tail once its KVCache is all in
+                await leg.landed()
+                fork(self.store, req.seq, [r.seq for r in reqs[1:]], len(input_ids))
+                for r in reqs[1:]:
+                    r.asm = asm
             req.seq.length = len(input_ids)
             self.transferring.discard(req_id)
             timings = dict(final.get("timings") or {})
@@ -323,37 +364,46 @@ class DecodeWorker:
             timings.update({"kv_done_s": time.monotonic() - leg.started_at, "kv_bytes": asm.nbytes,
                             # None while the transfer's tail is still landing (an early start)
                             "last_received_at": max(landed) if len(landed) == asm.num_layers else None})
-            req.push(int(final["first_token"]))
-            first = req.out.get_nowait()
-            first["timings"] = timings
-            yield first
-            if req.done:
-                return
-            req.in_loop = True  # 4. run: the batch loop owns the blocks from here
-            self.sched.join(req)
+            for r, tok, lp in zip(reqs, firsts, first_lps):
+                r.push(int(tok), TokenLogprob.from_wire(lp) if lp is not None else None)
+            for j in range(n):
+                item = out.get_nowait()
+                if j == 0:
+                    item["timings"] = timings
+                    if prompt_lps is not None:
+                        item["prompt_logprobs"] = prompt_lps
+                yield item
+            live = [r for r in reqs if not r.done]
+            for r in live:
+                r.in_loop = True  # 4. run: the batch loop owns the blocks from here
+                self.sched.join(r)
             self.batch.wake()
-            while True:
-                item = await req.out.get()
+            left = len(live)
+            while left:
+                item = await out.get()
                 if isinstance(item, StreamError):
                     raise item.to_rpc()
                 yield item
                 if item["finish_reason"] is not None:
-                    return
+                    left -= 1
         finally:  # 5. finish or cancel
-            req.cancelled = True
+            for r in reqs:
+                r.cancelled = True
             if leg is not None:
                 await leg.stop_watch()
             self.transferring.discard(req_id)
             self.receiver.release(req_id)
-            if not req.in_loop and req.seq is not None:
-                if asm is not None and asm.complete and asm.error is None:
-                    self.batch.transfer_done(req)  # done at the first token: its prompt blocks still serve the cache
-                self.store.release(req.seq)
+            if not req.in_loop and req.seq is not None and asm is not None and asm.complete and asm.error is None:
+                self.batch.transfer_done(req)  # done at the first token: its prompt blocks still serve the cache
+            held = [r.seq for r in reqs if not r.in_loop and r.seq is not None]
+            for seq in held:
+                self.store.release(seq)  # shared prompt blocks lose one reference per branch
+            if held:
                 self._pump()
             self.batch.wake()
             if leg is not None:
                 await leg.settle()
-            if req.finish_reason is not None:
+            if all(r.finish_reason is not None for r in reqs):
                 self.completed += 1
 
 

@@ -41,13 +41,17 @@ from common.model.loader import load_model_info
 from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
+from services.gateway.auth import ApiKeys, parse_keys
 from services.gateway.dispatch import RETRY_REASONS, Dispatcher
 from services.gateway.http_limits import BodyBudget, HttpLimits, check_wire_size, read_body, serve_http
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai import response
 from services.gateway.openai.chat import parse_chat
+from services.gateway.openai.choices import Choices
 from services.gateway.openai.completions import parse_completion
+from services.gateway.openai.logprobs import TokenText
 from services.gateway.openai.request import GenerateRequest, ModelContext, OpenAIError
+from services.gateway.openai.tokenize import detokenize, tokenize
 
 log = logging.getLogger("prfaas.gateway")
 
@@ -77,14 +81,29 @@ async def _json_http_errors(request: web.Request, handler):
         return _error_response(err)
 
 
+def _api_key_middleware(keys: ApiKeys):
+    """401 in OpenAI's error shape for a request without one of ``keys`` (see :mod:`services.gateway.auth`)."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if keys.needed(request.path) and not keys.allows(request.headers.get("Authorization")):
+            err = OpenAIError("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.", status=401,
+                              type="invalid_request_error", param=None, code="invalid_api_key")
+            return _error_response(err, {"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+    return check
+
+
 class Gateway:
     """The HTTP app and its clients: one to the router, one to the planner, one per decode worker address
-    (the decode pool and the router client are shared with its :class:`Dispatcher`)."""
+    (the decode pool and the router client are shared with its :class:`Dispatcher`). ``api_keys``: the
+    keys a request must carry one of (none: no key needed)."""
 
     def __init__(self, ctx: ModelContext, router_addr: str, planner_addr: str, name: str = "gateway",
                  request_timeout: float = 600.0, block_size: int | None = None, max_inflight: int = 256,
-                 place_retry_s: float = 15.0, limits: HttpLimits | None = None):
+                 place_retry_s: float = 15.0, api_keys: tuple[str, ...] = (), limits: HttpLimits | None = None):
         self.ctx = ctx
+        self.token_text = TokenText(ctx.tokenizer)
         self.name = name
         self.limits = limits or HttpLimits()
         self.bodies = BodyBudget(self.limits.body_budget_bytes)
@@ -98,17 +117,22 @@ class Gateway:
         self.dispatch = Dispatcher(self.router, self.decoders, self.stats, request_timeout=request_timeout,
                                    block_size=block_size, max_inflight=max_inflight, place_retry_s=place_retry_s)
         self.max_body = ctx.max_prompt_bytes + (64 << 10)
-        self.app = web.Application(client_max_size=self.max_body, middlewares=[_json_http_errors])
+        self.app = web.Application(client_max_size=self.max_body,
+                                   middlewares=[_json_http_errors, _api_key_middleware(ApiKeys(api_keys))])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model:.+}", self.model),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
         ])
         self.app.on_cleanup.append(self._cleanup)
 
     async def _cleanup(self, _app: web.Application) -> None:
+        await self.dispatch.close()
         for c in [self.router, self.planner]:
             await c.close()
         await self.decoders.close()
@@ -117,6 +141,29 @@ class Gateway:
     # -- OpenAI endpoints -------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         return _json(response.models_response(self.ctx.model_id, self.ctx.max_model_len))
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{model}``: the served model's card, or 404 ``model_not_found``."""
+        name = request.match_info["model"]
+        if name != self.ctx.model_id:
+            return _error_response(OpenAIError(f"The model `{name}` does not exist.", status=404, param="model",
+                                               code="model_not_found"))
+        return _json(response.model_card(self.ctx.model_id, self.ctx.max_model_len))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._pure(request, tokenize)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._pure(request, detokenize)
+
+    async def _pure(self, request: web.Request, answer) -> web.Response:
+        """A pure endpoint's answer (``/tokenize``, ``/detokenize``): the body read under the same
+        bounds as a completion's, a large one answered off the event loop."""
+        try:
+            body = await read_body(request, self.bodies, self.limits.body_timeout_s, self.max_body)
+            return _json(await self._parse(answer, body))
+        except OpenAIError as e:
+            return _error_response(e, {"Retry-After": "1"} if e.status in (429, 503) else None)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "completions", parse_completion)
@@ -148,7 +195,7 @@ class Gateway:
         finally:
             self.stats.count_request(endpoint, status)
 
-    async def _parse(self, parse, body: bytes) -> GenerateRequest:
+    async def _parse(self, parse, body: bytes) -> Any:
         """``parse(body, ctx)``: on the loop for a small body; in a parser thread for a large one
         (tokenising a 1 MiB prompt takes seconds, which would stall every stream), at most
         :data:`MAX_LARGE_PARSES` at once (more: 429, so they cannot take every slot)."""
@@ -164,19 +211,10 @@ class Gateway:
             self.large_parses -= 1
 
     async def _unary(self, req: GenerateRequest) -> web.Response:
-        text, ids, reason, usage = [], [], None, None
+        choices = Choices(req, self.token_text)
         async for item in self.dispatch.generate(req):
-            text.append(item["text"])
-            ids += item["token_ids"]
-            reason = item["finish_reason"] or reason
-            usage = item.get("usage") or usage
-        prompt_tokens = usage["prompt_tokens"] if usage else len(req.prompt_ids)
-        completion_tokens = usage["completion_tokens"] if usage else 0
-        build = response.completion_response if req.kind == "completion" else response.chat_response
-        body = build(req, "".join(text), reason or "stop", prompt_tokens, completion_tokens)
-        if req.return_token_ids:
-            body["choices"][0]["token_ids"] = ids
-        return _json(body)
+            choices.add(item)
+        return _json(choices.body())
 
     async def _stream(self, request: web.Request, req: GenerateRequest) -> web.StreamResponse:
         gen = self.dispatch.generate(req)
@@ -189,34 +227,25 @@ class Gateway:
         async def send(obj: Any) -> None:
             await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
-        usage = None
+        choices = Choices(req, self.token_text)
         try:
             await resp.prepare(request)  # inside the try: a client already gone must still close gen
             if req.kind == "chat":
-                await send(response.chat_role_chunk(req))
-            item, held_ids = first, []
+                for i in range(req.n):
+                    await send(response.with_choices(req, "chat.completion.chunk", [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}], stream=True))
+            item = first
             while item is not None:
-                usage = item.get("usage") or usage
-                held_ids += item["token_ids"]
-                if not item["text"] and item["finish_reason"] is None and not req.return_token_ids:
-                    pass  # nothing to show yet (e.g. half of a UTF-8 character is held back)
-                else:
-                    if req.kind == "completion":
-                        chunk = response.completion_chunk(req, item["text"], item["finish_reason"])
-                    else:
-                        delta = {"content": item["text"]} if item["text"] or not item["finish_reason"] else {}
-                        chunk = response.chat_chunk(req, delta, item["finish_reason"])
-                    if req.return_token_ids:
-                        chunk["choices"][0]["token_ids"], held_ids = held_ids, []
+                chunk = choices.chunk(choices.add(item), item["text"], item["finish_reason"])
+                if chunk is not None:
                     await send(chunk)
                 try:
                     item = await gen.__anext__()
                 except StopAsyncIteration:
                     item = None
             if req.include_usage:
-                p = usage["prompt_tokens"] if usage else len(req.prompt_ids)
-                c = usage["completion_tokens"] if usage else 0
-                await send(response.usage_chunk(req, p, c))
+                await send(response.usage_chunk(req, *choices.usage()))
         except OpenAIError as e:
             await send(e.body())  # mid-stream failure: an SSE error event, then [DONE]
         finally:
@@ -256,17 +285,19 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     info = await asyncio.to_thread(load_model_info, args.model, served_name=args.served_model_name)
     ctx = ModelContext(model_id=info.model_id, tokenizer=info.tokenizer, max_model_len=info.max_model_len,
                           eos_token_ids=info.eos_token_ids)
+    keys = parse_keys(args.api_key, service.env_default("PRFAAS_API_KEY"))
     limits = HttpLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
                         max_connections=args.max_connections)
     gw = Gateway(ctx, service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service.require(args, "planner", "PRFAAS_PLANNER_ADDR"),
                  request_timeout=args.request_timeout, max_inflight=args.max_inflight, place_retry_s=args.place_retry_s,
-                 limits=limits)
+                 api_keys=keys, limits=limits)
     # keepalive_timeout is also the header timeout: aiohttp closes a connection still waiting for a
     # whole request head that long after it opened or after its previous response
     runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, keepalive_timeout=limits.header_timeout_s)
     await runner.setup()
     server = await serve_http(runner, args.host, args.port, limits)
-    print(f"READY gateway on http://{args.host}:{args.port} serving {ctx.model_id}", flush=True)
+    print(f"READY gateway on http://{args.host}:{args.port} serving {ctx.model_id}"
+          f"{f' ({len(keys)} API keys)' if keys else ''}", flush=True)
     await stop.wait()
     server.close()
     await runner.cleanup()
@@ -288,6 +319,9 @@ def main() -> None:
                    help="seconds a connection may take to send a whole request head (and may idle between requests)")
     p.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408 past it)")
     p.add_argument("--max-connections", type=int, default=2048, help="open HTTP connections; more are answered 503")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="a key clients must send as 'Authorization: Bearer <key>' (repeat for several; default: "
+                        "PRFAAS_API_KEY, comma-separated; none: no key needed). /health and /metrics stay open")
     p.add_argument("--place-retry-s", type=float, default=15.0,
                    help="seconds to keep asking an unreachable router (or one with no alive worker) for a placement")
     args = p.parse_args()

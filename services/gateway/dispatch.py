@@ -6,7 +6,10 @@ answered, bounded by ``max_inflight``) and ``active`` (attempts streaming from a
 Every placement the router made is released at the router by the attempt that asked for it, in a
 ``finally`` (also when the placement's answer was lost), so its in-flight counts never leak; the
 release says how the attempt ended (``ok``, ``decode_failed``, ``prefill_failed``, or no verdict),
-which feeds the router's per-worker circuit breakers (:mod:`services.router.breaker`).
+which feeds the router's per-worker circuit breakers (:mod:`services.router.breaker`). At an
+attempt's first token the router is told its prefill has ended (``prefill_done``, from a background
+task in ``notes``, at most one per attempt in flight, each bounded by a 2 s timeout), so the prefill
+worker's queued work drops while the request decodes.
 The decode stream is closed when an attempt ends, which sends ``CANCEL`` to the decode worker.
 Counters of what happened go to :class:`services.gateway.metrics.GatewayMetrics`.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -47,7 +51,9 @@ def service_error(e: RpcError) -> OpenAIError:
     """The OpenAI error a client sees for a service's error ``e`` (status from :data:`HTTP_STATUS`, else 500)."""
     status = HTTP_STATUS.get(e.code, 500)
     etype = "invalid_request_error" if status == 400 else ("server_error" if status >= 500 else "rate_limit_error")
-    return OpenAIError(status=status, message=str(e.message), type=etype, param=None, code=e.code.value)
+    param = e.data.get("param") if status == 400 else None  # e.g. the decode pool's "n" refusal
+    return OpenAIError(status=status, message=str(e.message), type=etype, param=param if isinstance(param, str) else None,
+                       code=e.code.value)
 
 
 def retry_reason(code: ErrorCode, started: bool, retries: int, decode_excluded: int, max_retries: int,
@@ -94,6 +100,23 @@ class Dispatcher:
         self.place_retry_s = place_retry_s
         self.max_inflight = max_inflight
         self.inflight = 0  # requests admitted at the gateway and not yet answered
+        self.notes: set[asyncio.Task] = set()  # prefill_done calls in flight (at most one per active attempt)
+
+    async def close(self) -> None:
+        """Cancel the ``prefill_done`` calls still in flight (the router's leases expire anyway)."""
+        for t in list(self.notes):
+            t.cancel()
+        await asyncio.gather(*self.notes, return_exceptions=True)
+
+    def _prefill_done(self, req: GenerateRequest) -> None:
+        """Tell the router, off the stream's path, that ``req``'s prefill has ended; a failure is
+        ignored (``release`` at the end lowers the same counts)."""
+        async def note() -> None:
+            with contextlib.suppress(Exception):
+                await self.router.call("prefill_done", {"req_id": req.request_id}, timeout=2.0)
+        task = asyncio.create_task(note(), name=f"prefill-done:{req.request_id}")
+        self.notes.add(task)
+        task.add_done_callback(self.notes.discard)
 
     @contextlib.contextmanager
     def admission(self) -> Iterator[None]:
@@ -130,6 +153,11 @@ class Dispatcher:
           ``resume`` (:meth:`DecodeWorker.generate`), so the client's stream just continues, exactly for greedy
           and for seeded sampling (per-position seeds, ``common.model.sampling.shifted_seed``).
 
+        Items carry their branch's ``index``. A request of ``sampling.n`` branches is first sent whole
+        (one prefill, the branches forked on the decode worker); after a cut each unfinished branch is
+        resumed on its own (``branch``: its index and seed offset), one after another, so every
+        branch's stream continues exactly too.
+
         Anything else, or a retry past the budget or the deadline, raises
         :class:`OpenAIError` (a stream already started turns it into an SSE error event)."""
         loop = asyncio.get_running_loop()
@@ -137,39 +165,55 @@ class Dispatcher:
         excluded_decode: list[str] = []
         excluded_prefill: list[str] = []
         refusal: RpcError | None = None
-        generated: list[int] = []  # tokens already yielded to the client
+        branches = req.sampling.n
+        generated: dict[int, list[int]] = {i: [] for i in range(branches)}  # tokens already yielded, per branch
+        finished: set[int] = set()
         retries = 0
         hashes, hashed_len = None, -1  # block hashes of the input, recomputed only when a resume lengthens it
         while True:
-            input_ids = req.prompt_ids + generated
+            todo = [i for i in range(branches) if i not in finished]
+            if not todo:
+                return
+            fresh = len(todo) == branches and not any(generated.values())
+            # Fresh: every branch from one prefill. After a cut: one branch at a time, each resumed alone.
+            first, count = (0, branches) if fresh else (todo[0], 1)
+            input_ids = req.prompt_ids + generated[first]
             if len(input_ids) != hashed_len:
                 hashes, hashed_len = await self._block_hashes(input_ids), len(input_ids)
             placement = await self.place(req, excluded_decode, refusal, hashes, excluded_prefill, input_ids, deadline)
             started = False
             outcome: str | None = None  # what this attempt says of its workers (see attempt_outcome)
             self.active += 1
+            sampling = req.sampling if fresh else dataclasses.replace(req.sampling, n=1, prompt_logprobs=None)
             try:
                 decoder = self.decoders.get(placement["decode"]["addr"])
                 args = {
                     "req_id": req.request_id,
                     "input_ids": input_ids,
-                    "sampling": req.sampling.to_wire(),
+                    "sampling": sampling.to_wire(),
                     "prefill_addr": placement["prefill"]["addr"],
                     "route": placement["route"],
                     "prefix_source": (placement.get("prefix_source") or {}).get("addr"),
                 }
-                if generated:
-                    args["resume"] = {"prompt_len": len(req.prompt_ids), "generated_ids": list(generated)}
+                if first:
+                    args["branch"] = first
+                if generated[first]:
+                    args["resume"] = {"prompt_len": len(req.prompt_ids), "generated_ids": list(generated[first])}
                 async with asyncio.timeout_at(deadline):
                     async with contextlib.aclosing(decoder.stream("generate", args)) as items:  # CANCEL at once on close
                         async for item in items:
+                            if not started:
+                                self._prefill_done(req)
                             started = True
-                            generated += item["token_ids"]
-                            yield item
+                            index = int(item.get("index", 0))
+                            generated[index] += item["token_ids"]
                             if item["finish_reason"] is not None:
+                                finished.add(index)
+                            yield item
+                            if all(i in finished for i in range(first, first + count)):
                                 break  # final: an error after it (e.g. a hand-off racing the stream's end) changes nothing
                 outcome = "ok"
-                return
+                continue
             except RpcError as e:
                 outcome = attempt_outcome(e.code)
                 why = retry_reason(e.code, started, retries, len(excluded_decode), self.max_retries, self.max_reroutes)
@@ -185,7 +229,8 @@ class Dispatcher:
                     self.metrics.count_reroute()
                     refusal = e
                 log.warning("request %s: %s on %s; placing it again (%s, %d tokens streamed so far)", req.request_id,
-                            e, placement["prefill" if why == "prefill_failed" else "decode"]["name"], why, len(generated))
+                            e, placement["prefill" if why == "prefill_failed" else "decode"]["name"], why,
+                            sum(map(len, generated.values())))
                 continue
             except TimeoutError:
                 raise OpenAIError(status=504, message=f"request exceeded {self.request_timeout}s", type="server_error", param=None,

@@ -122,13 +122,15 @@ def signals(workers: list[dict[str, Any]], link_gbps: float | None, prev: dict[s
     rtt = [(float(s["rtt_ms"]) / float(s["rtt_min_ms"]), float(s["rtt_ms"]) - float(s["rtt_min_ms"]))
            for s in links if s.get("rtt_ms") and s.get("rtt_min_ms")]
     worst = max(rtt, default=(1.0, 0.0))
+    standing = max((float(s["rtt_floor_ms"]) - float(s["rtt_min_ms"]) for s in links
+                    if s.get("rtt_floor_ms") is not None and s.get("rtt_min_ms") is not None), default=0.0)
     q_prfaas, q_pdp, q_decode = queue_depths(alive)
     sig = ShortSignals(
         egress_util=goodput / (cap_gbps * 1e9),
         link_gbps=cap_gbps,
         stalls=int(max(0.0, now["stalls"] - prev.get("stalls", now["stalls"]))),
         retransmits=int(max(0.0, now["retransmits"] - prev.get("retransmits", now["retransmits"]))),
-        rtt_inflation=worst[0], rtt_excess_ms=worst[1],
+        rtt_inflation=worst[0], rtt_excess_ms=worst[1], rtt_standing_ms=max(0.0, standing),
         q_prfaas=q_prfaas, q_pdp=q_pdp, q_decode=q_decode,
     )
     return sig, now

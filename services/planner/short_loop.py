@@ -16,7 +16,9 @@ plentiful" flag the router's prefix rule reads.
 * Offload pressure (egress utilisation above ``util_enter``, congestion, or a PrfaaS queue surge
   while PD-P is not surging) held for ``enter_ticks`` consecutive ticks raises ``t`` to
   ``max(anchor, t * f)``, ``f`` a bounded multiplicative factor from utilisation / queue pressure.
-* Congestion from a queueing delay alone: the link bound is the most the link delivered in the
+* Congestion from a queueing delay alone (a standing queue: the RTT floor of the last few seconds
+  ``rtt_excess_standing_ms`` above the base, whatever the utilisation reads; or an inflated RTT at
+  a utilisation of at least ``util_exit``): the link bound is the most the link delivered in the
   episode; once ``t`` is at or above the anchor, ``t`` rises again only while the queue still grows
   (the RTT excess is not below its value at the previous raise), so a backlog that drains at the
   link's rate does not wind ``t`` up.
@@ -48,31 +50,34 @@ ThresholdSolver = Callable[[float], float]
 class ModelThreshold:
     """The eq. 7 optimum ``t*`` as a function of the link bound (Gbps), from ``throughput``.
 
-    Results are cached per ``quantum_gbps`` bucket of the link bound (the bound is rounded to the
-    bucket before solving), so a noisy measurement does not re-run the grid search every tick.
+    Results are cached per bucket of the link bound: the bound is rounded to the nearest power of
+    ``1 + rel_quantum`` (2 % steps by default) before solving, so a noisy measurement does not re-run
+    the grid search every tick, and the rounding error is the same share of a 100 Mbit/s link as of
+    a 100 Gbps one (an absolute step would swallow a small or scaled link whole).
     """
 
     def __init__(self, dep: tm.Deployment, dist: tm.LengthDistribution, *, grid: int = 200,
-                 quantum_gbps: float = 0.5, max_cache: int = 256):
-        if not quantum_gbps > 0:
-            raise ValueError("quantum_gbps must be positive")
+                 rel_quantum: float = 0.02, max_cache: int = 256):
+        if not rel_quantum > 0:
+            raise ValueError("rel_quantum must be positive")
         self.dep, self.dist, self.grid = dep, dist, grid
-        self.quantum_gbps, self.max_cache = quantum_gbps, max_cache
+        self.rel_quantum, self.max_cache = rel_quantum, max_cache
         self._cache: dict[int, float] = {}
 
     def __call__(self, link_gbps: float) -> float:
-        k = max(1, round(link_gbps / self.quantum_gbps))
+        step = math.log1p(self.rel_quantum)
+        k = round(math.log(max(link_gbps, 1e-9)) / step)
         if k not in self._cache:
             if len(self._cache) >= self.max_cache:
                 self._cache.clear()
-            dep = replace(self.dep, link_gbps=k * self.quantum_gbps)
+            dep = replace(self.dep, link_gbps=math.exp(k * step))
             self._cache[k] = float(tm.best_threshold(dep, self.dist, self.grid).t)
         return self._cache[k]
 
     def with_split(self, n_p: int, n_d: int) -> ModelThreshold:
         """The same model after a role change (new PD-P / PD-D counts)."""
         return ModelThreshold(replace(self.dep, n_p=n_p, n_d=n_d), self.dist, grid=self.grid,
-                              quantum_gbps=self.quantum_gbps, max_cache=self.max_cache)
+                              rel_quantum=self.rel_quantum, max_cache=self.max_cache)
 
 
 # --------------------------------------------------------------------------- short loop
@@ -89,6 +94,8 @@ class ShortSignals:
     rtt_inflation: smoothed RTT / base RTT (1.0 = uncongested).
     rtt_excess_ms: smoothed RTT minus base RTT on the same (worst) link, milliseconds; ``inf`` when
         not measured (then the ratio alone decides).
+    rtt_standing_ms: the worst link's lowest RTT of the last few seconds minus its base RTT (ms): a
+        queue that never drained in that window (CoDel's test), 0 when not measured.
     q_prfaas, q_pdp, q_decode: requests waiting for PrfaaS prefill, PD-P prefill, decode admission.
     """
 
@@ -98,6 +105,7 @@ class ShortSignals:
     retransmits: int = 0
     rtt_inflation: float = 1.0
     rtt_excess_ms: float = math.inf
+    rtt_standing_ms: float = 0.0
     q_prfaas: int = 0
     q_pdp: int = 0
     q_decode: int = 0
@@ -121,8 +129,9 @@ class ShortConfig:
     rtt_excess_min_ms: float = 5.0
     # A standing queue this long is congestion whatever the utilisation reads: after the link's capacity
     # drops, the senders' goodput falls with it, so goodput over the (stale) capacity estimate reads LOW
-    # while the queue grows (the emulated bandwidth swing: util 0.26, RTT excess 300-800 ms); our own
-    # bursts drain within one KVCache's transfer time and do not keep the smoothed RTT this high
+    # while the queue grows (the emulated bandwidth swing: util 0.26, RTT excess 300-800 ms). Judged on
+    # the RTT floor (the lowest ping of the last few seconds, CoDel's test), not the smoothed RTT: our own
+    # bursts of KV raised the smoothed excess past 50 ms on an uncongested emulated link at util 0.1
     rtt_excess_standing_ms: float = 50.0
     retransmit_limit: int = 50  # per tick
     stall_limit: int = 5  # per tick
@@ -216,7 +225,7 @@ class ShortLoop:
         util = s.egress_util
         lossy = s.retransmits > c.retransmit_limit or s.stalls > c.stall_limit
         queued = (s.rtt_inflation > c.rtt_inflation_limit and s.rtt_excess_ms > c.rtt_excess_min_ms
-                  and (util >= c.util_exit or s.rtt_excess_ms >= c.rtt_excess_standing_ms))
+                  and (util >= c.util_exit or s.rtt_standing_ms >= c.rtt_excess_standing_ms))
         congested = lossy or queued
         # the link's effective capacity in this congestion episode: the most it delivered while congested
         # (later in the episode the goodput also falls because fewer requests are sent remote)
@@ -310,7 +319,7 @@ class ShortLoop:
             if new > t * (1 + c.deadband):
                 return new, "raise_t", (f"offload pressure for {self._press} ticks: "
                                         f"{', '.join(why)}; model t* {anchor:.0f} at "
-                                        f"{bound:.1f} Gbps, factor {f:.2f}")
+                                        f"{bound:.4g} Gbps, factor {f:.2f}")
             return t, None, ""
         if self._healthy >= c.exit_ticks:
             anchor = self._clamp(self._solver(cap * c.util_target))

@@ -20,7 +20,9 @@ class PrefillArgs(msgspec.Struct):
     len)`` of its KVCache to the decode worker at ``kv_addr`` (host:port). ``sampling``: a
     :meth:`~common.model.sampling.SamplingParams.to_wire` map for the first token. ``kv_from``:
     tokens the decode worker already holds (a whole number of blocks, below the prompt length).
-    ``prefix_source``: host:port of a prefill worker to pull a longer cached prefix from first."""
+    ``prefix_source``: host:port of a prefill worker to pull a longer cached prefix from first.
+    ``prompt_len``: tokens of ``input_ids`` that are the client's prompt (default all); the rest were
+    generated already (a resume), and the penalties and ``min_tokens`` count them as output."""
 
     req_id: Annotated[str, msgspec.Meta(max_length=256)]
     kv_addr: Annotated[str, msgspec.Meta(min_length=3, max_length=262)]
@@ -28,6 +30,7 @@ class PrefillArgs(msgspec.Struct):
     input_ids: Annotated[list[int], msgspec.Meta(min_length=1)]
     kv_from: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
     prefix_source: Annotated[str, msgspec.Meta(max_length=262)] | None = None
+    prompt_len: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] | None = None
 
 
 class ExportPrefixArgs(msgspec.Struct):

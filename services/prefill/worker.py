@@ -2,7 +2,14 @@
 
 Request lifecycle (who frees what):
 1. ``prefill`` RPC from a decode worker, which has already reserved room for the KVCache and names
-   its KV address. The request waits for the single compute slot (``waiting`` in the stats).
+   its KV address. The request waits (``waiting`` in the stats) for one of two stage permits, then,
+   staged in its compute thread, for the accelerator (one compute at a time, ``running``). The
+   permit is returned once its compute has ended and every layer is queued on the link, so at most
+   two requests hold layer state (one draining, one computing) and one more is staged. The staged
+   thread takes the accelerator the moment the previous compute releases it, in that thread: the
+   accelerator never idles waiting for the event loop to hand it the next request (measured with
+   eight emulated workers in one busy process: the hand-off through the loop held each PD-P slot
+   about 13 % longer than its compute).
 2. Compute runs layer by layer in a thread. As each layer finishes, its state is queued to the
    event loop, cut into chunks and written to the decode worker's KV connection while the next layer
    computes (``KV_BEGIN``, ``KV_LAYER``..., then ``KV_DONE`` with the first token).
@@ -32,9 +39,10 @@ import time
 from typing import Any
 
 from common.kv.prefix_cache import PrefixCache
-from common.model.backend import Backend
+from common.model.backend import Backend, PrefillCancelled
+from common.model.logits import MAX_PROMPT_LOGPROB_BYTES, PromptLogprobs, prompt_logprobs
 from common.model.prompt import validate_prompt
-from common.model.sampling import SamplingParams, check_wire_sampling, sample_next
+from common.model.sampling import SamplingParams, check_wire_sampling, sample_token
 from common.rpc.client import ClientPool
 from common.rpc.errors import RpcError
 from common.rpc.schema import takes
@@ -75,7 +83,8 @@ class PrefillWorker:
         self.fingerprint = backend.loaded.fingerprint
         self.vocab_size = int(backend.loaded.model.config.vocab_size)
         self.faults = Faults()
-        self._slot = asyncio.Semaphore(1)
+        self._slot = asyncio.Semaphore(2)  # stage permits: one computing (or draining) and one staged
+        self._accelerator = threading.Lock()  # one compute at a time; taken and released in compute threads
         self._links: dict[str, KvLink] = {}  # by KV address, least recently used first
         self._link_used: dict[str, float] = {}
         self._link_users: dict[str, int] = {}  # prefill calls holding each link (never closed under them)
@@ -170,9 +179,14 @@ class PrefillWorker:
 
     @takes(PrefillArgs)
     async def prefill(self, args: PrefillArgs) -> dict[str, Any]:
-        """RPC: :class:`~services.prefill.messages.PrefillArgs` -> ``{first_token, prompt_len, timings}``.
+        """RPC: :class:`~services.prefill.messages.PrefillArgs` -> ``{first_token, prompt_len, timings,
+        prompt_logprobs?}`` (``prompt_logprobs``: :meth:`PromptLogprobs.to_wire` of input tokens 1.. when
+        ``sampling.prompt_logprobs`` is set). ``KV_DONE`` carries the first token, and with ``sampling.n``
+        > 1 ``first_tokens`` (one per branch), with ``sampling.logprobs`` ``first_logprobs``.
         Raises :class:`RpcError` ``bad_request`` for a malformed ``sampling``, a prompt outside the
-        vocabulary or the context, or a ``kv_from`` that is not a whole number of blocks below its length."""
+        vocabulary or the context, a ``kv_from`` that is not a whole number of blocks below its length,
+        or prompt logprobs this worker cannot give (the emulated backend; more than
+        :data:`MAX_PROMPT_LOGPROB_BYTES`)."""
         req_id, kv_addr = args.req_id, args.kv_addr
         try:
             sampling = check_wire_sampling(SamplingParams.from_wire(args.sampling))
@@ -183,13 +197,22 @@ class PrefillWorker:
         if not kv_from < len(input_ids) or kv_from % self.block_size:
             raise RpcError(ErrorCode.BAD_REQUEST, f"kv_from must be a whole number of {self.block_size}-token blocks "
                            f"below the prompt length, got {kv_from!r}")
+        prompt_len = args.prompt_len or len(input_ids)
+        if prompt_len > len(input_ids):
+            raise RpcError(ErrorCode.BAD_REQUEST, f"prompt_len {prompt_len} is past the {len(input_ids)} input ids")
+        k = sampling.prompt_logprobs
+        if k is not None and not self.backend.prompt_logits:
+            raise RpcError(ErrorCode.BAD_REQUEST, f"{self.name}'s backend computes no prompt logprobs", param="echo")
+        if k is not None and PromptLogprobs.wire_bytes(len(input_ids) - 1, k) > MAX_PROMPT_LOGPROB_BYTES:
+            raise RpcError(ErrorCode.BAD_REQUEST, f"the logprobs of {len(input_ids)} prompt tokens with {k} alternatives "
+                           f"exceed {MAX_PROMPT_LOGPROB_BYTES} bytes", param="logprobs")
         if args.prefix_source and self.prefix is not None:
             self.prefix_pulled_tokens += await self.prefix.pull(self._peers.get(args.prefix_source), args.prefix_source,
                                                                 input_ids)
         link = await self._link(kv_addr)
         self._link_users[kv_addr] = self._link_users.get(kv_addr, 0) + 1
         try:
-            return await self._prefill_on(link, req_id, input_ids, sampling, kv_from)
+            return await self._prefill_on(link, req_id, input_ids, sampling, kv_from, prompt_len)
         finally:
             self._link_users[kv_addr] -= 1
             if not self._link_users[kv_addr]:
@@ -197,15 +220,22 @@ class PrefillWorker:
             await self._forget_dead_link(kv_addr)
 
     async def _prefill_on(self, link: KvLink, req_id: str, input_ids: list[int], sampling: SamplingParams,
-                          kv_from: int) -> dict[str, Any]:
+                          kv_from: int, prompt_len: int) -> dict[str, Any]:
         """The rest of :meth:`prefill` once its link is chosen: connect it, wait for the compute slot, run."""
         await link.ensure_connected()  # before the slot: a receiver nobody can reach must not cost another request its turn
         self.waiting += 1
+        started = [False]
+
+        def on_start() -> None:  # event loop; scheduled by the compute thread once it holds the accelerator
+            if not started[0]:
+                started[0] = True
+                self.waiting -= 1
+                self.running += 1
         try:
             await self._slot.acquire()
-        finally:
+        except BaseException:
             self.waiting -= 1
-        self.running += 1
+            raise
         held = [True]
 
         def release_slot() -> None:  # once: when the compute ends, or when the call does
@@ -214,7 +244,8 @@ class PrefillWorker:
                 self._slot.release()
         delivered = [False]  # set once KV_DONE (with the first token) has been written
         try:
-            result = await self._run(req_id, input_ids, sampling, link, kv_from, release_slot, delivered)
+            result = await self._run(req_id, input_ids, sampling, link, kv_from, release_slot, delivered, prompt_len,
+                                     on_start)
             self.completed += 1
             self.prompt_tokens += len(input_ids)
             return result
@@ -228,12 +259,37 @@ class PrefillWorker:
                 self.cancelled += 1
             raise
         finally:
-            self.running -= 1
+            if started[0]:
+                self.running -= 1
+            else:
+                self.waiting -= 1
             release_slot()
 
+    def _compute(self, loop: asyncio.AbstractEventLoop, on_start, stop: threading.Event, began: list[float],
+                 *args: Any, **kwargs: Any) -> Any:
+        """Compute thread: wait for the accelerator (checking ``stop`` every 20 ms, so a cancelled
+        staged request leaves at once with :class:`PrefillCancelled`), note the start (``began``,
+        monotonic seconds) and tell the loop (``on_start``), run ``backend.prefill(*args)``, and
+        release the accelerator here, so the next staged thread starts without a trip through the
+        event loop."""
+        while not self._accelerator.acquire(timeout=0.02):
+            if stop.is_set():
+                raise PrefillCancelled("cancelled before its compute started")
+        try:
+            began.append(time.monotonic())
+            loop.call_soon_threadsafe(on_start)
+            return self.backend.prefill(*args, **kwargs)
+        finally:
+            self._accelerator.release()
+
     async def _run(self, req_id: str, input_ids: list[int], sampling: SamplingParams, link: KvLink,
-                   kv_from: int = 0, release_slot=lambda: None, delivered: list[bool] | None = None) -> dict[str, Any]:
-        """Compute the prefill, streaming each layer's KVCache to ``kv_addr``. ``release_slot`` is
+                   kv_from: int = 0, release_slot=lambda: None, delivered: list[bool] | None = None,
+                   prompt_len: int | None = None, on_start=lambda: None) -> dict[str, Any]:
+        """Compute the prefill, streaming each layer's KVCache over ``link``, and sample the first
+        token of each of ``sampling.n`` branches (``input_ids[prompt_len:]`` count as generated
+        output for the penalties). With ``sampling.prompt_logprobs`` the same pass computes every
+        prompt token's logprob (the prefix cache is then not used: every position's logits are
+        needed), answered in the result's ``prompt_logprobs``. ``release_slot`` is
         called once the compute has ended and every layer is queued on the link: the next request
         computes while this one's tail drains and its ``KV_ACK`` crosses back (over a WAN, a round
         trip the compute need not wait for). The link's in-flight bound keeps that overlap's memory
@@ -243,9 +299,22 @@ class PrefillWorker:
         ready: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
         computed_at: list[float] = []
-        prompt_len = len(input_ids)
-        layouts = self.backend.layer_layouts(prompt_len - kv_from)  # only [kv_from, len) crosses the link
-        hit = self.prefix.match(input_ids) if self.prefix is not None else Hit()
+        n_in = len(input_ids)
+        prompt_len = prompt_len or n_in
+        layouts = self.backend.layer_layouts(n_in - kv_from)  # only [kv_from, len) crosses the link
+        k = sampling.prompt_logprobs
+        hit = self.prefix.match(input_ids) if self.prefix is not None and k is None else Hit()
+        prompt_lps: list[PromptLogprobs] = []
+        chunk_tokens = self.prefill_chunk_tokens
+        extra: dict[str, Any] = {}
+        if k is not None:  # every position's logits, a bounded number of them at a time
+            cap = max(16, (1 << 26) // self.vocab_size)
+            chunk_tokens = min(chunk_tokens, cap) if chunk_tokens else cap
+
+            def on_logits(a: int, logits) -> None:  # compute thread: rows a.. predict tokens a+1..
+                nxt = input_ids[a + 1 : a + 1 + logits.shape[0]]
+                prompt_lps.append(prompt_logprobs(logits[: len(nxt)], nxt, k))
+            extra["on_logits"] = on_logits
         checkpoints: dict[int, dict] = {}
         final_kv: dict[int, dict] = {}  # attention layers' last export: K/V of tokens [0, len)
 
@@ -256,15 +325,15 @@ class PrefillWorker:
         def on_checkpoint(pos: int, states: dict) -> None:  # compute thread; states are copies
             checkpoints[pos] = states
 
-        t0 = time.monotonic()
+        began: list[float] = []  # when the compute thread took the accelerator
         compute = asyncio.ensure_future(asyncio.to_thread(
-            self.backend.prefill, input_ids, on_layer, stop.is_set, self.prefill_chunk_tokens,
-            hit.prefix, hit.tokens, hit.checkpoints, on_checkpoint))
+            self._compute, loop, on_start, stop, began, input_ids, on_layer, stop.is_set, chunk_tokens,
+            hit.prefix, hit.tokens, hit.checkpoints, on_checkpoint, **extra))
         transfer = None
         sent_at = 0.0
         sent_upto = [kv_from] * len(layouts)  # per attention layer: tokens already sent
         try:
-            transfer = await link.begin(req_id, layouts, prompt_len)
+            transfer = await link.begin(req_id, layouts, n_in)
             if self.kv_stream == "after":  # the non-pipelined baseline: nothing leaves before the prefill ends
                 await asyncio.shield(compute)
             while True:
@@ -298,8 +367,10 @@ class PrefillWorker:
                 sent_at = time.monotonic()
             logits = await compute
             release_slot()
-            first = sample_next(logits, sampling, 0)
-            last_computed = computed_at[-1]
+            prompt, output = input_ids[:prompt_len], input_ids[prompt_len:]
+            firsts = [sample_token(logits, sampling.branch(j), 0, prompt, output) for j in range(sampling.n)]
+            first = firsts[0].token
+            last_computed, t0 = computed_at[-1], began[0]
             timings = {
                 "prefill_s": last_computed - t0,
                 "layer_compute_s": [b - a for a, b in zip([t0] + computed_at[:-1], computed_at)],
@@ -307,8 +378,13 @@ class PrefillWorker:
                 "last_queued_at": sent_at,
                 "prefix_hit_tokens": hit.tokens,
             }
+            done: dict[str, Any] = {"first_token": first, "prompt_len": n_in, "timings": timings}
+            if sampling.n > 1:
+                done["first_tokens"] = [f.token for f in firsts]
+            if sampling.logprobs is not None:
+                done["first_logprobs"] = [f.logprobs.to_wire() for f in firsts]
             try:
-                await link.finish(transfer, {"first_token": first, "prompt_len": prompt_len, "timings": timings})
+                await link.finish(transfer, done)
             finally:
                 if delivered is not None:
                     delivered[0] = transfer.done_sent
@@ -316,7 +392,10 @@ class PrefillWorker:
             self.prefix_hit_tokens += hit.tokens
             if self.prefix is not None:
                 self.prefix.store_prompt(hit, final_kv, checkpoints)
-            return {"first_token": first, "prompt_len": prompt_len, "timings": timings}
+            result = {"first_token": first, "prompt_len": n_in, "timings": timings}
+            if k is not None:
+                result["prompt_logprobs"] = PromptLogprobs.cat(prompt_lps, k).to_wire()
+            return result
         except BaseException as e:
             stop.set()
             with contextlib.suppress(BaseException):

@@ -14,7 +14,9 @@ Steps, in order (:func:`place_request` runs them all):
 1. :func:`placeable`: drop workers draining for a role change and the excluded ones.
 2. Without block hashes, :func:`place`: ``l`` is the prompt length, :func:`choose_route` applies the
    threshold rule (paper §3): ``l > t`` goes to the PrfaaS cluster ("remote"), ``l <= t`` to the
-   local PD-P ("local"); then the least-loaded workers (:func:`least_loaded`).
+   local PD-P ("local"); then the least-loaded workers (:func:`least_loaded`): prefill workers by
+   the prefill work the router has queued on them (join-the-shortest-queue by work), decode workers
+   by requests.
 3. With block hashes, :func:`place_with_prefix`: :func:`incremental_lengths` turns each cluster's
    longest cached prefix into tokens (``l_pd``, ``l_prfaas``), :func:`choose_cluster` applies the
    short-timescale rule for the bandwidth regime, :func:`prefix_move` suggests a cross-cluster
@@ -99,12 +101,15 @@ def worker_load(worker: dict[str, Any], inflight: dict[str, int]) -> float:
     return inflight.get(worker["name"], 0) + float(stats.get("waiting", 0)) + float(stats.get("running", 0))
 
 
-def least_loaded(workers: list[dict[str, Any]], inflight: dict[str, int]) -> dict[str, Any] | None:
-    """The alive worker with the least load (ties by name, so the choice is deterministic), or ``None``."""
+def least_loaded(workers: list[dict[str, Any]], inflight: dict[str, int],
+                 work: dict[str, float] | None = None) -> dict[str, Any] | None:
+    """The alive worker with the least load, or ``None``. With ``work`` (prefill workers: outstanding
+    prefill token-equivalents per worker, :mod:`services.router.leases`) the least work wins, then
+    :func:`worker_load`; without it, :func:`worker_load`. Ties by name, so the choice is deterministic."""
     alive = [w for w in workers if w.get("alive")]
     if not alive:
         return None
-    return min(alive, key=lambda w: (worker_load(w, inflight), w["name"]))
+    return min(alive, key=lambda w: ((work or {}).get(w["name"], 0.0), worker_load(w, inflight), w["name"]))
 
 
 class AffinePick(NamedTuple):
@@ -117,15 +122,17 @@ class AffinePick(NamedTuple):
 
 
 def pick_affine(workers: list[dict[str, Any]], prefix_blocks_by_node: dict[str, int],
-                inflight: dict[str, int]) -> AffinePick | None:
+                inflight: dict[str, int], work: dict[str, float] | None = None, slack: float = 1.0) -> AffinePick | None:
     """The alive worker with the longest cached prefix, guarded by load; ``None`` when none is alive.
 
-    Candidates are the alive ``workers``. The load guard skips a candidate whose
-    :func:`worker_load` exceeds ``2 * mean + 1``, ``mean`` being the mean load of the *other*
-    candidates (a lone candidate is never skipped). Among the rest the order is: most cached blocks
-    (``prefix_blocks_by_node``, 0 when absent), then least load, then name. The least loaded
-    candidate is never over the guard, so someone is always chosen; with no prefix anywhere the
-    choice equals :func:`least_loaded`.
+    A candidate's load is :func:`worker_load` (requests), or with ``work`` its outstanding prefill
+    work (token-equivalents, prefill workers). Candidates are the alive ``workers``. The load guard
+    skips a candidate whose load exceeds ``2 * mean + slack``, ``mean`` being the mean load of the
+    *other* candidates (a lone candidate is never skipped); ``slack`` is one request in the load's
+    unit (1 request; with ``work``, this request's own work). Among the rest the order is: most
+    cached blocks (``prefix_blocks_by_node``, 0 when absent), then least load, then
+    :func:`worker_load`, then name. The least loaded candidate is never over the guard, so someone
+    is always chosen; with no prefix anywhere the choice equals :func:`least_loaded`.
 
     Why the others' mean: with two workers, a mean that included the candidate itself could never
     be exceeded twice over (``k <= 2 * k / 2 + 1`` for every ``k``), so the guard would never fire.
@@ -134,18 +141,20 @@ def pick_affine(workers: list[dict[str, Any]], prefix_blocks_by_node: dict[str, 
     alive = [w for w in workers if w.get("alive")]
     if not alive:
         return None
-    loads = {w["name"]: worker_load(w, inflight) for w in alive}
+    counts = {w["name"]: worker_load(w, inflight) for w in alive}
+    loads = counts if work is None else {w["name"]: work.get(w["name"], 0.0) for w in alive}
     total = sum(loads.values())
     others = len(alive) - 1
 
-    def over(w: dict[str, Any]) -> bool:  # load > 2 * (total - load) / others + 1, without dividing
+    def over(w: dict[str, Any]) -> bool:  # load > 2 * (total - load) / others + slack, without dividing
         load = loads[w["name"]]
-        return others > 0 and load * others > 2 * (total - load) + others
+        return others > 0 and load * others > 2 * (total - load) + slack * others
 
     def blocks(w: dict[str, Any]) -> int:
         return prefix_blocks_by_node.get(w["name"], 0)
 
-    best = min((w for w in alive if not over(w)), key=lambda w: (-blocks(w), loads[w["name"]], w["name"]))
+    best = min((w for w in alive if not over(w)),
+               key=lambda w: (-blocks(w), loads[w["name"]], counts[w["name"]], w["name"]))
     skipped = tuple(sorted(w["name"] for w in alive if over(w) and blocks(w) > blocks(best)))
     return AffinePick(best, blocks(best), skipped)
 
@@ -166,19 +175,20 @@ def placeable(workers: list[dict[str, Any]], exclude_decode: set[str] | frozense
 
 
 def place(incremental_len: int, threshold: int, workers: list[dict[str, Any]], inflight: dict[str, int],
-          exclude_decode: set[str] | frozenset[str] = frozenset()) -> Placement:
-    """Pick the route by the threshold rule, then the least-loaded prefill worker of that cluster and
-    the least-loaded decode worker not named in ``exclude_decode`` (workers that just refused the
+          exclude_decode: set[str] | frozenset[str] = frozenset(), prefill_work: dict[str, float] | None = None) -> Placement:
+    """Pick the route by the threshold rule, then the least-loaded prefill worker of that cluster (by
+    ``prefill_work`` when given: outstanding prefill token-equivalents per worker) and the
+    least-loaded decode worker not named in ``exclude_decode`` (workers that just refused the
     request). If the chosen cluster has no alive prefill worker, fall back to the other cluster
     (``fell_back`` True; ``reason`` says so too). Raises :class:`NoWorker`."""
     route = choose_route(incremental_len, threshold)
     reason = f"l={incremental_len} {'>' if route == REMOTE else '<='} t={threshold}"
     prefills = [w for w in workers if w["role"] == "prefill"]
-    prefill = least_loaded([w for w in prefills if w["cluster"] == CLUSTER_OF_ROUTE[route]], inflight)
+    prefill = least_loaded([w for w in prefills if w["cluster"] == CLUSTER_OF_ROUTE[route]], inflight, prefill_work)
     fell_back = prefill is None
     if fell_back:
         other = _other(route)
-        prefill = least_loaded([w for w in prefills if w["cluster"] == CLUSTER_OF_ROUTE[other]], inflight)
+        prefill = least_loaded([w for w in prefills if w["cluster"] == CLUSTER_OF_ROUTE[other]], inflight, prefill_work)
         if prefill is None:
             raise NoWorker("prefill")
         reason += f"; no alive {route} prefill worker, fell back to {other}"
@@ -271,7 +281,8 @@ def choose_cluster(prompt_len: int, l_pd: int, l_prfaas: int, threshold: int,
 
 def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str, int], threshold: int,
                       workers: list[dict[str, Any]], inflight: dict[str, int], bandwidth_plentiful: bool,
-                      exclude_decode: set[str] | frozenset[str] = frozenset()) -> Placement:
+                      exclude_decode: set[str] | frozenset[str] = frozenset(),
+                      prefill_work: dict[str, float] | None = None) -> Placement:
     """Cache-aware placement, pure: route by the cached prefixes, then cache-affine workers.
 
     ``prefix_blocks`` maps node name -> leading blocks of the prompt cached there (from
@@ -280,7 +291,8 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
     ``l``. If that cluster has no alive prefill worker, the other cluster is used (``fell_back``
     True) and ``l`` is recomputed for it. A prefix move is suggested only when bandwidth is
     plentiful. Then :func:`pick_affine` picks the prefill worker in the chosen cluster and the
-    decode worker (not in ``exclude_decode``). ``prefill_prefix_tokens`` is capped like ``l_pd``
+    decode worker (not in ``exclude_decode``); prefill workers by ``prefill_work`` when given (see
+    :func:`place`), the guard's slack then being this request's ``l``. ``prefill_prefix_tokens`` is capped like ``l_pd``
     (the last prompt token is always computed); ``decode_prefix_tokens`` is blocks x ``block_size``.
     Raises :class:`NoWorker`, or ``ValueError`` for lengths that do not fit the prompt.
     """
@@ -314,7 +326,8 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
             best = max(holders, key=lambda w: (prefix_blocks[w["name"]], w["name"]))
             source = {"name": best["name"], "addr": best["addr"],
                       "tokens": min(prefix_blocks[best["name"]] * block_size, prompt_len - 1)}
-    pf = pick_affine(prefills[CLUSTER_OF_ROUTE[route]], prefix_blocks, inflight)
+    pf = pick_affine(prefills[CLUSTER_OF_ROUTE[route]], prefix_blocks, inflight, prefill_work,
+                     slack=1.0 if prefill_work is None else float(max(1, l)))
     dec = pick_affine([w for w in alive if w["role"] == "decode" and w["name"] not in exclude_decode],
                       prefix_blocks, inflight)
     if pf is None:  # unreachable: the route's cluster has an alive prefill worker
@@ -339,13 +352,16 @@ def place_request(prompt_len: int, threshold: int, workers: list[dict[str, Any]]
                   exclude_decode: set[str] | frozenset[str] = frozenset(),
                   exclude_prefill: set[str] | frozenset[str] = frozenset(),
                   block_size: int | None = None, prefix_blocks: dict[str, int] | None = None,
-                  bandwidth_plentiful: bool = False) -> Placement:
+                  bandwidth_plentiful: bool = False, prefill_work: dict[str, float] | None = None) -> Placement:
     """The whole rule for one ``place`` call: :func:`placeable` (drop draining and excluded workers),
     then :func:`place_with_prefix` when the request came with block hashes (``prefix_blocks``: node ->
     cached leading blocks, from ``KvIndex.lookup``; ``block_size`` in tokens) and ``prompt_len >= 1``,
-    else :func:`place` (the whole prompt is incremental). Raises :class:`NoWorker`, or ``ValueError``
+    else :func:`place` (the whole prompt is incremental). ``prefill_work``: outstanding prefill
+    token-equivalents per prefill worker (:class:`services.router.leases.Leases`); prefill workers
+    are then chosen by work, not by request count. Raises :class:`NoWorker`, or ``ValueError``
     for lengths that do not fit the prompt."""
     ws = placeable(workers, exclude_decode, exclude_prefill)
     if prefix_blocks is None or block_size is None or prompt_len < 1:
-        return place(prompt_len, threshold, ws, inflight)
-    return place_with_prefix(prompt_len, block_size, prefix_blocks, threshold, ws, inflight, bandwidth_plentiful)
+        return place(prompt_len, threshold, ws, inflight, prefill_work=prefill_work)
+    return place_with_prefix(prompt_len, block_size, prefix_blocks, threshold, ws, inflight, bandwidth_plentiful,
+                             prefill_work=prefill_work)

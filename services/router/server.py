@@ -1,7 +1,9 @@
 """Router service: places each request on a prefill worker (PrfaaS or PD-P) and a PD-D decode worker.
 
-Request lifecycle at the router: ``place`` (decision logged and counted, in-flight counts raised on
-both chosen workers) -> the gateway drives the request -> ``release`` (counts lowered). The router
+Request lifecycle at the router: ``place`` (decision logged and counted, in-flight counts and the
+prefill worker's queued work raised: :class:`~services.router.leases.Leases`) -> the gateway drives
+the request -> ``prefill_done`` at its first token (the prefill worker's share lowered) ->
+``release`` (every count lowered). The router
 is not on the data path: tokens never pass through it, so a router restart loses no request that
 was already placed. In-flight entries carry a lease (``release_after`` seconds) so a gateway that
 dies without releasing cannot pin load on a worker forever.
@@ -45,6 +47,7 @@ from services.planner.messages import CLUSTERS
 from services.router import placement
 from services.router.breaker import Breakers
 from services.router.kv_index import KvIndex
+from services.router.leases import Leases
 from services.router.messages import (
     KvEventsArgs,
     KvResyncArgs,
@@ -62,7 +65,8 @@ MAX_SNAPSHOT_ENTRIES = 1 << 22  # entries (blocks) one node's snapshot may hold;
 MAX_PLACED = 1 << 16  # leases held at once; past it the oldest lease is released (a gateway that never releases)
 MAX_NODES = 1024  # workers whose prefix cache the index may hold
 # Who may call what, when peers authenticate (common.rpc.credentials); the rest is open to every role.
-ALLOW = {"place": {"gateway"}, "release": {"gateway"}, "kv_events": {"worker"}, "kv_resync": {"worker"},
+ALLOW = {"place": {"gateway"}, "release": {"gateway"}, "prefill_done": {"gateway"}, "kv_events": {"worker"},
+         "kv_resync": {"worker"},
          "set_threshold": {"planner"}, "set_bandwidth": {"planner"}}
 
 
@@ -83,11 +87,14 @@ class Router:
 
     ``threshold`` in tokens; ``refresh`` and ``release_after`` in seconds; ``bandwidth_plentiful``
     selects the short-timescale rule; ``forget_after``: seconds a worker must have been reported
-    dead before its cache leaves the index.
+    dead before its cache leaves the index; ``prefill_fixed_tokens``: per cluster, the fixed cost of
+    one prefill in token-equivalents (intercept / slope of its prefill-time profile; 0 when absent),
+    added to each request's ``l`` in the prefill workers' queued work.
     """
 
     def __init__(self, planner_addr: str, threshold: int, name: str = "router", refresh: float = 0.5, release_after: float = 3600.0,
-                 bandwidth_plentiful: bool = False, forget_after: float = 10.0, breakers: Breakers | None = None,
+                 bandwidth_plentiful: bool = False, forget_after: float = 10.0,
+                 prefill_fixed_tokens: dict[str, float] | None = None, breakers: Breakers | None = None,
                  insecure: Any = None):
         self.threshold = threshold
         self.refresh = refresh
@@ -97,8 +104,9 @@ class Router:
         self.planner = RpcClient(planner_addr, service="router", name=name, connect_timeout=2.0)
         self.workers: list[dict[str, Any]] = []
         self.view_at = 0.0
-        self.inflight: Counter[str] = Counter()
-        self.placed: dict[str, tuple[tuple[str, str], float]] = {}  # req_id -> ((prefill, decode) names, placed at)
+        self.leases = Leases()
+        self.inflight = self.leases.inflight  # worker name -> requests (see Leases), read by placement
+        self.prefill_fixed_tokens = dict(prefill_fixed_tokens or {})
         self.breakers = breakers or Breakers()
         self._missing: dict[str, float] = {}  # indexed node -> when it was first missing from the planner's view
         self.decisions: Counter[str] = Counter()
@@ -114,7 +122,8 @@ class Router:
         self.recent_lengths: deque[int] = deque(maxlen=RECENT_LENGTHS)  # incremental lengths l of the latest placements
         self.server = RpcServer(
             "router", name,
-            handlers={"place": self.place, "release": self.release, "stats": self.stats, "health": self.health,
+            handlers={"place": self.place, "release": self.release, "prefill_done": self.prefill_done,
+                      "stats": self.stats, "health": self.health,
                       "set_threshold": self.set_threshold, "set_bandwidth": self.set_bandwidth, "kv_events": self.kv_events,
                       "kv_resync": self.kv_resync},
             allow=ALLOW, **({} if insecure is None else {"insecure": insecure}),
@@ -145,10 +154,9 @@ class Router:
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
-        for req_id, (_, at) in list(self.placed.items()):
-            if now - at > self.release_after:
-                log.warning("lease of %s expired without release", req_id)
-                self._release(req_id)
+        for req_id in [r for r, lease in self.leases.by_req.items() if now - lease.at > self.release_after]:
+            log.warning("lease of %s expired without release", req_id)
+            self._end(req_id)
 
     # -- global KVCache index ----------------------------------------------------------------
     def _forget(self, node: str) -> None:
@@ -262,8 +270,7 @@ class Router:
         if args.block_hashes is not None:
             self._check_block_size(args.block_size)
             blocks = self.index.lookup(args.block_hashes)
-        if args.req_id in self.placed:  # the same request placed again: its old lease ends here
-            self._release(args.req_id)
+        self._end(args.req_id)  # the same request placed again: its old lease ends here, and any probe it was
         try:
             p = self._place(args, blocks)
         except placement.NoWorker as e:
@@ -276,15 +283,14 @@ class Router:
         self.recent_lengths.append(p.incremental_len)
         self.fallbacks += p.fell_back
         self._count_prefix(args.prompt_len, p)
-        names = (p.prefill["name"], p.decode["name"])
+        work = p.incremental_len + self.prefill_fixed_tokens.get(p.prefill["cluster"], 0.0)
         now = time.monotonic()
-        if args.req_id:  # only a lease reports an outcome: only it may be a breaker's probe
-            for n in names:
-                self.inflight[n] += 1
+        if args.req_id:  # only a lease can be released: without one nothing is counted, and nothing probes
+            if len(self.leases.by_req) >= MAX_PLACED:
+                self._end(next(iter(self.leases.by_req)))
+            self.leases.place(args.req_id, p.prefill["name"], p.decode["name"], work, now)
+            for n in (p.prefill["name"], p.decode["name"]):
                 self.breakers.get(n).placed(now)
-            if len(self.placed) >= MAX_PLACED:
-                self._release(next(iter(self.placed)))
-            self.placed[args.req_id] = (names, now)
         log.info("route=%s req=%s prefill=%s decode=%s %s", p.route, args.req_id, p.prefill["name"], p.decode["name"], p.reason)
         return {
             "route": p.route,
@@ -313,7 +319,8 @@ class Router:
                     args.prompt_len, self.threshold, self.workers, self.inflight,
                     exclude_decode=set(args.exclude_decode) | (blocked if use["decode"] else set()),
                     exclude_prefill=set(args.exclude_prefill) | (blocked if use["prefill"] else set()),
-                    block_size=args.block_size, prefix_blocks=blocks, bandwidth_plentiful=self.bandwidth_plentiful)
+                    block_size=args.block_size, prefix_blocks=blocks, bandwidth_plentiful=self.bandwidth_plentiful,
+                    prefill_work=self.leases.prefill_work)
             except placement.NoWorker as e:
                 if not use.get(e.role):
                     raise
@@ -347,23 +354,26 @@ class Router:
         log.info("threshold changed from %d to %d tokens", old, t)
         return {"threshold": t, "previous": old}
 
-    def _release(self, req_id: str, outcome: str | None = None) -> bool:
-        entry = self.placed.pop(req_id, None)
-        if entry is None:
+    def _end(self, req_id: str, outcome: str | None = None) -> bool:
+        """End ``req_id``'s lease, feeding ``outcome`` to its workers' breakers; False when not held."""
+        lease = self.leases.by_req.get(req_id)
+        if lease is None:
             return False
-        self.breakers.record(entry[0], outcome, time.monotonic())
-        for n in entry[0]:
-            self.inflight[n] -= 1
-            if self.inflight[n] <= 0:
-                del self.inflight[n]
-        return True
+        self.breakers.record((lease.prefill, lease.decode), outcome, time.monotonic())
+        return self.leases.release(req_id)
 
     @takes(ReleaseArgs)
     async def release(self, args: ReleaseArgs) -> dict[str, Any]:
         """Request ``req_id``'s attempt is done: lower its workers' in-flight counts and feed its
         ``outcome`` to their breakers (``released`` False when the router holds no lease for it,
         e.g. it expired or the router restarted)."""
-        return {"released": self._release(args.req_id, args.outcome)}
+        return {"released": self._end(args.req_id, args.outcome)}
+
+    @takes(ReleaseArgs)
+    async def prefill_done(self, args: ReleaseArgs) -> dict[str, Any]:
+        """Request ``req_id``'s prefill has ended (its first token arrived): lower its prefill worker's
+        in-flight count and queued work (``done`` False when no open prefill is held for it)."""
+        return {"done": self.leases.prefill_done(args.req_id)}
 
     @takes(StatsArgs)
     async def stats(self, args: StatsArgs) -> dict[str, Any]:
@@ -377,7 +387,8 @@ class Router:
             "route_fallbacks": self.fallbacks,
             "threshold_tokens": self.threshold,
             "inflight": dict(self.inflight),
-            "leases": len(self.placed),
+            "prefill_work": dict(self.leases.prefill_work),
+            "leases": len(self.leases.by_req),
             "breakers": self.breakers.state(),
             "prefix": {
                 "requests": c["requests"], "prompt_tokens": c["prompt_tokens"],
@@ -403,8 +414,8 @@ class Router:
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     planner_addr = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
     router = Router(planner_addr, args.threshold, args.name, bandwidth_plentiful=args.bandwidth_plentiful,
-                    forget_after=args.forget_after, insecure=args.insecure,
-                    breakers=Breakers(args.breaker_failures, args.breaker_cooldown))
+                    forget_after=args.forget_after, prefill_fixed_tokens=dict(args.prefill_fixed_tokens),
+                    insecure=args.insecure, breakers=Breakers(args.breaker_failures, args.breaker_cooldown))
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_ROUTER_ADDR"))
     await router.server.start(host, port)
     router.start()
@@ -412,6 +423,19 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
           f"bandwidth={'plentiful' if args.bandwidth_plentiful else 'scarce'}", flush=True)
     await stop.wait()
     await router.close()
+
+
+def _cluster_tokens(text: str) -> tuple[str, float]:
+    """``CLUSTER=TOKENS`` (a known cluster, a finite number >= 0) for ``--prefill-fixed-tokens``."""
+    cluster, _, tokens = text.partition("=")
+    try:
+        value = float(tokens)
+    except ValueError:
+        value = float("nan")
+    if cluster not in CLUSTERS or not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected CLUSTER=TOKENS with CLUSTER one of {', '.join(CLUSTERS)} and "
+                                         f"TOKENS >= 0, got {text!r}")
+    return cluster, value
 
 
 def main() -> None:
@@ -428,6 +452,10 @@ def main() -> None:
                         "from config until link signals drive it")
     p.add_argument("--forget-after", type=float, default=10.0,
                    help="seconds a worker must be reported dead before its prefix cache leaves the index")
+    p.add_argument("--prefill-fixed-tokens", type=_cluster_tokens, action="append", default=[], metavar="CLUSTER=TOKENS",
+                   help="the fixed cost of one prefill on CLUSTER's hardware in token-equivalents (the intercept over the "
+                        "slope of its prefill-time profile), added to each request's l in the queued work that picks the "
+                        "prefill worker; repeatable (default 0: work is the incremental tokens alone)")
     p.add_argument("--breaker-failures", type=int, default=3,
                    help="failures in a row that callers saw on a worker before its circuit breaker opens")
     p.add_argument("--breaker-cooldown", type=float, default=5.0,

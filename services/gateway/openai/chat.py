@@ -1,5 +1,6 @@
 """``POST /v1/chat/completions``: ``messages`` (roles, text content parts), the chat-only fields
-(``logprobs``, ``top_logprobs``, tools, ``response_format``, ``max_completion_tokens``) and the chat
+(``logprobs`` and ``top_logprobs``: see :mod:`services.gateway.openai.controls`; tools,
+``response_format``, ``max_completion_tokens``) and the chat
 template, into a :class:`GenerateRequest`.
 """
 
@@ -10,7 +11,6 @@ from typing import Any
 from services.gateway.openai.fields import (
     bad_request,
     build_request,
-    check_neutral,
     check_prompt_bytes,
     parse_common,
     parse_max_tokens,
@@ -57,7 +57,9 @@ def _message_content(content: Any, role: str, i: int) -> str:
     )
 
 
-def _normalize_messages(messages: Any) -> list[dict[str, str]]:
+def normalize_messages(messages: Any) -> list[dict[str, str]]:
+    """``messages`` checked (roles, text content parts) as ``[{role, content}]`` with string content.
+    Raises :class:`OpenAIError` 400 naming the entry."""
     if messages is None:
         raise bad_request("'messages' is required.", param="messages")
     if not isinstance(messages, list):
@@ -85,12 +87,10 @@ def _normalize_messages(messages: Any) -> list[dict[str, str]]:
 
 
 def _reject_unsupported_chat(data: dict[str, Any]) -> None:
-    """Chat-only fields rejected unless neutral: ``logprobs``, ``top_logprobs``, tools, non-text
-    ``response_format``."""
-    check_neutral(data, "logprobs", "a boolean", lambda v: not v)
-    tlp = data.get("top_logprobs")
-    if tlp is not None and tlp != 0:
-        raise unsupported("top_logprobs")
+    """Chat-only fields rejected unless neutral: tools, non-text ``response_format``, ``echo``
+    (vLLM's chat extension; completions have their own)."""
+    if data.get("echo"):
+        raise unsupported("echo", "'echo' is a completions field here")
     for name in ("tools", "functions"):
         if data.get(name):
             raise unsupported(name)
@@ -131,7 +131,7 @@ def parse_chat(body: bytes | str, ctx: ModelContext) -> GenerateRequest:
     applies (``None``: all the context left). Raises :class:`OpenAIError` (400, or 404 for an unknown
     model).
     """
-    common = parse_common(body, ctx, _reject_unsupported_chat)
+    common = parse_common(body, ctx, _reject_unsupported_chat, "chat")
     data = common.data
     legacy = parse_max_tokens(data, "max_tokens")
     mct = parse_max_tokens(data, "max_completion_tokens")
@@ -139,7 +139,7 @@ def parse_chat(body: bytes | str, ctx: ModelContext) -> GenerateRequest:
         requested, requested_param = mct, "max_completion_tokens"
     else:
         requested, requested_param = legacy, "max_tokens"
-    messages = _normalize_messages(data.get("messages"))
+    messages = normalize_messages(data.get("messages"))
     text = render_chat_prompt(messages, ctx.tokenizer)
     check_prompt_bytes(text, ctx, "messages")
     prompt_ids = list(ctx.tokenizer.encode(text, add_special_tokens=False))

@@ -1,5 +1,6 @@
 """``POST /v1/completions``: the ``prompt`` field (text or token ids, one prompt) and the
-completion-only fields (``echo``, ``logprobs``, ``best_of``, ``suffix``), into a :class:`GenerateRequest`.
+completion-only fields (``echo``, ``logprobs``, ``best_of``: see
+:mod:`services.gateway.openai.controls`; ``suffix`` is not supported), into a :class:`GenerateRequest`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from typing import Any
 from services.gateway.openai.fields import (
     bad_request,
     build_request,
-    check_neutral,
     check_prompt_bytes,
     is_int,
     parse_common,
@@ -91,19 +91,20 @@ def parse_completion(body: bytes | str, ctx: ModelContext) -> GenerateRequest:
     prompt is a 400. ``max_tokens`` defaults to ``ctx.default_max_tokens_completion`` (clamped to the
     context left). Raises :class:`OpenAIError` (400, or 404 for an unknown model).
     """
-    common = parse_common(body, ctx, _reject_unsupported_completion)
+    common = parse_common(body, ctx, _reject_unsupported_completion, "completion")
     requested = parse_max_tokens(common.data, "max_tokens")
-    prompt_ids = _completion_prompt_ids(common.data.get("prompt"), ctx)
-    return build_request("completion", "cmpl", common, prompt_ids, requested, "max_tokens",
-                         ctx.default_max_tokens_completion, "prompt", ctx)
+    prompt = common.data.get("prompt")
+    prompt_ids = _completion_prompt_ids(prompt, ctx)
+    req = build_request("completion", "cmpl", common, prompt_ids, requested, "max_tokens",
+                        ctx.default_max_tokens_completion, "prompt", ctx)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    req.prompt_text = prompt if isinstance(prompt, str) else None
+    return req
 
 
 def _reject_unsupported_completion(data: dict[str, Any]) -> None:
-    """Completion-only fields rejected unless neutral: ``echo``, ``logprobs``, ``best_of``, ``suffix``."""
-    check_neutral(data, "echo", "a boolean", lambda v: not v)
-    if data.get("logprobs") is not None:
-        raise unsupported("logprobs")
-    check_neutral(data, "best_of", "an integer", lambda v: v == 1, "only best_of=1 is accepted")
+    """The completion-only field rejected unless neutral: ``suffix``."""
     suffix = data.get("suffix")
     if suffix is not None and suffix != "":
         raise unsupported("suffix")

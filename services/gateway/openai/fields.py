@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from common.model.sampling import SamplingParams
+from services.gateway.openai.controls import Controls, check_against_prompt, parse_controls
 from services.gateway.openai.request import GenerateRequest, ModelContext, OpenAIError
 
 MAX_STOP_SEQUENCES = 4
@@ -149,41 +150,6 @@ def unsupported(name: str, what: str | None = None) -> OpenAIError:
     return bad_request(f"'{name}' is not supported by this server{': ' + what if what else ''}.", param=name)
 
 
-def reject_unsupported_common(data: dict[str, Any]) -> None:
-    """Fields both endpoints reject unless they hold their neutral value."""
-    n = data.get("n")
-    if n is not None:
-        if not is_int(n):
-            raise bad_request(f"'n' must be an integer, got {type_name(n)}.", param="n")
-        if n != 1:
-            raise bad_request(f"Only n=1 is supported, got n={n}.", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        check_neutral(data, name, "a number", lambda v: v == 0, "only 0 is accepted")
-    check_neutral(data, "logit_bias", "an object", lambda v: not v)
-
-
-_JSON_TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
-    "a boolean": lambda v: isinstance(v, bool),
-    "an integer": is_int,
-    "a number": _is_number,
-    "an object": lambda v: isinstance(v, dict),
-}
-
-
-def check_neutral(data: dict[str, Any], name: str, json_type: str, neutral: Callable[[Any], bool],
-                  what: str | None = None) -> None:
-    """Accept the unsupported field ``name`` only absent (or null) or holding a value ``neutral``
-    accepts. Raises :class:`OpenAIError` 400: "'name' must be ``json_type`` (e.g. "a boolean"), got
-    ..." for another type, or :func:`unsupported` (with ``what``) for another value."""
-    v = data.get(name)
-    if v is None:
-        return
-    if not _JSON_TYPE_CHECKS[json_type](v):
-        raise bad_request(f"'{name}' must be {json_type}, got {type_name(v)}.", param=name)
-    if not neutral(v):
-        raise unsupported(name, what)
-
-
 def parse_sampling_fields(data: dict[str, Any]) -> dict[str, Any]:
     """Validate the sampling fields shared by both endpoints (not max_tokens)."""
     temperature = _opt_number(data, "temperature", 1.0)
@@ -210,6 +176,7 @@ def parse_sampling_fields(data: dict[str, Any]) -> dict[str, Any]:
         "stop": _parse_stop(data),
         "ignore_eos": _opt_bool(data, "ignore_eos"),
         "return_token_ids": _opt_bool(data, "return_token_ids"),
+        "return_tokens_as_token_ids": _opt_bool(data, "return_tokens_as_token_ids"),
     }
 
 
@@ -294,19 +261,22 @@ class CommonFields:
     sampling: dict[str, Any]
     stream: bool
     include_usage: bool
+    controls: Controls
 
 
-def parse_common(body: bytes | str, ctx: ModelContext, reject_unsupported: Callable[[dict[str, Any]], None]) -> CommonFields:
-    """The checks every endpoint runs first, in this order: JSON object, ``model``, the shared
-    unsupported fields, the endpoint's own ``reject_unsupported(data)``, sampling, stream. Raises
-    :class:`OpenAIError` (400, or 404 for an unknown model)."""
+def parse_common(body: bytes | str, ctx: ModelContext, reject_unsupported: Callable[[dict[str, Any]], None],
+                 kind: str) -> CommonFields:
+    """The checks every endpoint (``kind``: ``completion`` or ``chat``) runs first, in this order: JSON
+    object, ``model``, the endpoint's own ``reject_unsupported(data)``, sampling, stream, the controls
+    (:func:`~services.gateway.openai.controls.parse_controls`). Raises :class:`OpenAIError` (400, or
+    404 for an unknown model)."""
     data = load_object(body)
     model = check_model(data, ctx)
-    reject_unsupported_common(data)
     reject_unsupported(data)
     sampling = parse_sampling_fields(data)
     stream, include_usage = parse_stream(data)
-    return CommonFields(data, model, sampling, stream, include_usage)
+    controls = parse_controls(data, kind, len(ctx.tokenizer), stream)
+    return CommonFields(data, model, sampling, stream, include_usage, controls)
 
 
 def build_request(kind: str, prefix: str, common: CommonFields, prompt_ids: list[int], requested: int | None,
@@ -316,8 +286,10 @@ def build_request(kind: str, prefix: str, common: CommonFields, prompt_ids: list
     in errors), the EOS ids as stop tokens unless ``ignore_eos``. Raises :class:`OpenAIError` 400
     ``context_length_exceeded``."""
     max_tokens = resolve_max_tokens(requested, requested_param, default, len(prompt_ids), ctx, prompt_param, prompt_param)
-    fields = common.sampling
+    fields, c = common.sampling, common.controls
+    check_against_prompt(c, max_tokens, len(prompt_ids))
     ignore_eos = fields["ignore_eos"]
+    eos = () if ignore_eos else tuple(int(t) for t in ctx.eos_token_ids)
     sampling = SamplingParams(
         max_tokens=max_tokens,
         temperature=fields["temperature"],
@@ -325,8 +297,17 @@ def build_request(kind: str, prefix: str, common: CommonFields, prompt_ids: list
         top_k=fields["top_k"],
         seed=fields["seed"],
         stop=fields["stop"],
-        stop_token_ids=() if ignore_eos else tuple(int(t) for t in ctx.eos_token_ids),
+        stop_token_ids=tuple(dict.fromkeys(c.stop_token_ids + eos)),
         ignore_eos=ignore_eos,
+        min_tokens=c.min_tokens,
+        presence_penalty=c.presence_penalty,
+        frequency_penalty=c.frequency_penalty,
+        repetition_penalty=c.repetition_penalty,
+        logit_bias=c.logit_bias,
+        # best_of > n ranks the branches by cumulative logprob: every sampled token's logprob is needed
+        logprobs=c.logprobs if c.logprobs is not None or c.best_of == c.n else 0,
+        prompt_logprobs=c.logprobs if c.echo else None,
+        n=c.best_of,
     )
     return GenerateRequest(
         kind=kind,
@@ -338,4 +319,8 @@ def build_request(kind: str, prefix: str, common: CommonFields, prompt_ids: list
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         created=int(time.time()),
         return_token_ids=fields["return_token_ids"],
+        tokens_as_ids=fields["return_tokens_as_token_ids"],
+        n=c.n,
+        echo=c.echo,
+        logprobs=c.logprobs,
     )

@@ -94,7 +94,11 @@ class GenerateRequest:
     rendered template); ``sampling`` the decoding settings with ``max_tokens`` resolved and the EOS
     ids in ``stop_token_ids`` (empty when ``ignore_eos``); ``include_usage`` is
     ``stream_options.include_usage``; ``request_id`` is ``cmpl-<hex>`` / ``chatcmpl-<hex>``;
-    ``created`` unix seconds. ``echo`` is not supported, so there is no field for it.
+    ``created`` unix seconds. ``n``: choices returned (``sampling.n`` branches are sampled, the
+    ``best_of``; with more branches than choices the ``n`` of highest cumulative logprob are kept);
+    ``echo``: each choice's text starts with the prompt; ``logprobs``: alternatives per token the
+    client asked for (completions ``logprobs``, chat ``top_logprobs`` with ``logprobs: true``), None
+    for no logprobs.
     """
 
     kind: str
@@ -106,3 +110,8 @@ class GenerateRequest:
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
     return_token_ids: bool = False  # vLLM extension: add each choice's generated ``token_ids``
+    n: int = 1
+    echo: bool = False
+    logprobs: int | None = None
+    prompt_text: str | None = None  # the prompt as the client wrote it (echo), None for token ids
+    tokens_as_ids: bool = False  # vLLM extension return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"

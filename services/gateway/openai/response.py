@@ -47,6 +47,16 @@ def _stream_envelope(req: GenerateRequest, obj: str, choices: list[dict[str, Any
     return d
 
 
+def with_choices(req: GenerateRequest, obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
+                 stream: bool = False) -> dict[str, Any]:
+    """A body or chunk ``obj`` holding ``choices`` (built by :mod:`services.gateway.openai.choices`),
+    with ``usage`` when given; a chunk (``stream``) carries ``usage: null`` under ``include_usage``."""
+    d = _stream_envelope(req, obj, choices) if stream else _envelope(req, obj, choices)
+    if usage is not None:
+        d["usage"] = usage
+    return d
+
+
 def _unary(req: GenerateRequest, obj: str, content: dict[str, Any], finish_reason: str, prompt_tokens: int,
            completion_tokens: int) -> dict[str, Any]:
     """A non-streaming body ``obj`` with one choice (``content`` plus logprobs and finish_reason) and ``usage``."""
@@ -110,17 +120,17 @@ def usage_chunk(req: GenerateRequest, prompt_tokens: int, completion_tokens: int
     return d
 
 
+def model_card(model_id: str, max_model_len: int, created: int | None = None) -> dict[str, Any]:
+    """One model object, as ``GET /v1/models/{model}`` answers it."""
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": int(time.time()) if created is None else created,
+        "owned_by": "prfaas",
+        "max_model_len": max_model_len,
+    }
+
+
 def models_response(model_id: str, max_model_len: int, created: int | None = None) -> dict[str, Any]:
     """The ``GET /v1/models`` body: a list holding the one served model."""
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": model_id,
-                "object": "model",
-                "created": int(time.time()) if created is None else created,
-                "owned_by": "prfaas",
-                "max_model_len": max_model_len,
-            }
-        ],
-    }
+    return {"object": "list", "data": [model_card(model_id, max_model_len, created)]}
