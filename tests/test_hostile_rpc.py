@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import shutil
-import subprocess
 
 import pytest
 
@@ -170,22 +168,8 @@ async def test_methods_are_served_by_role():
         assert srv.counters["forbidden"] == 1
 
 
-@pytest.fixture(scope="module")
-def pems(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not available")
-    d = tmp_path_factory.mktemp("rpc-tls")
-    out = {}
-    for name in ("srv", "cli"):
-        key, cert = d / f"{name}.key", d / f"{name}.pem"
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                        "-days", "1", "-subj", f"/CN={name}"], check=True, capture_output=True)
-        out[name] = (str(cert), str(key))
-    return out
-
-
-async def test_rpc_over_tls_and_mutual_tls(pems):
-    (scert, skey), (ccert, ckey) = pems["srv"], pems["cli"]
+async def test_rpc_over_tls_and_mutual_tls(tls_files):
+    (scert, skey), (ccert, ckey) = tls_files["a"], tls_files["b"]
     async with server(secret=SECRET, ssl=server_context(scert, skey)) as (_, addr):
         async with client(addr, secret=SECRET, ssl=client_context(scert)) as c:
             assert await c.call("slow", {"s": 0}, timeout=5) == "done"

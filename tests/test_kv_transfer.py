@@ -16,10 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import shutil
 import socket
 import struct
-import subprocess
 import time
 from typing import Any
 
@@ -650,20 +648,6 @@ async def test_replayed_handshake_refused(env):
 
 
 # ------------------------------------------------------------------------------------------------ TLS
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not available")
-    d = tmp_path_factory.mktemp("tls")
-    out = {}
-    for name in ("a", "b"):
-        key, cert = d / f"{name}-k.pem", d / f"{name}-c.pem"
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                        "-days", "1", "-subj", "/CN=prfaas-test"], check=True, capture_output=True, timeout=60)
-        out[name] = (str(cert), str(key))
-    return out
 
 
 async def test_tls_round_trip(env, tls_files):

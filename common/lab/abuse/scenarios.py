@@ -540,7 +540,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("unreachable_kv", 7, unreachable_kv),
     Scenario("registry_churn", 7, registry_churn),
     Scenario("repeated_req_id", 7, repeated_req_id, quick=True),
-    Scenario("heavy_tokenise", 8, heavy_tokenise),
+    Scenario("heavy_tokenise", 8, heavy_tokenise, quick=True),
 )
 QUICK = tuple(sc.name for sc in SCENARIOS if sc.quick)
 BY_NAME = {sc.name: sc for sc in SCENARIOS}
