@@ -72,11 +72,6 @@ def resolve_credentials(secret: bytes | Credentials | None | object, service: st
     return Credentials(role_of_service(service), master=bytes(secret))  # type: ignore[arg-type]
 
 
-def resolve_secret(secret: bytes | None | object) -> bytes | None:
-    """``secret`` itself, or :func:`load_secret`'s answer when it is :data:`ENV_SECRET` (master only)."""
-    return load_secret() if secret is ENV_SECRET else secret  # type: ignore[return-value]
-
-
 def _mac(key: bytes, *parts: Any) -> str:
     return hmac.new(key, "|".join(str(p) for p in parts).encode(), hashlib.sha256).hexdigest()
 

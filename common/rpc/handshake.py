@@ -130,7 +130,7 @@ class HelloListener:
 
     @property
     def authenticates(self) -> bool:
-        """True when dialler must prove a credential (this listener holds keys)."""
+        """True when a dialler must prove a credential (this listener holds keys)."""
         return self.auth.enabled
 
     def answer(self, kind: Kind, header: dict[str, Any]) -> HelloAnswer:

@@ -224,8 +224,17 @@ class Gateway:
             first = None
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
 
+        async def write(data: bytes) -> None:  # a client that stops reading is cut off, and frees its slot
+            try:
+                async with asyncio.timeout(self.limits.write_timeout_s):
+                    await resp.write(data)
+            except TimeoutError:
+                if request.transport is not None:
+                    request.transport.abort()
+                raise ConnectionResetError(f"the client read nothing for {self.limits.write_timeout_s:g}s") from None
+
         async def send(obj: Any) -> None:
-            await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+            await write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
         choices = Choices(req, self.token_text)
         try:
@@ -250,7 +259,7 @@ class Gateway:
             await send(e.body())  # mid-stream failure: an SSE error event, then [DONE]
         finally:
             await gen.aclose()
-        await resp.write(b"data: [DONE]\n\n")
+        await write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
@@ -287,7 +296,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
                           eos_token_ids=info.eos_token_ids)
     keys = parse_keys(args.api_key, service.env_default("PRFAAS_API_KEY"))
     limits = HttpLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                        max_connections=args.max_connections)
+                        write_timeout_s=args.write_timeout, max_connections=args.max_connections)
     gw = Gateway(ctx, service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service.require(args, "planner", "PRFAAS_PLANNER_ADDR"),
                  request_timeout=args.request_timeout, max_inflight=args.max_inflight, place_retry_s=args.place_retry_s,
                  api_keys=keys, limits=limits)
@@ -318,6 +327,8 @@ def main() -> None:
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection may take to send a whole request head (and may idle between requests)")
     p.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408 past it)")
+    p.add_argument("--write-timeout", type=float, default=30.0,
+                   help="seconds a streaming client may take to read one chunk before it is cut off (its slot freed)")
     p.add_argument("--max-connections", type=int, default=2048, help="open HTTP connections; more are answered 503")
     p.add_argument("--api-key", action="append", default=None,
                    help="a key clients must send as 'Authorization: Bearer <key>' (repeat for several; default: "

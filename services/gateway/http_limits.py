@@ -8,6 +8,8 @@ bodies, the bytes of bodies being read, and the size of what a request sends to 
   read at once are bounded (:class:`BodyBudget`, else 503): the admission slot
   (``--max-inflight``) is taken only once the body is in, so a slow client holds memory for a
   bounded time, never a slot.
+- **Slow readers**: a streamed chunk that the client does not take within ``write_timeout_s`` cuts
+  the connection (and so frees the request's slot and stops its decode stream).
 - **Connections**: past ``max_connections`` open connections a new one is answered 503 and closed.
 - **Wire size**: :func:`check_wire_size` refuses (400, naming the field) a request whose ``generate``
   call to the decode worker would not fit well within the RPC frame limit, so that no request can
@@ -41,6 +43,7 @@ class HttpLimits:
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
+    write_timeout_s: float = 30.0
     body_budget_bytes: int = 256 << 20
     max_connections: int = 2048
 
