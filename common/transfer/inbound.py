@@ -155,6 +155,7 @@ class KvConnection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.pos += nbytes
+        self.last_rx = time.monotonic()  # any byte counts: a long payload on a slow link is not idle
         if self.state == _PAYLOAD:
             self.piece_pos += nbytes
             if self.piece_pos == self.pieces[self.piece_i].nbytes and self.piece_i + 1 < len(self.pieces):
@@ -198,7 +199,6 @@ class KvConnection(asyncio.BufferedProtocol):
                 self._advance()
         elif self.state == _HEADER:
             self.header = parse_header(self.kind, bytes(self.small[: self.header_len]), self.rx.max_header)
-            self.last_rx = time.monotonic()
             self._on_header()
         elif self.state == _PAYLOAD:
             asm, layer, offset = self.target
