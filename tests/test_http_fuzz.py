@@ -60,14 +60,14 @@ def check(parse, body: bytes) -> None:
 
 
 @pytest.mark.parametrize("parse", [parse_completion, parse_chat], ids=["completions", "chat"])
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=bodies)
 def test_structured_bodies(parse, body):
     check(parse, orjson.dumps(body))
 
 
 @pytest.mark.parametrize("parse", [parse_completion, parse_chat], ids=["completions", "chat"])
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(raw=st.one_of(st.binary(max_size=200), json_values.map(orjson.dumps)))
 def test_any_bytes(parse, raw):
     check(parse, raw)
