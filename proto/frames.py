@@ -35,6 +35,7 @@ PREFIX_SIZE = PREFIX.size  # 12 bytes
 
 DEFAULT_MAX_HEADER = 1 << 20  # 1 MiB of msgpack header
 DEFAULT_MAX_PAYLOAD = 256 << 20  # 256 MiB of raw payload
+PRE_AUTH_MAX_HEADER = 4 << 10  # 4 KiB: the most a listener reads of a frame before the peer is authenticated
 
 
 class Kind(enum.IntEnum):
@@ -57,6 +58,7 @@ class Kind(enum.IntEnum):
     KV_ADMIT = 15  # receiver reserved the destination memory: {"req_id"}
     KV_REFUSE = 16  # receiver cannot reserve now: {"req_id", "reason", "retry_after"} (seconds)
     KV_ACK = 17  # receiver holds every byte and the KV_DONE of a transfer: {"req_id", "bytes"}
+    AUTH = 18  # the dialler's answer to the listener's challenge in HELLO_OK: {"mac"}
 
 
 class ErrorCode(str, enum.Enum):  # noqa: UP042 - StrEnum would change str()/format() of members (str(X) is "ErrorCode.X" here)
@@ -75,6 +77,7 @@ class ErrorCode(str, enum.Enum):  # noqa: UP042 - StrEnum would change str()/for
     INTERNAL = "internal"
     PREFILL_FAILED = "prefill_failed"  # decode: the prefill leg failed before the first token; retry on another prefill worker
     DRAINING = "draining"  # the worker is draining for a role change (or has changed role): place the request elsewhere
+    FORBIDDEN = "forbidden"  # the peer's credential (its role) may not call this method
 
 
 class ProtocolError(Exception):
@@ -148,6 +151,7 @@ REQUIRED_FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.KV_ADMIT: ("req_id",),
     Kind.KV_REFUSE: ("req_id", "reason"),
     Kind.KV_ACK: ("req_id",),
+    Kind.AUTH: ("mac",),
 }
 
 

@@ -7,6 +7,8 @@ is exercised end to end); the hybrid cluster serves the embedded default.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -51,3 +53,19 @@ def cluster(request):
     if request.param == "hybrid":
         return request.getfixturevalue("hybrid_cluster"), "tiny-hybrid"
     return request.getfixturevalue("dense_cluster"), request.getfixturevalue("dense_checkpoint")
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """Two self-signed certificates, ``{"a": (cert, key), "b": (cert, key)}`` (PEM paths); each is
+    its own CA. Skips without the openssl CLI."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not available")
+    d = tmp_path_factory.mktemp("tls")
+    out = {}
+    for name in ("a", "b"):
+        key, cert = d / f"{name}-k.pem", d / f"{name}-c.pem"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                        "-days", "1", "-subj", "/CN=prfaas-test"], check=True, capture_output=True, timeout=60)
+        out[name] = (str(cert), str(key))
+    return out

@@ -16,13 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import shutil
 import socket
 import struct
-import subprocess
 import time
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 
@@ -31,10 +30,12 @@ from common.lab.link_proxy import LinkProxy
 from common.rpc.auth import (
     AuthError,
     AuthVerifier,
+    answer_challenge,
     client_context,
     hello_auth,
     server_context,
 )
+from common.rpc.credentials import Credentials
 from common.rpc.errors import RpcError, Unavailable
 from common.transfer.assembly import KvAssembly
 from common.transfer.outbound import Transfer, TransferRefused
@@ -282,6 +283,9 @@ class FakeTransport(asyncio.Transport):
 
     def get_extra_info(self, name, default=None):
         return default
+
+    def get_write_buffer_size(self) -> int:
+        return 0  # everything written is "sent" at once
 
 
 def feed(conn: _KvConnection, data: bytes, rng: random.Random, max_piece: int) -> None:
@@ -615,53 +619,35 @@ async def test_shared_secret_auth(env):
     assert ei.value.code is ErrorCode.AUTH_FAILED
 
 
-async def test_replayed_hello_refused(env):
+async def test_replayed_handshake_refused(env):
+    """A HELLO and AUTH captured from one connection are worth nothing on the next: the listener's
+    fresh challenge differs, so the replayed AUTH is refused before any KV frame is served."""
     secret = b"k"
-    v = AuthVerifier(secret)
-    hello = {"service": "kv-sender", "name": "tx", "auth": hello_auth(secret, "tx", "kv-sender")}
-    assert v.check(hello) == hello["auth"]["nonce"]
-    with pytest.raises(AuthError, match="replayed"):
-        v.check(dict(hello))
-    with pytest.raises(AuthError):  # a MAC for another name
-        v.check({**hello, "name": "mallory", "auth": {**hello["auth"], "nonce": "00" * 16}})
-    with pytest.raises(AuthError):  # too old
-        v.check({"service": "kv-sender", "name": "tx", "auth": hello_auth(secret, "tx", "kv-sender", now=time.time() - 3600)})
-    with pytest.raises(AuthError):
-        v.check({"service": "kv-sender", "name": "tx", "auth": {"ts": "x"}})
-    assert AuthVerifier(None).check({}) is None
-
-    # on the wire: the same HELLO bytes sent twice; the second is refused
     rx, port = await env.receiver(secret=secret)
-    wire = encode_frame(Kind.HELLO, {"service": "kv-sender", "name": "tx", "fingerprint": FP,
-                                     "auth": hello_auth(secret, "tx", "kv-sender")})
+    creds = Credentials("worker", master=secret)
+    hello = encode_frame(Kind.HELLO, {"service": "kv-sender", "name": "tx", "fingerprint": FP, "auth": hello_auth(creds)})
+    r, w = await asyncio.open_connection(HOST, port)
+    w.write(hello)
+    ok = await asyncio.wait_for(read_frame(r), 3)
+    assert ok.kind is Kind.HELLO_OK and "challenge" in ok.header
+    sent = msgpack.unpackb(hello[12:], raw=False)["auth"]
+    auth = encode_frame(Kind.AUTH, answer_challenge(creds, sent, "tx", "kv-sender", ok.header))
+    w.close()
     answers = []
+    r, w = await asyncio.open_connection(HOST, port)
+    w.write(hello + auth + encode_frame(Kind.PING, {"t": 1.0}))
     for _ in range(2):
-        r, w = await asyncio.open_connection(HOST, port)
-        w.write(wire)
         answers.append(await asyncio.wait_for(read_frame(r), 3))
-        w.close()
-        with contextlib.suppress(Exception):
-            await w.wait_closed()
-    assert answers[0].kind is Kind.HELLO_OK
+    w.close()
+    assert answers[0].kind is Kind.HELLO_OK and answers[0].header["challenge"] != ok.header["challenge"]
     assert answers[1].kind is Kind.ERROR and answers[1].header["code"] == ErrorCode.AUTH_FAILED.value
-    assert "replayed" in answers[1].header["message"]
+    assert "bad AUTH MAC" in answers[1].header["message"]
+    with pytest.raises(AuthError):
+        AuthVerifier(creds, "kv-receiver", "rx").challenge({"service": "kv-sender", "name": "tx", "auth": {"ts": "x"}})
+    assert AuthVerifier(None, "kv-receiver", "rx").challenge({}) is None
 
 
 # ------------------------------------------------------------------------------------------------ TLS
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not available")
-    d = tmp_path_factory.mktemp("tls")
-    out = {}
-    for name in ("a", "b"):
-        key, cert = d / f"{name}-k.pem", d / f"{name}-c.pem"
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                        "-days", "1", "-subj", "/CN=prfaas-test"], check=True, capture_output=True, timeout=60)
-        out[name] = (str(cert), str(key))
-    return out
 
 
 async def test_tls_round_trip(env, tls_files):

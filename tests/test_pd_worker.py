@@ -208,13 +208,16 @@ async def test_stale_epochs_and_bad_arguments_are_refused(system):
     e = before["epoch"] + 1
     ans = await system.switch("pd-b", "prefill", epoch=e)  # the role it has: only the epoch is recorded
     assert ans == {"role": "prefill", "epoch": e, "drained_s": 0.0, "handed_off": 0}
-    for stale in (e, e - 1, -5):
+    for stale in sorted({e, max(e - 1, 1)}):
         with pytest.raises(RpcError) as ei:
             await system.switch("pd-b", "decode", epoch=stale)
         assert ei.value.code.value == "bad_request" and "stale epoch" in ei.value.message
         assert ei.value.data["epoch"] == e
+    # an epoch far ahead (2**64 - 1 above all) would lock the planner out of this worker for good
     for bad in ({"epoch": e + 1, "to_role": "gpu"}, {"epoch": "7", "to_role": "decode"}, {"epoch": True, "to_role": "decode"},
-                {"epoch": e + 1, "to_role": "decode", "drain_timeout_s": -1}, {"to_role": "decode"}):
+                {"epoch": e + 1, "to_role": "decode", "drain_timeout_s": -1}, {"to_role": "decode"}, {"epoch": -5, "to_role": "decode"},
+                {"epoch": 2**64 - 1, "to_role": "prefill"}, {"epoch": 2**53, "to_role": "prefill"},
+                {"epoch": e + (1 << 20) + 1, "to_role": "prefill"}):
         with pytest.raises(RpcError) as ei:
             await system.call("pd-b", "switch_role", bad)
         assert ei.value.code.value == "bad_request", bad

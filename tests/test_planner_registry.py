@@ -179,7 +179,7 @@ def test_view_fields():
     (v,) = reg.view(2.0)
     assert v == {
         "name": "a", "role": "decode", "cluster": "pd", "addr": wire("a")["addr"], "kv_addr": "127.0.0.1:9",
-        "alive": True, "age_s": 1.0, "stats": {"running": 1},
+        "alive": True, "age_s": 1.0, "quarantined": None, "stats": {"running": 1},
     }
 
 

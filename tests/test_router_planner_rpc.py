@@ -39,8 +39,10 @@ def test_every_handler_takes_a_struct():
     router = Router("127.0.0.1:1", 40)
     planner = Planner()
     assert sorted(router.server.handlers) == sorted(
-        ["place", "release", "prefill_done", "kv_events", "kv_resync", "set_bandwidth", "set_threshold", "stats", "health"])
-    assert sorted(planner.server.handlers) == sorted(["register", "report", "view", "status", "move_worker", "health"])
+        ["place", "release", "prefill_done", "kv_events", "kv_resync", "set_bandwidth", "set_threshold", "stats", "health",
+         "rpc_stats"])
+    assert sorted(planner.server.handlers) == sorted(["register", "report", "view", "status", "move_worker", "health",
+                                                      "rpc_stats"])
     for h in [*router.server.handlers.values(), *planner.server.handlers.values()]:
         assert args_type_of(h) is not None, h
 

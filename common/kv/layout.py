@@ -40,32 +40,55 @@ def make_layout(tensors: list[tuple[str, str, list[int]]]) -> Layout:
     return {"total": pos, "tensors": out}
 
 
+MAX_TENSORS_PER_LAYER = 64  # tensors one layer's layout may name (attention: 2; linear: a few states)
+MAX_DIMS = 8  # dimensions of one tensor
+
+
+def _nonneg(v: Any, what: str) -> int:
+    """``v`` as an int >= 0 (a bool, a float or a negative number is refused). Raises :class:`KvError`."""
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise KvError(f"{what} must be an integer >= 0, got {v!r}")
+    return v
+
+
 def check_layouts(layouts: Any, num_layers: int, max_total: int) -> list[Layout]:
-    """Validate layouts received in ``KV_BEGIN``. Raises :class:`KvError`."""
+    """Validate layouts received in ``KV_BEGIN``: ``num_layers`` layouts, each a map whose ``tensors``
+    (at most :data:`MAX_TENSORS_PER_LAYER`) have a known dtype, a shape of at most :data:`MAX_DIMS`
+    integer dimensions >= 0 (a negative one would make a positive product of two negatives), sizes
+    that match the shape, offsets back to back, and a ``total`` equal to their sum; all layers
+    together at most ``max_total`` bytes (checked as the sizes add up, so no product grows past it).
+    Raises :class:`KvError`."""
     if not isinstance(layouts, list) or len(layouts) != num_layers:
         raise KvError(f"expected {num_layers} layer layouts")
     total = 0
     for i, lay in enumerate(layouts):
-        try:
-            pos = 0
-            for d in lay["tensors"]:
-                if d["dtype"] not in DTYPES or int(d["offset"]) != pos:
-                    raise KvError(f"layer {i}: tensor {d.get('name')} has a bad dtype or offset")
-                count = 1
-                for s in d["shape"]:
-                    count *= int(s)
-                if count * DTYPES[d["dtype"]].itemsize != int(d["nbytes"]):
-                    raise KvError(f"layer {i}: tensor {d['name']} shape does not match its size")
-                pos += int(d["nbytes"])
-            if pos != int(lay["total"]):
-                raise KvError(f"layer {i}: tensors add up to {pos} bytes, layout says {lay['total']}")
-        except KvError:
-            raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise KvError(f"layer {i}: malformed layout: {e}") from None
+        if not isinstance(lay, dict) or not isinstance(lay.get("tensors"), list):
+            raise KvError(f"layer {i}: malformed layout: it must be a map with a list of tensors")
+        if len(lay["tensors"]) > MAX_TENSORS_PER_LAYER:
+            raise KvError(f"layer {i}: {len(lay['tensors'])} tensors, more than {MAX_TENSORS_PER_LAYER}")
+        pos = 0
+        for d in lay["tensors"]:
+            if not isinstance(d, dict) or not isinstance(d.get("name"), str) or d.get("dtype") not in DTYPES:
+                raise KvError(f"layer {i}: a tensor has no name or a bad dtype")
+            name = d["name"][:64]
+            if _nonneg(d.get("offset"), f"layer {i} tensor {name} offset") != pos:
+                raise KvError(f"layer {i}: tensor {name} has a bad offset")
+            shape = d.get("shape")
+            if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+                raise KvError(f"layer {i}: tensor {name} shape must be a list of at most {MAX_DIMS} dimensions")
+            count = DTYPES[d["dtype"]].itemsize
+            for s in shape:
+                count *= _nonneg(s, f"layer {i} tensor {name} dimension")
+                if count > max_total:
+                    raise KvError(f"layouts need more than the {max_total} bytes reserved")
+            if count != _nonneg(d.get("nbytes"), f"layer {i} tensor {name} nbytes"):
+                raise KvError(f"layer {i}: tensor {name} shape does not match its size")
+            pos += count
+        if pos != _nonneg(lay.get("total"), f"layer {i} total"):
+            raise KvError(f"layer {i}: tensors add up to {pos} bytes, layout says {lay['total']}")
         total += pos
-    if total > max_total:
-        raise KvError(f"layouts need {total} bytes, more than the {max_total} reserved")
+        if total > max_total:
+            raise KvError(f"layouts need {total} bytes, more than the {max_total} reserved")
     return layouts
 
 

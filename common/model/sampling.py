@@ -287,3 +287,51 @@ def sample_batch(
     """The token ids of :func:`sample_rows` without token history: row ``i`` gives exactly
     ``sample_next(logits[i], params[i], steps[i])``."""
     return [s.token for s in sample_rows(logits, params, steps)]
+
+
+MAX_WIRE_STOP = 16  # stop strings a peer may send (the gateway allows fewer)
+MAX_WIRE_STOP_CHARS = 4096  # characters per stop string from a peer
+MAX_WIRE_STOP_IDS = 256  # stop token ids a peer may send
+MAX_WIRE_LOGIT_BIAS = 1024  # logit_bias entries a peer may send (the gateway allows 300)
+MAX_WIRE_BRANCHES = 64  # n a peer may ask for (the gateway allows 16)
+
+
+def check_wire_sampling(p: SamplingParams) -> SamplingParams:
+    """Range-check settings that came from a peer (:meth:`SamplingParams.from_wire`) before any
+    sampling uses them: ``max_tokens`` in ``[1, 2**31)``, ``temperature`` finite in ``[0, 2]``,
+    ``top_p`` finite in ``(0, 1]``, ``top_k`` -1 or in ``[0, 2**31)``, ``seed`` a 64-bit int, at most
+    :data:`MAX_WIRE_STOP` stop strings of :data:`MAX_WIRE_STOP_CHARS` characters, at most
+    :data:`MAX_WIRE_STOP_IDS` stop ids in ``[0, 2**31)``, ``min_tokens`` in ``[0, 2**31)``, the
+    penalties finite (presence and frequency in [-2, 2], repetition in (0, 2]), at most
+    :data:`MAX_WIRE_LOGIT_BIAS` ``logit_bias`` entries (ids in ``[0, 2**31)``, finite biases in
+    [-100, 100]), ``logprobs``/``prompt_logprobs`` None or in [0, 20], ``n`` in ``[1,
+    MAX_WIRE_BRANCHES]``. A NaN temperature or an id far outside the vocabulary would otherwise fail
+    the whole decode batch. Returns ``p``; raises ``ValueError`` naming the field."""
+    def bad(field: str, v: Any) -> ValueError:
+        return ValueError(f"sampling.{field} out of range: {v!r}")
+
+    def within(v: float, lo: float, hi: float, lo_open: bool = False) -> bool:
+        return v == v and (lo < v if lo_open else lo <= v) and v <= hi  # NaN fails v == v
+
+    checks = [("max_tokens", 1 <= p.max_tokens < 2**31), ("temperature", within(p.temperature, 0.0, 2.0)),
+              ("top_p", within(p.top_p, 0.0, 1.0, lo_open=True)), ("top_k", -1 <= p.top_k < 2**31),
+              ("seed", -(2**63) <= p.seed < 2**64), ("min_tokens", 0 <= p.min_tokens < 2**31),
+              ("presence_penalty", within(p.presence_penalty, -2.0, 2.0)),
+              ("frequency_penalty", within(p.frequency_penalty, -2.0, 2.0)),
+              ("repetition_penalty", within(p.repetition_penalty, 0.0, 2.0, lo_open=True)),
+              ("n", 1 <= p.n <= MAX_WIRE_BRANCHES)]
+    for field, ok in checks:
+        if not ok:
+            raise bad(field, getattr(p, field))
+    for field in ("logprobs", "prompt_logprobs"):
+        v = getattr(p, field)
+        if v is not None and not 0 <= v <= 20:
+            raise bad(field, v)
+    if len(p.stop) > MAX_WIRE_STOP or any(not s or len(s) > MAX_WIRE_STOP_CHARS for s in p.stop):
+        raise bad("stop", f"{len(p.stop)} strings")
+    if len(p.stop_token_ids) > MAX_WIRE_STOP_IDS or any(not 0 <= t < 2**31 for t in p.stop_token_ids):
+        raise bad("stop_token_ids", f"{len(p.stop_token_ids)} ids")
+    if len(p.logit_bias) > MAX_WIRE_LOGIT_BIAS or any(not (0 <= t < 2**31 and within(b, -100.0, 100.0))
+                                                        for t, b in p.logit_bias):
+        raise bad("logit_bias", f"{len(p.logit_bias)} entries")
+    return p

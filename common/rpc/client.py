@@ -4,7 +4,11 @@ and :class:`ClientPool` (one client per address).
 A client dials lazily on its first call, runs the HELLO handshake (:func:`client_handshake`) at
 connect time, and re-dials after a drop. Ownership: the client's reader task owns the pending futures
 and stream queues; it fails them all with :class:`Unavailable` when the connection drops, and the
-next call dials again. Leaving a stream early sends ``CANCEL`` so the server stops the work.
+next call dials again; its keepalive task pings the server every ``keepalive_s`` so that the
+server's idle timeout never closes a live client. Leaving a stream early sends ``CANCEL`` so the
+server stops the work. A request whose frame would exceed the peer's header limit is refused here
+(``bad_request``) and never written: the peer would drop the whole connection, and with it every
+other call on it.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from common.rpc.auth import ENV_SECRET, resolve_secret
+from common.rpc.auth import ENV_SECRET, ENV_TLS, resolve_credentials, resolve_tls
 from common.rpc.errors import RpcError, Unavailable
 from common.rpc.handshake import client_handshake, parse_addr
+from common.rpc.limits import ConnLimits, set_keepalive
 from common.runtime.backoff import Backoff
 from proto.frames import (
+    DEFAULT_MAX_HEADER,
+    PREFIX_SIZE,
     ErrorCode,
     Frame,
     Kind,
@@ -41,7 +48,12 @@ class RpcClient:
 
     ``call`` and ``stream`` may be used concurrently from many tasks. Every call takes a deadline
     (seconds); ``connect_timeout`` bounds how long a call waits for the peer to come up, retrying
-    with jittered backoff, so services may start in any order.
+    with jittered backoff, so services may start in any order. ``secret``: a master secret,
+    :class:`~common.rpc.credentials.Credentials` or None (default: from the environment); ``ssl``: a
+    client ``SSLContext`` (default: from the environment, see :func:`common.rpc.auth.rpc_tls_from_env`);
+    ``keepalive_s``: seconds between pings of a connection (default: a third of the listeners' idle
+    timeout, :meth:`~common.rpc.limits.ConnLimits.from_env`); ``max_header``: the largest request
+    header written (bytes), the peer's read limit.
     """
 
     def __init__(
@@ -53,7 +65,10 @@ class RpcClient:
         fingerprint: dict[str, Any] | None = None,
         connect_timeout: float = 10.0,
         max_stream_backlog: int = 4096,
-        secret: bytes | None | object = ENV_SECRET,
+        secret: Any = ENV_SECRET,
+        ssl: Any = ENV_TLS,
+        keepalive_s: float | None = None,
+        max_header: int = DEFAULT_MAX_HEADER,
     ):
         self.addr = addr
         self.host, self.port = parse_addr(addr)
@@ -62,7 +77,10 @@ class RpcClient:
         self.fingerprint = fingerprint
         self.connect_timeout = connect_timeout
         self.max_stream_backlog = max_stream_backlog
-        self.secret = resolve_secret(secret)
+        self.creds = resolve_credentials(secret, service)
+        self.ssl = resolve_tls(ssl, "client")
+        self.keepalive_s = keepalive_s if keepalive_s is not None else ConnLimits.from_env().keepalive_s
+        self.max_header = max_header
         self.peer_name: str | None = None
         self._ids = itertools.count(1)
         self._writer: asyncio.StreamWriter | None = None
@@ -102,10 +120,11 @@ class RpcClient:
             raise Unavailable(f"cannot reach {self.service} at {self.addr}: {last}")
 
     async def _dial(self, timeout: float) -> None:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), timeout)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port, ssl=self.ssl), timeout)
+        set_keepalive(writer.get_extra_info("socket"))
         try:
             ok = await client_handshake(reader, writer, service=self.service, name=self.name, fingerprint=self.fingerprint,
-                                        secret=self.secret, timeout=timeout, peer=self.addr)
+                                        creds=self.creds, timeout=timeout, peer=self.addr)
         except BaseException:
             writer.close()
             raise
@@ -113,8 +132,16 @@ class RpcClient:
         self._writer = writer
         self._reader_task = asyncio.create_task(self._read_loop(reader, writer), name=f"rpc-client:{self.addr}")
 
+    async def _keepalive(self, writer: asyncio.StreamWriter) -> None:
+        """Ping the server every ``keepalive_s`` while this connection lives (its PONG is ignored)."""
+        while not writer.is_closing():
+            await asyncio.sleep(self.keepalive_s)
+            with contextlib.suppress(Exception):
+                writer.write(encode_frame(Kind.PING, {"t": time.monotonic()}))
+
     async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         reason = "connection closed"
+        pinger = asyncio.create_task(self._keepalive(writer), name=f"rpc-client:{self.addr}:keepalive")
         try:
             while True:
                 frame = await read_frame(reader)
@@ -124,6 +151,7 @@ class RpcClient:
         except (ConnectionError, OSError, ProtocolError) as e:
             reason = f"connection lost: {e}"
         finally:
+            pinger.cancel()
             if self._writer is writer:
                 self._writer = None
             writer.close()
@@ -168,10 +196,14 @@ class RpcClient:
                 log.warning("error frame from %s: %s", self.addr, err)
 
     async def _send_request(self, call_id: int, method: str, args: dict[str, Any]) -> None:
+        data = encode_frame(Kind.REQUEST, {"id": call_id, "method": method, "args": args})
+        if len(data) - PREFIX_SIZE > self.max_header:
+            raise RpcError(ErrorCode.BAD_REQUEST, f"{method}: the request is {len(data)} bytes, over the peer's {self.max_header}-byte "
+                           "frame limit; it was not sent")
         writer = self._writer
         if writer is None or writer.is_closing():
             raise Unavailable(f"{self.service} at {self.addr}: not connected")
-        writer.write(encode_frame(Kind.REQUEST, {"id": call_id, "method": method, "args": args}))
+        writer.write(data)
         await writer.drain()
 
     def post(self, data: bytes) -> bool:

@@ -30,6 +30,15 @@ def require(args: argparse.Namespace, attr: str, var: str) -> str:
     return value
 
 
+def add_insecure_flag(p: argparse.ArgumentParser) -> None:
+    """``--insecure``: let this service's RPC and KV listeners bind a non-loopback address without a
+    shared secret (default ``PRFAAS_INSECURE``; see ``common.rpc.limits.check_bind``)."""
+    p.add_argument("--insecure", action="store_true",
+                   default=env_default("PRFAAS_INSECURE", "0") not in ("0", "false", "no"),
+                   help="allow listening on a non-loopback address without PRFAAS_SHARED_SECRET: anyone who can "
+                        "reach the port can then call every method and write KVCache (default: refused)")
+
+
 def setup_logging(name: str) -> logging.Logger:
     """Line-oriented logs on stderr (honcho prefixes each line with the process name)."""
     level = env_default("PRFAAS_LOG_LEVEL", "INFO")

@@ -24,7 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from common.rpc.credentials import Credentials
 from common.rpc.handshake import client_handshake
+from common.rpc.limits import set_keepalive
 from common.transfer.tcp_info import TcpInfo
 from proto.frames import Frame, Kind, ProtocolError, encode_frame, read_frame
 
@@ -57,7 +59,7 @@ class LinkConnection:
 
     @classmethod
     async def dial(cls, cid: int, host: str, port: int, *, name: str, fingerprint: dict[str, Any] | None,
-                   secret: bytes | None, ssl: ssl_mod.SSLContext | None, timeout: float, peer: str) -> LinkConnection:
+                   creds: Credentials | None, ssl: ssl_mod.SSLContext | None, timeout: float, peer: str) -> LinkConnection:
         """Connect to a KV receiver at ``host:port`` and run the handshake as ``kv-sender`` ``name``
         (``peer`` names the receiver in errors).
 
@@ -66,9 +68,10 @@ class LinkConnection:
         :class:`~common.rpc.errors.RpcError` (refused: fingerprint, auth). The caller starts the tasks.
         """
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ssl, limit=1 << 20), timeout)
+        set_keepalive(writer.get_extra_info("socket"))
         try:
             await client_handshake(reader, writer, service="kv-sender", name=name, fingerprint=fingerprint,
-                                   secret=secret, timeout=timeout, peer=peer)
+                                   creds=creds, timeout=timeout, peer=peer)
         except BaseException:
             writer.close()
             raise

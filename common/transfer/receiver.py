@@ -13,10 +13,14 @@ Transfer lifecycle on the receiver (who frees what):
 5. ``release(req_id)`` by the owner returns the reservation, whatever happened (done, aborted,
    cancelled). A lease (``lease_s``) releases reservations whose owner never does.
 
-Each connection starts with HELLO, answered by the same accept path as RPC servers
-(:class:`common.rpc.handshake.HelloListener`): authentication (when a shared secret is set) and the
-fingerprint (model, weights, dtype, layer layout, block size; a sender without one is refused) are
-checked there, and a mismatch is refused at connect.
+Each connection starts with HELLO (and, with authentication on, AUTH), answered by the same accept
+path as RPC servers (:class:`common.rpc.handshake.HelloListener`): authentication (when a shared
+secret is set) and the fingerprint (model, weights, dtype, layer layout, block size; a sender without
+one is refused) are checked there, and a mismatch is refused at connect. Until then a frame may
+carry at most ``PRE_AUTH_MAX_HEADER`` bytes of header and no payload. Connections are bounded like
+RPC ones (:class:`common.rpc.limits.ConnLimits`: per listener, in the handshake, bytes queued to a
+peer that does not read, an idle timeout; senders ping every second). Every number in a KV header
+is checked (:mod:`proto.values`) before use; a bad one fails only its own transfer.
 """
 
 from __future__ import annotations
@@ -24,35 +28,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import ssl as ssl_mod
 import time
 from typing import Any
 
 from common.kv.layout import KvError
-from common.rpc.handshake import HelloListener, hello_timeout_frame
+from common.rpc.handshake import HelloListener
+from common.rpc.limits import ENV_INSECURE, ConnLimits, check_bind
 from common.runtime import service
 from common.transfer.assembly import BufferPool, KvAssembly
 from common.transfer.connection import SOCKET_BUFFER_BYTES
+from common.transfer.inbound import KvConnection
 from proto.frames import (
     DEFAULT_MAX_HEADER,
-    MAGIC,
-    PREFIX,
-    PREFIX_SIZE,
-    VERSION,
-    BadMagic,
-    ErrorCode,
-    FrameTooLarge,
     Kind,
-    ProtocolError,
-    UnknownKind,
-    UnsupportedVersion,
-    encode_error,
     encode_frame,
-    parse_header,
 )
+from proto.values import BadValue, wire_int
 
 log = logging.getLogger("prfaas.kv.recv")
+
 
 
 class Overloaded(KvError):
@@ -75,13 +70,17 @@ class KvReceiver:
     seconds after which an unreleased reservation is freed. ``secret`` enables peer auth; ``ssl``
     (a server ``SSLContext``) enables TLS. ``socket_buffer_bytes``: the receive buffer asked for per
     connection (measured on loopback: the kernel's autotuned buffer halves goodput, both ends taking
-    turns at about 50% busy); 0 leaves the kernel's autotuning."""
+    turns at about 50% busy); 0 leaves the kernel's autotuning. ``limits``: connection bounds;
+    ``insecure``: allow a non-loopback address without a secret (see :func:`common.rpc.limits.check_bind`)."""
 
     def __init__(self, name: str, fingerprint: dict[str, Any] | None, num_layers: int, *, budget_bytes: int = 8 << 30,
-                 lease_s: float = 600.0, secret: bytes | None = None, ssl: ssl_mod.SSLContext | None = None,
+                 lease_s: float = 600.0, secret: Any = None, ssl: ssl_mod.SSLContext | None = None,
                  max_header: int = DEFAULT_MAX_HEADER, max_payload: int = 256 << 20, handshake_timeout_s: float = 5.0,
-                 socket_buffer_bytes: int = SOCKET_BUFFER_BYTES):
+                 socket_buffer_bytes: int = SOCKET_BUFFER_BYTES, limits: ConnLimits | None = None,
+                 insecure: Any = ENV_INSECURE):
         self.name = name
+        self.limits = limits or ConnLimits.from_env()
+        self.insecure = insecure
         self.hello = HelloListener("kv-receiver", name, fingerprint, secret, require_fingerprint=True)
         self.num_layers = num_layers
         self.budget_bytes = budget_bytes
@@ -94,11 +93,12 @@ class KvReceiver:
         self.pool = BufferPool(max_bytes=min(budget_bytes, 1 << 30))
         self.reservations: dict[str, _Reservation] = {}
         self.reserved_bytes = 0
-        self.connections: set[_KvConnection] = set()
+        self.connections: set[KvConnection] = set()
         self._server: asyncio.base_events.Server | None = None
         self._lease_task: asyncio.Task | None = None
         self.counters = {"admitted": 0, "refused": 0, "acked": 0, "bytes_received": 0, "frames": 0,
-                         "dropped_frames": 0, "expired_leases": 0, "refused_peers": 0}
+                         "dropped_frames": 0, "expired_leases": 0, "refused_peers": 0, "refused_connections": 0,
+                         "bad_values": 0, "idle_closed": 0}
 
     # -- owner API ---------------------------------------------------------------------------
     def expect(self, req_id: str, nbytes: int, assembly: KvAssembly | None = None) -> KvAssembly:
@@ -137,9 +137,11 @@ class KvReceiver:
 
     # -- server ------------------------------------------------------------------------------
     async def start(self, host: str, port: int) -> int:
-        """Listen; returns the bound port."""
+        """Listen; returns the bound port. Raises :class:`~common.rpc.limits.InsecureBind` for a
+        non-loopback ``host`` without a secret (unless ``insecure``), ``OSError``."""
+        check_bind(host, self.hello.authenticates, self.insecure, "KV listener")
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _KvConnection(self), host, port, ssl=self.ssl)
+        self._server = await loop.create_server(lambda: KvConnection(self), host, port, ssl=self.ssl)
         self._lease_task = asyncio.create_task(self._lease_loop(), name=f"{self.name}:kv-leases")
         return self._server.sockets[0].getsockname()[1]
 
@@ -156,10 +158,19 @@ class KvReceiver:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
+    def handshaking(self) -> int:
+        """Connections that have not finished their handshake."""
+        return sum(1 for c in self.connections if not c.authenticated)
+
     async def _lease_loop(self) -> None:
+        """Free expired leases; close connections idle past ``limits.idle_timeout_s``."""
         while True:
-            await asyncio.sleep(min(5.0, self.lease_s / 4))
+            await asyncio.sleep(min(5.0, self.lease_s / 4, self.limits.idle_timeout_s / 4))
             now = time.monotonic()
+            for c in list(self.connections):
+                if now - c.last_rx > self.limits.idle_timeout_s and c.transport is not None:
+                    self.counters["idle_closed"] += 1
+                    c.transport.abort()
             for req_id, res in list(self.reservations.items()):
                 if now - res.created > self.lease_s:
                     log.warning("KV lease of %s expired after %.0fs", req_id, self.lease_s)
@@ -167,18 +178,20 @@ class KvReceiver:
                     self.release(req_id, reason=f"its KV lease expired after {self.lease_s:g}s")
 
     # -- frame handling (called by connections, synchronously) -------------------------------
-    def on_begin(self, conn: _KvConnection, h: dict[str, Any]) -> None:
-        req_id = str(h["req_id"])
-        res = self.reservations.get(req_id)
+    def on_begin(self, conn: KvConnection, h: dict[str, Any]) -> None:
+        req_id = h["req_id"]
+        res = self.reservations.get(req_id) if isinstance(req_id, str) else None
         if res is None:
             self.counters["refused"] += 1
-            conn.send(encode_frame(Kind.KV_REFUSE, {"req_id": req_id, "reason": "no reservation for this request", "retry_after": None}))
+            conn.send(encode_frame(Kind.KV_REFUSE, {"req_id": str(req_id)[:256], "reason": "no reservation for this request",
+                                                    "retry_after": None}))
             return
         try:
-            if int(h["num_layers"]) != self.num_layers:
-                raise KvError(f"sender has {h['num_layers']} layers, this receiver {self.num_layers}")
+            num_layers = wire_int(h["num_layers"], "num_layers", 0, 1 << 16)
+            if num_layers != self.num_layers:
+                raise KvError(f"sender has {num_layers} layers, this receiver {self.num_layers}")
             res.asm.allocate(h["layers"])
-        except (KvError, TypeError, ValueError) as e:
+        except (KvError, BadValue) as e:
             self.counters["refused"] += 1
             res.asm.abort(f"bad KV_BEGIN: {e}")
             conn.send(encode_frame(Kind.KV_REFUSE, {"req_id": req_id, "reason": str(e), "retry_after": None}))
@@ -187,10 +200,11 @@ class KvReceiver:
         conn.send(encode_frame(Kind.KV_ADMIT, {"req_id": req_id}))
 
     def assembly(self, req_id: Any) -> KvAssembly | None:
-        res = self.reservations.get(str(req_id))
+        """The assembly of reservation ``req_id`` (a str from a peer's header), or None."""
+        res = self.reservations.get(req_id) if isinstance(req_id, str) else None
         return None if res is None else res.asm
 
-    def maybe_ack(self, conn: _KvConnection, asm: KvAssembly, again: bool = False) -> None:
+    def maybe_ack(self, conn: KvConnection, asm: KvAssembly, again: bool = False) -> None:
         """Send ``KV_ACK`` once the transfer is complete; ``again`` re-sends it (a repeated ``KV_DONE``
         means the sender lost the first ACK with a connection)."""
         if asm.complete and asm.error is None and (again or not getattr(asm, "acked", False)):
@@ -199,174 +213,4 @@ class KvReceiver:
             conn.send(encode_frame(Kind.KV_ACK, {"req_id": asm.req_id, "bytes": asm.bytes_received}))
 
 
-_PREFIX, _HEADER, _PAYLOAD, _DISCARD = range(4)
-
-
-class _KvConnection(asyncio.BufferedProtocol):
-    """One sender connection. A small state machine: prefix -> header -> payload (into the layer
-    buffer, or discarded) -> prefix ... ``get_buffer`` never offers more than the current part, so a
-    read never crosses a frame boundary."""
-
-    def __init__(self, rx: KvReceiver):
-        self.rx = rx
-        self.transport: asyncio.Transport | None = None
-        self.small = bytearray(max(PREFIX_SIZE, 64 << 10))
-        self.state = _PREFIX
-        self.pos = 0
-        self.need = PREFIX_SIZE
-        self.hello_done = False
-        self.kind: Kind | None = None
-        self.header_len = 0
-        self.payload_len = 0
-        self.header: dict[str, Any] = {}
-        self.pieces: list[memoryview] = []  # the current payload's destination, filled in order
-        self.piece_i = 0
-        self.piece_pos = 0
-        self.scratch = bytearray(1 << 16)
-        self.target: tuple[KvAssembly, int, int] | None = None
-        self._hello_timer: asyncio.TimerHandle | None = None
-
-    # asyncio protocol callbacks ------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and self.rx.socket_buffer_bytes > 0:
-            # A fixed, large receive buffer: with the kernel's autotuned one, sender and receiver take
-            # turns (each ~50% busy) and goodput halves; the kernel caps the request at rmem_max.
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rx.socket_buffer_bytes)
-        self.rx.connections.add(self)
-        self._hello_timer = asyncio.get_running_loop().call_later(self.rx.handshake_timeout_s, self._hello_overdue)
-
-    def _hello_overdue(self) -> None:
-        if not self.hello_done and self.transport is not None:
-            self.send(hello_timeout_frame())
-            self.transport.close()
-
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._hello_timer.cancel()
-        self.rx.connections.discard(self)
-
-    def send(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self.state == _PAYLOAD:
-            if not self.target[0].closed:
-                return self.pieces[self.piece_i][self.piece_pos :]
-            # Its owner released the transfer mid-frame: the memory may belong to someone else now.
-            self.state, self.target, self.pieces = _DISCARD, None, []
-            self.rx.counters["dropped_frames"] += 1
-        if self.state == _DISCARD:
-            return memoryview(self.scratch)[: min(len(self.scratch), self.need - self.pos)]
-        return memoryview(self.small)[self.pos : self.need]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.pos += nbytes
-        if self.state == _PAYLOAD:
-            self.piece_pos += nbytes
-            if self.piece_pos == self.pieces[self.piece_i].nbytes and self.piece_i + 1 < len(self.pieces):
-                self.piece_i, self.piece_pos = self.piece_i + 1, 0
-        if self.pos < self.need:
-            return
-        try:
-            self._advance()
-        except ProtocolError as e:
-            log.warning("%s: bad frame from a KV peer: %s", self.rx.name, e)
-            self.send(encode_error(e.code, str(e)))
-            self.transport.close()
-
-    def eof_received(self) -> bool:
-        return False
-
-    # state machine --------------------------------------------------------------------------
-    def _expect(self, state: int, need: int) -> None:
-        self.state, self.pos, self.need = state, 0, need
-
-    def _advance(self) -> None:
-        if self.state == _PREFIX:
-            magic, version, kind_no, self.header_len, self.payload_len = PREFIX.unpack_from(self.small, 0)
-            if magic != MAGIC:
-                raise BadMagic(bytes(magic))
-            if version != VERSION:
-                raise UnsupportedVersion(version)
-            try:
-                self.kind = Kind(kind_no)
-            except ValueError:
-                raise UnknownKind(kind_no) from None
-            if self.header_len > min(self.rx.max_header, len(self.small)):
-                raise FrameTooLarge("header", self.header_len, min(self.rx.max_header, len(self.small)))
-            if self.kind is not Kind.KV_LAYER and self.payload_len > 0:
-                raise FrameTooLarge("payload", self.payload_len, 0)
-            if self.payload_len > self.rx.max_payload:
-                raise FrameTooLarge("payload", self.payload_len, self.rx.max_payload)
-            self._expect(_HEADER, self.header_len)
-            if self.header_len == 0:
-                self._advance()
-        elif self.state == _HEADER:
-            self.header = parse_header(self.kind, bytes(self.small[: self.header_len]), self.rx.max_header)
-            self._on_header()
-        elif self.state == _PAYLOAD:
-            asm, layer, offset = self.target
-            now = time.monotonic()
-            asm.commit(layer, offset, self.payload_len, now)
-            self.rx.counters["bytes_received"] += self.payload_len
-            self.rx.maybe_ack(self, asm)
-            self.pieces, self.target = [], None
-            self._expect(_PREFIX, PREFIX_SIZE)
-        elif self.state == _DISCARD:
-            self._expect(_PREFIX, PREFIX_SIZE)
-
-    def _on_header(self) -> None:
-        kind, h = self.kind, self.header
-        self.rx.counters["frames"] += 1
-        if not self.hello_done:
-            answer = self.rx.hello.answer(kind, h)
-            self.send(answer.reply)
-            if not answer.accepted:
-                if kind is Kind.HELLO:
-                    self.rx.counters["refused_peers"] += 1
-                self.transport.close()
-                return
-            self.hello_done = True
-        elif kind is Kind.KV_LAYER:
-            asm = self.rx.assembly(h["req_id"])
-            try:
-                if asm is None or asm.error is not None or asm.complete:
-                    raise LookupError  # unknown, failed, or a late duplicate of a finished transfer
-                layer, offset = int(h["layer"]), int(h["offset"])
-                self.pieces = [p for p in asm.dest(layer, offset, self.payload_len) if p.nbytes]
-                self.piece_i = self.piece_pos = 0
-                self.target = (asm, layer, offset)
-            except LookupError:
-                self.rx.counters["dropped_frames"] += 1  # cancelled or unknown request: discard its bytes
-            except (KvError, TypeError, ValueError) as e:
-                self.rx.counters["dropped_frames"] += 1
-                asm.abort(f"bad KV_LAYER: {e}")
-                self.send(encode_frame(Kind.KV_ABORT, {"req_id": asm.req_id, "reason": str(e)}))
-            if self.target is not None and self.payload_len > 0:
-                self._expect(_PAYLOAD, self.payload_len)
-                return
-            if self.target is not None:  # an empty range
-                self.target = None
-            if self.payload_len > 0:
-                self._expect(_DISCARD, self.payload_len)
-                return
-        elif kind is Kind.KV_BEGIN:
-            self.rx.on_begin(self, h)
-        elif kind is Kind.KV_DONE:
-            asm = self.rx.assembly(h["req_id"])
-            if asm is not None:
-                asm.finish(h)
-                self.rx.maybe_ack(self, asm, again=True)
-        elif kind is Kind.KV_ABORT:
-            asm = self.rx.assembly(h["req_id"])
-            if asm is not None:
-                asm.abort(f"sender aborted: {h['reason']}")
-        elif kind is Kind.PING:
-            self.send(encode_frame(Kind.PONG, {"t": h["t"]}))
-        else:
-            self.send(encode_error(ErrorCode.BAD_FRAME, f"KV listener does not accept {kind.name}"))
-        self._expect(_PREFIX, PREFIX_SIZE)
+_KvConnection = KvConnection  # the protocol's older name (tests drive it directly)

@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from common.kv.layout import Layout
+from common.rpc.auth import resolve_credentials
 from common.rpc.errors import RpcError, Unavailable
 from common.rpc.handshake import parse_addr
 from common.runtime.backoff import Backoff
@@ -52,6 +53,7 @@ from proto.frames import (
     encode_frame,
     encode_frame_parts,
 )
+from proto.values import BadValue, wire_float
 
 log = logging.getLogger("prfaas.kv.send")
 
@@ -62,7 +64,7 @@ class KvLink:
     def __init__(self, addr: str, *, name: str, fingerprint: dict[str, Any] | None, connections: int = 4,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_inflight_bytes: int = 64 << 20, stall_timeout: float = 5.0,
                  ping_interval: float = 1.0, ping_timeout: float = 3.0, idle_check_s: float = 2.0,
-                 connect_timeout: float = 5.0, secret: bytes | None = None, ssl: ssl_mod.SSLContext | None = None):
+                 connect_timeout: float = 5.0, secret: Any = None, ssl: ssl_mod.SSLContext | None = None):
         if connections < 1:
             raise ValueError("a link needs at least one connection")
         self.addr = addr
@@ -77,7 +79,7 @@ class KvLink:
         self.ping_timeout = ping_timeout
         self.idle_check_s = idle_check_s
         self.connect_timeout = connect_timeout
-        self.secret = secret
+        self.creds = resolve_credentials(secret, "kv-sender")
         self.ssl = ssl
         self.conns: dict[int, LinkConnection] = {}
         self.transfers: dict[str, Transfer] = {}
@@ -92,7 +94,7 @@ class KvLink:
     # -- connections -------------------------------------------------------------------------
     async def _dial(self) -> LinkConnection:
         conn = await LinkConnection.dial(next(self._ids), self.host, self.port, name=self.name, fingerprint=self.fingerprint,
-                                         secret=self.secret, ssl=self.ssl, timeout=self.connect_timeout,
+                                         creds=self.creds, ssl=self.ssl, timeout=self.connect_timeout,
                                          peer=f"KV receiver {self.addr}")
         if self._closed:  # closed while dialling
             conn.writer.close()
@@ -240,7 +242,8 @@ class KvLink:
             if rtt is not None:
                 self.stats.on_rtt(rtt)
             return
-        tr = self.transfers.get(str(h.get("req_id")))
+        req_id = h.get("req_id")
+        tr = self.transfers.get(req_id) if isinstance(req_id, str) else None
         if tr is None:
             return
         if frame.kind is Kind.KV_ADMIT:
@@ -251,7 +254,7 @@ class KvLink:
         elif frame.kind is Kind.KV_ACK:
             tr.acked.set()
         elif frame.kind in (Kind.KV_ABORT, Kind.ERROR):
-            tr.error = str(h.get("reason") or h.get("message"))
+            tr.error = str(h.get("reason") or h.get("message"))[:512]
             tr.admitted.set()
             tr.acked.set()
 
@@ -301,9 +304,14 @@ class KvLink:
                 if tr.refusal is None:
                     return tr
                 retry = tr.refusal.get("retry_after")
-                if retry is None or time.monotonic() + float(retry) > end:
-                    raise TransferRefused(f"KV receiver {self.addr} refused {req_id}: {tr.refusal.get('reason')}")
-                await asyncio.sleep(float(retry))
+                if retry is not None:  # a peer's number: finite, at least 10 ms (no resend storm), at most 60 s
+                    try:
+                        retry = wire_float(retry, "retry_after", 0.0, 60.0)
+                    except BadValue:
+                        retry = None
+                if retry is None or time.monotonic() + retry > end:
+                    raise TransferRefused(f"KV receiver {self.addr} refused {req_id}: {str(tr.refusal.get('reason'))[:512]}")
+                await asyncio.sleep(max(0.01, retry))
         except BaseException:
             self.transfers.pop(req_id, None)
             raise

@@ -31,10 +31,17 @@ from common.model.backend import Backend, make_backend
 from common.model.cores import CoreShare
 from common.model.loader import load_model
 from common.rpc.handshake import parse_addr
+from common.rpc.limits import ENV_INSECURE
 from common.rpc.server import RpcServer
 from common.runtime import service
 
 log = logging.getLogger("prfaas.worker")
+
+# Who may call a worker's methods, when peers authenticate (common.rpc.credentials): the gateway
+# generates, workers prefill and pull prefixes, the planner switches roles, the operator injects
+# faults; the rest (stats, health) is open to every role.
+WORKER_ALLOW = {"generate": {"gateway"}, "prefill": {"worker"}, "export_prefix": {"worker"}, "switch_role": {"planner"},
+                "inject_fault": {"operator"}}
 
 Closer = Callable[[], Awaitable[None]]
 
@@ -131,7 +138,8 @@ async def serve_worker(args: argparse.Namespace, stop: asyncio.Event, backend: B
     publisher = start_kv_publisher(args, worker, role, cluster)
     report = report_with_publisher(worker.stats, publisher)
     server = RpcServer(role, args.name, stream_handlers=stream_handlers or {},
-                       handlers={**(handlers or {}), "stats": stats_handler(report)})
+                       handlers={**(handlers or {}), "stats": stats_handler(report)}, allow=WORKER_ALLOW,
+                       insecure=getattr(args, "insecure", ENV_INSECURE))
     host, port = parse_addr(addrs.listen)
     await server.start(host, port)
     if start is not None:

@@ -43,6 +43,7 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
                         "leases the machine's free cores (common/model/cores.py), so the busy worker gets them all")
     p.add_argument("--report-interval", type=float, default=0.5, help="seconds between load reports to the planner")
     add_tls_flags(p)
+    service.add_insecure_flag(p)
 
 
 def add_block_size_flag(p: argparse.ArgumentParser, help: str) -> None:

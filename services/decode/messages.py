@@ -16,7 +16,7 @@ class ResumeArgs(msgspec.Struct):
     """``generate``'s ``resume``: the client's prompt length (tokens, at least 1) and the token ids an
     earlier attempt already streamed (``input_ids[prompt_len:]``)."""
 
-    prompt_len: Annotated[int, msgspec.Meta(ge=1)]
+    prompt_len: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
     generated_ids: list[int]
 
 
@@ -34,11 +34,11 @@ class GenerateArgs(msgspec.Struct):
     ``seed + branch + j``): a resumed branch of a request with several.
     """
 
-    req_id: str
+    req_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     input_ids: list[int]
     sampling: dict[str, Any]
-    prefill_addr: str
+    prefill_addr: Annotated[str, msgspec.Meta(min_length=3, max_length=262)]
     resume: ResumeArgs | None = None
-    route: str | None = None
-    prefix_source: Any = None
+    route: Annotated[str, msgspec.Meta(max_length=16)] | None = None
+    prefix_source: Annotated[str, msgspec.Meta(max_length=262)] | None = None
     branch: Annotated[int, msgspec.Meta(ge=0, lt=MAX_BRANCHES)] = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from common.rpc import auth as peer_auth
+from common.rpc.limits import ENV_INSECURE
 from common.transfer.receiver import KvReceiver
 from common.worker.flags import tls_server_context
 from services.decode.worker import DecodeWorker
@@ -16,7 +17,8 @@ def decode_worker_from_args(args: argparse.Namespace, backend, kv_listen: str):
     :func:`common.worker.flags.add_decode_flags`'s flags; the worker advertises ``--kv-advertise`` or ``kv_listen``, and
     ``--kv-advertise-remote`` to PrfaaS prefill workers when set."""
     receiver = KvReceiver(args.name, backend.loaded.fingerprint, backend.num_layers, budget_bytes=args.kv_budget_bytes,
-                          lease_s=args.kv_lease_s, secret=peer_auth.load_secret(), ssl=tls_server_context(args))
+                          lease_s=args.kv_lease_s, secret=peer_auth.ENV_SECRET, ssl=tls_server_context(args),
+                          insecure=getattr(args, "insecure", ENV_INSECURE))
     worker = DecodeWorker(backend, args.name, args.kv_advertise or kv_listen, receiver, prefill_timeout=args.prefill_timeout,
                           kv_addr_remote=args.kv_advertise_remote,
                           kv_pool_bytes=args.kv_budget_bytes, block_size=args.block_size, max_waiting=args.max_waiting,

@@ -74,7 +74,7 @@ from common.kv.prefix_cache import PrefixCache
 from common.model.backend import Backend
 from common.model.logits import TokenLogprob
 from common.model.prompt import validate_prompt
-from common.model.sampling import SamplingParams, shifted_seed
+from common.model.sampling import SamplingParams, check_wire_sampling, shifted_seed
 from common.rpc.errors import RpcError
 from common.rpc.handshake import parse_addr
 from common.rpc.schema import takes
@@ -279,8 +279,8 @@ class DecodeWorker:
         req_id, prefill_addr = args.req_id, args.prefill_addr
         try:
             parse_addr(prefill_addr)
-            sampling = SamplingParams.from_wire(args.sampling)
-        except (KeyError, TypeError, ValueError) as e:
+            sampling = check_wire_sampling(SamplingParams.from_wire(args.sampling))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed generate request: {e}") from None
         if sampling.max_tokens < 1:
             raise RpcError(ErrorCode.BAD_REQUEST, "max_tokens must be at least 1")
@@ -344,10 +344,13 @@ class DecodeWorker:
                 "kv_from": kv_from, "prefix_source": args.prefix_source, "prompt_len": prompt_len})
             await leg.first_token()  # 3. wait for the first token (KV_DONE); the last layers may still be landing
             final = asm.final or {}
-            firsts = final.get("first_tokens") or [final["first_token"]]
+            firsts = final.get("first_tokens") or [final.get("first_token")]
             first_lps = final.get("first_logprobs") or [None] * n
-            if len(firsts) != n or len(first_lps) != n:
-                raise RpcError(ErrorCode.INTERNAL, f"the prefill worker sampled {len(firsts)} first tokens for {n} branches")
+            bad = [t for t in firsts if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            if len(firsts) != n or len(first_lps) != n or bad:  # one bad peer must fail its leg, never the batch
+                asm.abort(f"the prefill worker sent {len(firsts)} first tokens for {n} branches, {len(bad)} of them "
+                          f"outside the vocabulary [0, {self.vocab_size})")
+                raise self.prefill.failure(req_id, prefill_addr, leg.call, asm.error)
             prompt_lps = (await leg.result()).get("prompt_logprobs") if sampling.prompt_logprobs is not None else None
             if n > 1:  # the branches copy the prompt's tail once its KVCache is all in
                 await leg.landed()

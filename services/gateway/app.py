@@ -1,7 +1,13 @@
 """Gateway: the OpenAI-compatible HTTP front door (aiohttp), port 8000 by default like vLLM.
 
 Request lifecycle (who frees what):
-1. Parse and validate the body (``services.gateway.openai``); bad input is a 4xx OpenAI error body, nothing else runs.
+0. Read the body within ``--body-timeout`` under a byte budget (:mod:`services.gateway.http_limits`:
+   slow headers, slow bodies and connections are bounded there), then take one of the
+   ``--max-inflight`` slots: a slow client never holds a slot.
+1. Parse and validate the body (``services.gateway.openai``; a large one in a worker thread, so that
+   tokenising a long prompt never stalls other streams); bad input is a 4xx OpenAI error body,
+   nothing else runs. A request whose call to the decode worker would be too large for the wire is
+   refused here too (400), so no request can cut a connection other streams share.
 2. ``place`` at the router with the prompt's chained full-block hashes (``PRFAAS_BLOCK_SIZE`` tokens
    per block): a prefill worker (PrfaaS or PD-P by the cached-prefix threshold rule) and a decode
    worker, each preferring the one that caches the longest prefix of the prompt.
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -36,6 +43,7 @@ from common.rpc.errors import RpcError
 from common.runtime import service
 from services.gateway.auth import ApiKeys, parse_keys
 from services.gateway.dispatch import RETRY_REASONS, Dispatcher
+from services.gateway.http_limits import BodyBudget, HttpLimits, check_wire_size, read_body, serve_http
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai import response
 from services.gateway.openai.chat import parse_chat
@@ -46,6 +54,9 @@ from services.gateway.openai.request import GenerateRequest, ModelContext, OpenA
 from services.gateway.openai.tokenize import detokenize, tokenize
 
 log = logging.getLogger("prfaas.gateway")
+
+PARSE_INLINE_BYTES = 16 << 10  # bodies up to this are parsed on the event loop; larger ones in a worker thread
+MAX_LARGE_PARSES = 4  # large bodies being parsed or waiting for a parser thread; more are answered 429
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -90,10 +101,14 @@ class Gateway:
 
     def __init__(self, ctx: ModelContext, router_addr: str, planner_addr: str, name: str = "gateway",
                  request_timeout: float = 600.0, block_size: int | None = None, max_inflight: int = 256,
-                 place_retry_s: float = 15.0, api_keys: tuple[str, ...] = ()):
+                 place_retry_s: float = 15.0, api_keys: tuple[str, ...] = (), limits: HttpLimits | None = None):
         self.ctx = ctx
         self.token_text = TokenText(ctx.tokenizer)
         self.name = name
+        self.limits = limits or HttpLimits()
+        self.bodies = BodyBudget(self.limits.body_budget_bytes)
+        self._parsers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateway-parse")
+        self.large_parses = 0  # bodies over PARSE_INLINE_BYTES in (or waiting for) a parser thread
         self.router = RpcClient(router_addr, service="gateway", name=name, connect_timeout=2.0)
         self.planner = RpcClient(planner_addr, service="gateway", name=name, connect_timeout=2.0)
         self.decoders = ClientPool(service="gateway", name=name, connect_timeout=5.0)
@@ -101,7 +116,8 @@ class Gateway:
                                     retry_reasons=RETRY_REASONS)
         self.dispatch = Dispatcher(self.router, self.decoders, self.stats, request_timeout=request_timeout,
                                    block_size=block_size, max_inflight=max_inflight, place_retry_s=place_retry_s)
-        self.app = web.Application(client_max_size=ctx.max_prompt_bytes + (64 << 10),
+        self.max_body = ctx.max_prompt_bytes + (64 << 10)
+        self.app = web.Application(client_max_size=self.max_body,
                                    middlewares=[_json_http_errors, _api_key_middleware(ApiKeys(api_keys))])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
@@ -120,6 +136,7 @@ class Gateway:
         for c in [self.router, self.planner]:
             await c.close()
         await self.decoders.close()
+        self._parsers.shutdown(wait=False, cancel_futures=True)
 
     # -- OpenAI endpoints -------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -140,10 +157,13 @@ class Gateway:
         return await self._pure(request, detokenize)
 
     async def _pure(self, request: web.Request, answer) -> web.Response:
+        """A pure endpoint's answer (``/tokenize``, ``/detokenize``): the body read under the same
+        bounds as a completion's, a large one answered off the event loop."""
         try:
-            return _json(answer(await request.read(), self.ctx))
+            body = await read_body(request, self.bodies, self.limits.body_timeout_s, self.max_body)
+            return _json(await self._parse(answer, body))
         except OpenAIError as e:
-            return _error_response(e)
+            return _error_response(e, {"Retry-After": "1"} if e.status in (429, 503) else None)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, "completions", parse_completion)
@@ -154,9 +174,10 @@ class Gateway:
     async def _handle(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
         status = 200
         try:
+            body = await read_body(request, self.bodies, self.limits.body_timeout_s, self.max_body)
             with self.dispatch.admission():
-                body = await request.read()
-                req = parse(body, self.ctx)
+                req = await self._parse(parse, body)
+                check_wire_size(req, "prompt" if endpoint == "completions" else "messages")
                 resp = await (self._stream(request, req) if req.stream else self._unary(req))
                 status = resp.status
                 return resp
@@ -174,6 +195,21 @@ class Gateway:
         finally:
             self.stats.count_request(endpoint, status)
 
+    async def _parse(self, parse, body: bytes) -> Any:
+        """``parse(body, ctx)``: on the loop for a small body; in a parser thread for a large one
+        (tokenising a 1 MiB prompt takes seconds, which would stall every stream), at most
+        :data:`MAX_LARGE_PARSES` at once (more: 429, so they cannot take every slot)."""
+        if len(body) <= PARSE_INLINE_BYTES:
+            return parse(body, self.ctx)
+        if self.large_parses >= MAX_LARGE_PARSES:
+            raise OpenAIError(f"{self.large_parses} large requests are being tokenised (the gateway's limit); retry",
+                              status=429, type="rate_limit_error", param=None, code="overloaded")
+        self.large_parses += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._parsers, parse, body, self.ctx)
+        finally:
+            self.large_parses -= 1
+
     async def _unary(self, req: GenerateRequest) -> web.Response:
         choices = Choices(req, self.token_text)
         async for item in self.dispatch.generate(req):
@@ -188,8 +224,17 @@ class Gateway:
             first = None
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
 
+        async def write(data: bytes) -> None:  # a client that stops reading is cut off, and frees its slot
+            try:
+                async with asyncio.timeout(self.limits.write_timeout_s):
+                    await resp.write(data)
+            except TimeoutError:
+                if request.transport is not None:
+                    request.transport.abort()
+                raise ConnectionResetError(f"the client read nothing for {self.limits.write_timeout_s:g}s") from None
+
         async def send(obj: Any) -> None:
-            await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+            await write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
         choices = Choices(req, self.token_text)
         try:
@@ -214,7 +259,7 @@ class Gateway:
             await send(e.body())  # mid-stream failure: an SSE error event, then [DONE]
         finally:
             await gen.aclose()
-        await resp.write(b"data: [DONE]\n\n")
+        await write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
@@ -250,16 +295,20 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     ctx = ModelContext(model_id=info.model_id, tokenizer=info.tokenizer, max_model_len=info.max_model_len,
                           eos_token_ids=info.eos_token_ids)
     keys = parse_keys(args.api_key, service.env_default("PRFAAS_API_KEY"))
+    limits = HttpLimits(header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                        write_timeout_s=args.write_timeout, max_connections=args.max_connections)
     gw = Gateway(ctx, service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service.require(args, "planner", "PRFAAS_PLANNER_ADDR"),
                  request_timeout=args.request_timeout, max_inflight=args.max_inflight, place_retry_s=args.place_retry_s,
-                 api_keys=keys)
-    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None)
+                 api_keys=keys, limits=limits)
+    # keepalive_timeout is also the header timeout: aiohttp closes a connection still waiting for a
+    # whole request head that long after it opened or after its previous response
+    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, keepalive_timeout=limits.header_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
+    server = await serve_http(runner, args.host, args.port, limits)
     print(f"READY gateway on http://{args.host}:{args.port} serving {ctx.model_id}"
           f"{f' ({len(keys)} API keys)' if keys else ''}", flush=True)
     await stop.wait()
+    server.close()
     await runner.cleanup()
 
 
@@ -275,6 +324,12 @@ def main() -> None:
                    help="requests in flight at once; more are answered 429 with Retry-After at once")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take in all, retries included (504 past it)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a whole request head (and may idle between requests)")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408 past it)")
+    p.add_argument("--write-timeout", type=float, default=30.0,
+                   help="seconds a streaming client may take to read one chunk before it is cut off (its slot freed)")
+    p.add_argument("--max-connections", type=int, default=2048, help="open HTTP connections; more are answered 503")
     p.add_argument("--api-key", action="append", default=None,
                    help="a key clients must send as 'Authorization: Bearer <key>' (repeat for several; default: "
                         "PRFAAS_API_KEY, comma-separated; none: no key needed). /health and /metrics stay open")

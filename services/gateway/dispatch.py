@@ -4,7 +4,9 @@ and the retry / re-place / resume policy with its reasons.
 State (owned by :class:`Dispatcher`, one per gateway): ``inflight`` (requests admitted and not yet
 answered, bounded by ``max_inflight``) and ``active`` (attempts streaming from a decode worker).
 Every placement the router made is released at the router by the attempt that asked for it, in a
-``finally`` (also when the placement's answer was lost), so its in-flight counts never leak. At an
+``finally`` (also when the placement's answer was lost), so its in-flight counts never leak; the
+release says how the attempt ended (``ok``, ``decode_failed``, ``prefill_failed``, or no verdict),
+which feeds the router's per-worker circuit breakers (:mod:`services.router.breaker`). At an
 attempt's first token the router is told its prefill has ended (``prefill_done``, from a background
 task in ``notes``, at most one per attempt in flight, each bounded by a 2 s timeout), so the prefill
 worker's queued work drops while the request decodes.
@@ -71,6 +73,15 @@ def retry_reason(code: ErrorCode, started: bool, retries: int, decode_excluded: 
     if code in (ErrorCode.DRAINING, ErrorCode.UNAVAILABLE):
         return "decode_unavailable"
     return None
+
+
+def attempt_outcome(code: ErrorCode) -> str | None:
+    """What a failed attempt says of its workers, for their circuit breakers: ``decode_failed`` when
+    the decode worker could not be reached or its stream broke (``unavailable``), ``prefill_failed``
+    when its prefill leg failed; None for a refusal by load or a drain, a bad request or a timeout."""
+    if code is ErrorCode.UNAVAILABLE:
+        return "decode_failed"
+    return "prefill_failed" if code is ErrorCode.PREFILL_FAILED else None
 
 
 class Dispatcher:
@@ -171,6 +182,7 @@ class Dispatcher:
                 hashes, hashed_len = await self._block_hashes(input_ids), len(input_ids)
             placement = await self.place(req, excluded_decode, refusal, hashes, excluded_prefill, input_ids, deadline)
             started = False
+            outcome: str | None = None  # what this attempt says of its workers (see attempt_outcome)
             self.active += 1
             sampling = req.sampling if fresh else dataclasses.replace(req.sampling, n=1, prompt_logprobs=None)
             try:
@@ -200,8 +212,10 @@ class Dispatcher:
                             yield item
                             if all(i in finished for i in range(first, first + count)):
                                 break  # final: an error after it (e.g. a hand-off racing the stream's end) changes nothing
+                outcome = "ok"
                 continue
             except RpcError as e:
+                outcome = attempt_outcome(e.code)
                 why = retry_reason(e.code, started, retries, len(excluded_decode), self.max_retries, self.max_reroutes)
                 if why is None:
                     raise service_error(e) from None
@@ -223,12 +237,14 @@ class Dispatcher:
                                   code="timeout") from None
             finally:
                 self.active -= 1
-                await self._release(req)
+                await self._release(req, outcome)
 
-    async def _release(self, req: GenerateRequest) -> None:
-        """``release`` at the router, shielded from cancellation; a failure is ignored (the lease expires)."""
+    async def _release(self, req: GenerateRequest, outcome: str | None = None) -> None:
+        """``release`` at the router with the attempt's ``outcome``, shielded from cancellation; a
+        failure is ignored (the lease expires)."""
+        args = {"req_id": req.request_id, **({"outcome": outcome} if outcome else {})}
         with contextlib.suppress(Exception):
-            await asyncio.shield(self.router.call("release", {"req_id": req.request_id}, timeout=2.0))
+            await asyncio.shield(self.router.call("release", args, timeout=2.0))
 
     async def _block_hashes(self, prompt_ids: list[int]) -> list[int] | None:
         """The prompt's chained full-block hashes for the router's prefix lookup (off the event loop

@@ -57,11 +57,13 @@ from common.control.planner_agent import PlannerAgent
 from common.model.backend import Backend
 from common.rpc.errors import RpcError
 from common.rpc.handshake import parse_addr
+from common.rpc.limits import ENV_INSECURE
 from common.rpc.schema import convert_call, takes
 from common.rpc.server import RpcServer
 from common.runtime import service
+from common.worker.bring_up import WORKER_ALLOW
 from proto.frames import ErrorCode
-from services.pd.messages import SwitchRoleArgs
+from services.pd.messages import MAX_EPOCH_STEP, SwitchRoleArgs
 from services.pd.roles import DecodeRole, PrefillRole, build_role, close_role
 from services.pd.switch import RoleCall, Superseded, Switch, drain_timeout_of
 from services.planner.messages import ROLES
@@ -114,6 +116,7 @@ class PdWorker:
             handlers={"prefill": self._unary("prefill"), "inject_fault": self._unary("inject_fault"),
                       "switch_role": self.switch_role, "stats": self._stats_rpc, "health": self._health},
             stream_handlers={"generate": self._stream("generate"), "export_prefix": self._stream("export_prefix")},
+            allow=WORKER_ALLOW, insecure=getattr(args, "insecure", ENV_INSECURE),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -227,6 +230,9 @@ class PdWorker:
         if epoch <= self.epoch:
             raise RpcError(ErrorCode.BAD_REQUEST, f"stale epoch {epoch}: {self.name} has already accepted epoch {self.epoch}",
                            epoch=self.epoch, role=self.role)
+        if epoch > self.epoch + MAX_EPOCH_STEP:  # an epoch far ahead would lock the planner out of this worker
+            raise RpcError(ErrorCode.BAD_REQUEST, f"epoch {epoch} is more than {MAX_EPOCH_STEP} above the last accepted "
+                           f"({self.epoch})", epoch=self.epoch, role=self.role)
         self.epoch = epoch
         sw = Switch(epoch, to_role, timeout)
         if self._pending is not None:  # accepted but not started: superseded before it began

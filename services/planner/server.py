@@ -29,11 +29,15 @@ from common.rpc.server import RpcServer
 from common.runtime import service
 from proto.frames import ErrorCode
 from services.planner.long_loop import LongConfig, LongLoop
-from services.planner.messages import MoveWorkerArgs, RegisterArgs, ReportArgs
-from services.planner.registry import RegistrationError, WorkerRegistry
+from services.planner.messages import BadStats, MoveWorkerArgs, RegisterArgs, ReportArgs, ViewArgs
+from services.planner.registry import RegistrationError, RegistryFull, WorkerRegistry
 from services.planner.roles import RoleMover
 
 log = logging.getLogger("prfaas.planner")
+
+# Who may call what, when peers authenticate (common.rpc.credentials): workers register and report,
+# only the operator moves workers; the rest (view, status, health) is open to every role.
+ALLOW = {"register": {"worker"}, "report": {"worker"}, "move_worker": {"operator"}}
 
 
 class Planner:
@@ -49,8 +53,8 @@ class Planner:
 
     def __init__(self, name: str = "planner", dead_after: float = 3.0, controller: Any = None, loop_interval: float = 1.0,
                  mover: RoleMover | None = None, router: RpcClient | None = None, workload_refresh: float = 30.0,
-                 workload_samples: int = 400):
-        self.registry = WorkerRegistry(dead_after=dead_after)
+                 workload_samples: int = 400, forget_after: float = 300.0, insecure: Any = None):
+        self.registry = WorkerRegistry(dead_after=dead_after, forget_after=forget_after)
         self.controller = controller  # a services.planner.control.Controller, or None (no scheduling loop)
         self.workers = ClientPool(service="planner", name=name, connect_timeout=2.0)
         self.mover = mover or RoleMover(LongLoop(LongConfig()), None, None, self.workers.get)
@@ -65,6 +69,7 @@ class Planner:
             "planner", name,
             handlers={"register": self.register, "report": self.report, "view": self.view, "health": self.health,
                       "status": self.status, "move_worker": self.move_worker},
+            allow=ALLOW, **({} if insecure is None else {"insecure": insecure}),
         )
 
     def start(self) -> None:
@@ -147,24 +152,37 @@ class Planner:
     @takes(RegisterArgs)
     async def register(self, args: RegisterArgs) -> dict[str, Any]:
         """Add or replace a worker in the view (a wrong field is ``bad_request`` before this runs)."""
-        rec = self.registry.register(args, time.monotonic())
+        try:
+            rec = self.registry.register(args, time.monotonic())
+        except BadStats as e:
+            raise RpcError(ErrorCode.BAD_REQUEST, f"register: {e}") from None
+        except RegistryFull as e:
+            raise RpcError(ErrorCode.OVERLOADED, str(e), retry_after=5) from None
         log.info("registered %s role=%s cluster=%s addr=%s", rec.name, rec.role, rec.cluster, rec.addr)
         return {"ok": True}
 
     @takes(ReportArgs)
     async def report(self, args: ReportArgs) -> dict[str, Any]:
         """A worker's load report; ``bad_request`` with ``reregister`` for a worker the planner does
-        not know (e.g. after a planner restart)."""
+        not know (e.g. after a planner restart); ``bad_request`` (``quarantined``) for a report that
+        fails its checks: the worker leaves the routing view until it reports well again."""
         try:
             self.registry.report(args.name, args.stats or {}, time.monotonic())
+        except BadStats as e:
+            log.warning("quarantined %s: %s", args.name, e)
+            raise RpcError(ErrorCode.BAD_REQUEST, f"report: {e}", quarantined=True) from None
         except RegistrationError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e), reregister=True) from None
         return {"ok": True}
 
-    @takes(NoArgs)
-    async def view(self, args: NoArgs) -> dict[str, Any]:
-        """Every registered worker, alive or not, sorted by name (see ``WorkerRegistry.view``)."""
-        return {"workers": self.registry.view(time.monotonic())}
+    @takes(ViewArgs)
+    async def view(self, args: ViewArgs) -> dict[str, Any]:
+        """Every registered worker, alive or not, sorted by name (see ``WorkerRegistry.view``); the
+        silent ones are forgotten first."""
+        now = time.monotonic()
+        for name in self.registry.expire(now):
+            log.info("forgot %s: no report for %.0fs", name, self.registry.forget_after)
+        return {"workers": self.registry.view(now, brief=args.brief)}
 
     @takes(NoArgs)
     async def health(self, args: NoArgs) -> dict[str, Any]:
@@ -193,7 +211,8 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
             mover = RoleMover(LongLoop(long_cfg), controller.base, dist, lambda addr: planner.workers.get(addr),
                               drain_timeout_s=args.drain_timeout)
     planner = Planner(args.name, args.dead_after, controller=controller, loop_interval=args.loop_interval, mover=mover,
-                      router=router, workload_refresh=args.workload_refresh, workload_samples=args.workload_samples)
+                      router=router, workload_refresh=args.workload_refresh, workload_samples=args.workload_samples,
+                      forget_after=args.forget_after, insecure=args.insecure)
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_PLANNER_ADDR"))
     await planner.server.start(host, port)
     planner.start()
@@ -210,6 +229,9 @@ def main() -> None:
     p.add_argument("--listen", default=service.env_default("PRFAAS_PLANNER_ADDR"))
     p.add_argument("--name", default="planner")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds without a report before a worker leaves the view")
+    p.add_argument("--forget-after", type=float, default=300.0,
+                   help="seconds without a report before a worker is forgotten (it registers again when it comes back)")
+    service.add_insecure_flag(p)
     p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"), help="router address (for the loop)")
     p.add_argument("--profile", default=service.env_default("PRFAAS_PLANNER_PROFILE"),
                    help="hardware profile JSON (e.g. from scripts/measure_profile.py); enables the short-timescale loop")

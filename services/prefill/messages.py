@@ -24,25 +24,25 @@ class PrefillArgs(msgspec.Struct):
     ``prompt_len``: tokens of ``input_ids`` that are the client's prompt (default all); the rest were
     generated already (a resume), and the penalties and ``min_tokens`` count them as output."""
 
-    req_id: str
-    kv_addr: str
+    req_id: Annotated[str, msgspec.Meta(max_length=256)]
+    kv_addr: Annotated[str, msgspec.Meta(min_length=3, max_length=262)]
     sampling: dict[str, Any]
     input_ids: Annotated[list[int], msgspec.Meta(min_length=1)]
-    kv_from: Annotated[int, msgspec.Meta(ge=0)] = 0
-    prefix_source: str | None = None
-    prompt_len: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    kv_from: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
+    prefix_source: Annotated[str, msgspec.Meta(max_length=262)] | None = None
+    prompt_len: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] | None = None
 
 
 class ExportPrefixArgs(msgspec.Struct):
     """``export_prefix`` (stream): the cached blocks of the chain ``hashes`` (chained block hashes,
     unsigned 64-bit) after block index ``from_block``."""
 
-    hashes: list[U64]
-    from_block: Annotated[int, msgspec.Meta(ge=0)] = 0
+    hashes: Annotated[list[U64], msgspec.Meta(max_length=1 << 20)]
+    from_block: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
 
 
 class InjectFaultArgs(msgspec.Struct):
     """``inject_fault`` (tests, chaos runs): ``corrupt_layer``, the layer whose KVCache is damaged
     before it is sent, or None to stop."""
 
-    corrupt_layer: int | None = None
+    corrupt_layer: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] | None = None

@@ -13,6 +13,7 @@ in the compute thread (the cache must be mutated on one loop, see :mod:`common.c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -115,11 +116,15 @@ class PrefillPrefix:
         linear = bool(store.linear_layers)
         have, _, _ = cache.match(hashes, need_state=linear)
         items: list[dict] = []
+        most = len(hashes) - have + 1  # one item per block we lack, plus the states: a peer that sends more is wrong
         try:
             async with asyncio.timeout(timeout):
-                async for item in peer.stream("export_prefix", {"hashes": hashes, "from_block": have}):
-                    items.append(item)
-        except (TimeoutError, RpcError, OSError) as e:
+                async with contextlib.aclosing(peer.stream("export_prefix", {"hashes": hashes, "from_block": have})) as it:
+                    async for item in it:
+                        if len(items) >= most or not isinstance(item, dict):
+                            raise ValueError(f"the peer sent more than the {most} items asked for, or not maps")
+                        items.append(item)
+        except (TimeoutError, RpcError, OSError, ValueError) as e:
             log.warning("pulling a cached prefix from %s failed: %s", source, e)
             return 0
         got = [it for it in items if "block" in it]
@@ -134,19 +139,33 @@ class PrefillPrefix:
             blocks, slots = pool.allocate(len(got), 1 if linear else 0)
         except PoolExhausted:
             return 0
-        shape = (store.kv_heads, bs, store.head_dim)
-        for b, it in zip(blocks, got):
-            for i, kb, vb in it["kv"]:
-                store.k[i][:, b].copy_(_tensor_of(kb, store.dtype, shape))
-                store.v[i][:, b].copy_(_tensor_of(vb, store.dtype, shape))
-        for i, name, data in state or []:
-            dst = store.states[i][name][slots[0]]
-            dst.copy_(_tensor_of(data, dst.dtype, tuple(dst.shape)))
+        try:  # the peer's bytes: any malformed item frees what was taken for them, and the prefill computes more
+            self._fill(blocks, slots, got, state)
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+            pool.free(blocks, slots)
+            log.warning("a cached prefix pulled from %s was malformed and is dropped: %s", source, e)
+            return 0
         result = cache.insert(hashes[have : have + len(got)], blocks, {len(got) - 1: slots[0]} if linear else None,
                               parent=hashes[have - 1] if have else ROOT_HASH)
         pool.free(blocks, [s for s in slots if len(got) - 1 not in result.adopted])
         log.info("pulled %d cached tokens from %s", len(got) * bs, source)
         return len(got) * bs
+
+    def _fill(self, blocks: list[int], slots: list[int], got: list[dict], state: Any) -> None:
+        """Copy pulled items into ``blocks`` (K/V) and ``slots[0]`` (linear states). Raises
+        ``ValueError``/``TypeError``/``KeyError``/``IndexError``/``RuntimeError`` for a malformed item."""
+        store = self.store
+        shape = (store.kv_heads, self.block_size, store.head_dim)
+        for b, it in zip(blocks, got):
+            kv = it["kv"]
+            if not isinstance(kv, list) or len(kv) != len(store.attn_layers):
+                raise ValueError("an item's kv does not name every attention layer")
+            for i, kb, vb in kv:
+                store.k[i][:, b].copy_(_tensor_of(kb, store.dtype, shape))
+                store.v[i][:, b].copy_(_tensor_of(vb, store.dtype, shape))
+        for i, name, data in state or []:
+            dst = store.states[i][name][slots[0]]
+            dst.copy_(_tensor_of(data, dst.dtype, tuple(dst.shape)))
 
     def match(self, input_ids: list[int]) -> Hit:
         """The longest cached prefix this worker can resume from (pinned until :meth:`Hit.unpin`), and
@@ -204,7 +223,10 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def _tensor_of(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor view of ``data`` (bytes from :func:`_tensor_bytes`). Raises ``ValueError`` on a size mismatch."""
+    """A tensor view of ``data`` (bytes from :func:`_tensor_bytes`). Raises ``ValueError`` on a size
+    mismatch or when ``data`` is not bytes."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"expected {math.prod(shape) * dtype.itemsize} bytes of {dtype}, got {type(data).__name__}")
     t = torch.frombuffer(bytearray(data), dtype=dtype)
     if t.numel() != math.prod(shape):
         raise ValueError(f"{len(data)} bytes do not make a {dtype} tensor of shape {shape}")

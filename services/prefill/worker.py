@@ -42,7 +42,7 @@ from common.kv.prefix_cache import PrefixCache
 from common.model.backend import Backend, PrefillCancelled
 from common.model.logits import MAX_PROMPT_LOGPROB_BYTES, PromptLogprobs, prompt_logprobs
 from common.model.prompt import validate_prompt
-from common.model.sampling import SamplingParams, sample_token
+from common.model.sampling import SamplingParams, check_wire_sampling, sample_token
 from common.rpc.client import ClientPool
 from common.rpc.errors import RpcError
 from common.rpc.schema import takes
@@ -57,8 +57,18 @@ from services.prefill.prefix import Hit, PrefillPrefix
 log = logging.getLogger("prfaas.prefill")
 
 
+MAX_LINKS = 64  # KV links (decode peers) held at once; past it the least recently used idle one is closed
+LINK_IDLE_S = 300.0  # a link that carried no transfer this long is closed (its decode worker may be gone)
+
+
 class PrefillWorker:
-    """Serves ``prefill`` over RPC and streams KVCache to decode workers; ``chunk_bytes`` per KV frame."""
+    """Serves ``prefill`` over RPC and streams KVCache to decode workers; ``chunk_bytes`` per KV frame.
+
+    KV links (one per decode worker's KV address, named by the caller) are bounded: at most
+    :data:`MAX_LINKS`; one whose receiver could not be reached is dropped when its transfer fails,
+    one idle for :data:`LINK_IDLE_S` is closed, so an address nobody listens on never keeps a link
+    (and its dialling) alive.
+    """
 
     def __init__(self, backend: Backend, name: str, *, prefill_chunk_tokens: int = 0, kv_stream: str = "layer",
                  prefix_cache_bytes: int = 1 << 30, block_size: int = 16, checkpoint_every: int = 32,
@@ -75,7 +85,10 @@ class PrefillWorker:
         self.faults = Faults()
         self._slot = asyncio.Semaphore(2)  # stage permits: one computing (or draining) and one staged
         self._accelerator = threading.Lock()  # one compute at a time; taken and released in compute threads
-        self._links: dict[str, KvLink] = {}
+        self._links: dict[str, KvLink] = {}  # by KV address, least recently used first
+        self._link_used: dict[str, float] = {}
+        self._link_users: dict[str, int] = {}  # prefill calls holding each link (never closed under them)
+        self.links_dropped = 0
         self.waiting = 0
         self.running = 0
         self.kv_bytes_inflight = 0
@@ -97,25 +110,62 @@ class PrefillWorker:
             "waiting": self.waiting, "running": self.running, "kv_bytes_inflight": self.kv_bytes_inflight,
             "completed": self.completed, "cancelled": self.cancelled, "prompt_tokens": self.prompt_tokens,
             "links": self.link_stats(), "request_tasks": service.live_call_tasks("prefill"),
+            "kv_links_dropped": self.links_dropped,
+            "prefix_pool_pages_used": self.prefix.store.pool.stats()["pages_used"] if self.prefix is not None else 0,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_pulled_tokens": self.prefix_pulled_tokens,
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,
         }
 
-    def _link(self, kv_addr: str) -> KvLink:
-        link = self._links.get(kv_addr)
+    async def _link(self, kv_addr: str) -> KvLink:
+        """The link to ``kv_addr``, made on first use; first closes links idle past :data:`LINK_IDLE_S`
+        and, at :data:`MAX_LINKS`, the least recently used idle one. Raises :class:`RpcError`
+        ``overloaded`` when every link carries a transfer, ``bad_request`` for a malformed address."""
+        now = time.monotonic()
+        for addr in list(self._links):
+            if addr != kv_addr and self._idle(addr) and now - self._link_used.get(addr, now) > LINK_IDLE_S:
+                await self._drop_link(addr, "idle")
+        link = self._links.pop(kv_addr, None)
         if link is None:
-            link = KvLink(kv_addr, name=self.name, fingerprint=self.fingerprint, **self.link_options)
-            self._links[kv_addr] = link
+            if len(self._links) >= MAX_LINKS:
+                idle = next((a for a in self._links if self._idle(a)), None)
+                if idle is None:
+                    raise RpcError(ErrorCode.OVERLOADED, f"{self.name} streams to {len(self._links)} decode workers, its "
+                                   "limit", retry_after=1)
+                await self._drop_link(idle, "least recently used")
+            try:
+                link = KvLink(kv_addr, name=self.name, fingerprint=self.fingerprint, **self.link_options)
+            except ValueError as e:
+                raise RpcError(ErrorCode.BAD_REQUEST, f"kv_addr: {e}") from None
+        self._links[kv_addr] = link  # re-inserted: most recently used last
+        self._link_used[kv_addr] = now
         return link
+
+    def _idle(self, addr: str) -> bool:
+        """No transfer on the link and no prefill call holding it."""
+        return not self._links[addr].transfers and not self._link_users.get(addr)
+
+    async def _drop_link(self, addr: str, why: str) -> None:
+        link = self._links.pop(addr, None)
+        self._link_used.pop(addr, None)
+        if link is not None:
+            self.links_dropped += 1
+            log.info("closing the KV link to %s (%s)", addr, why)
+            await link.close()
+
+    async def _forget_dead_link(self, kv_addr: str) -> None:
+        """After a failed transfer: drop the link if it has no live connection and carries nothing."""
+        link = self._links.get(kv_addr)
+        if link is not None and not link._live() and self._idle(kv_addr):
+            await self._drop_link(kv_addr, "its receiver could not be reached")
 
     def link_stats(self) -> dict[str, Any]:
         """Congestion signals of every KV link, keyed by the receiver's address."""
         return {addr: link.snapshot() for addr, link in self._links.items()}
 
     async def close(self) -> None:
-        for link in self._links.values():
-            await link.close()
+        for addr in list(self._links):
+            await self._drop_link(addr, "shutting down")
         await self._peers.close()
 
     @takes(InjectFaultArgs)
@@ -139,8 +189,8 @@ class PrefillWorker:
         :data:`MAX_PROMPT_LOGPROB_BYTES`)."""
         req_id, kv_addr = args.req_id, args.kv_addr
         try:
-            sampling = SamplingParams.from_wire(args.sampling)
-        except (KeyError, TypeError, ValueError) as e:
+            sampling = check_wire_sampling(SamplingParams.from_wire(args.sampling))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed prefill request: {e}") from None
         input_ids = validate_prompt(args.input_ids, self.vocab_size, self.backend.loaded.max_model_len)
         kv_from = args.kv_from
@@ -159,6 +209,20 @@ class PrefillWorker:
         if args.prefix_source and self.prefix is not None:
             self.prefix_pulled_tokens += await self.prefix.pull(self._peers.get(args.prefix_source), args.prefix_source,
                                                                 input_ids)
+        link = await self._link(kv_addr)
+        self._link_users[kv_addr] = self._link_users.get(kv_addr, 0) + 1
+        try:
+            return await self._prefill_on(link, req_id, input_ids, sampling, kv_from, prompt_len)
+        finally:
+            self._link_users[kv_addr] -= 1
+            if not self._link_users[kv_addr]:
+                del self._link_users[kv_addr]
+            await self._forget_dead_link(kv_addr)
+
+    async def _prefill_on(self, link: KvLink, req_id: str, input_ids: list[int], sampling: SamplingParams,
+                          kv_from: int, prompt_len: int) -> dict[str, Any]:
+        """The rest of :meth:`prefill` once its link is chosen: connect it, wait for the compute slot, run."""
+        await link.ensure_connected()  # before the slot: a receiver nobody can reach must not cost another request its turn
         self.waiting += 1
         started = [False]
 
@@ -180,7 +244,7 @@ class PrefillWorker:
                 self._slot.release()
         delivered = [False]  # set once KV_DONE (with the first token) has been written
         try:
-            result = await self._run(req_id, input_ids, sampling, kv_addr, kv_from, release_slot, delivered, prompt_len,
+            result = await self._run(req_id, input_ids, sampling, link, kv_from, release_slot, delivered, prompt_len,
                                      on_start)
             self.completed += 1
             self.prompt_tokens += len(input_ids)
@@ -218,10 +282,10 @@ class PrefillWorker:
         finally:
             self._accelerator.release()
 
-    async def _run(self, req_id: str, input_ids: list[int], sampling: SamplingParams, kv_addr: str,
+    async def _run(self, req_id: str, input_ids: list[int], sampling: SamplingParams, link: KvLink,
                    kv_from: int = 0, release_slot=lambda: None, delivered: list[bool] | None = None,
                    prompt_len: int | None = None, on_start=lambda: None) -> dict[str, Any]:
-        """Compute the prefill, streaming each layer's KVCache to ``kv_addr``, and sample the first
+        """Compute the prefill, streaming each layer's KVCache over ``link``, and sample the first
         token of each of ``sampling.n`` branches (``input_ids[prompt_len:]`` count as generated
         output for the penalties). With ``sampling.prompt_logprobs`` the same pass computes every
         prompt token's logprob (the prefix cache is then not used: every position's logits are
@@ -231,7 +295,6 @@ class PrefillWorker:
         trip the compute need not wait for). The link's in-flight bound keeps that overlap's memory
         bounded. ``delivered[0]`` is set to whether ``KV_DONE`` was written, once ``finish`` returns or
         raises."""
-        link = self._link(kv_addr)
         loop = asyncio.get_running_loop()
         ready: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()

@@ -15,11 +15,17 @@ from typing import Annotated, Literal
 import msgspec
 
 from common.rpc.schema import U64
-from services.planner.messages import Cluster, Role
+from services.planner.messages import Cluster, Name, Role
+from services.router.breaker import OUTCOMES
 from services.router.kv_index import check_hash
 
 BlockHash = U64  # a chained block hash
-NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+ReqId = Annotated[str, msgspec.Meta(max_length=256)]
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Exclusions = Annotated[list[Name], msgspec.Meta(max_length=256)]
+Outcome = Literal[OUTCOMES]  # type: ignore[valid-type]
 Event = tuple[int, Literal["stored", "evicted"], BlockHash, BlockHash | None]  # (seq, kind, hash, parent)
 
 
@@ -32,12 +38,12 @@ class PlaceArgs(msgspec.Struct):
     this request. ``req_id`` "" places without a lease (nothing to ``release``).
     """
 
-    prompt_len: int
-    req_id: str = ""
+    prompt_len: Tokens
+    req_id: ReqId = ""
     block_hashes: list[BlockHash] | None = None
-    block_size: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    exclude_decode: list[str] = []
-    exclude_prefill: list[str] = []
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
+    exclude_decode: Exclusions = []
+    exclude_prefill: Exclusions = []
 
     def __post_init__(self) -> None:
         if self.block_hashes is None:
@@ -52,9 +58,12 @@ class PlaceArgs(msgspec.Struct):
 
 
 class ReleaseArgs(msgspec.Struct):
-    """``release``: request ``req_id`` is done; lower its workers' in-flight counts."""
+    """``release``: request ``req_id``'s attempt is done; lower its workers' in-flight counts.
+    ``outcome`` (what the caller saw) feeds the workers' circuit breakers: ``ok``, ``decode_failed``
+    (the decode worker was unreachable or its stream broke), ``prefill_failed``; None: no verdict."""
 
-    req_id: str = ""
+    req_id: ReqId = ""
+    outcome: Outcome | None = None
 
 
 class KvNodeArgs(msgspec.Struct):
@@ -72,21 +81,21 @@ class KvEventsArgs(KvNodeArgs):
     (for an empty batch, the seq it will use next); ``complete`` False when its log overflowed;
     ``block_size`` (tokens) the size its hashes cover, when it says."""
 
-    first_seq: int
-    events: list[Event]
+    first_seq: Seq
+    events: Annotated[list[Event], msgspec.Meta(max_length=1 << 16)]
     complete: bool = True
-    block_size: int | None = None
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
 
 
 class KvResyncArgs(KvNodeArgs):
     """``kv_resync``: part ``part`` (0, 1, ...) of the node's cache snapshot as of event ``seq``,
     ``entries`` its ``(hash, parent)`` pairs; ``last`` on the final part."""
 
-    seq: int
+    seq: Seq
     entries: list[tuple[BlockHash, BlockHash | None]]
-    part: int = 0
+    part: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
     last: bool = True
-    block_size: int | None = None
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
 
 
 class SetBandwidthArgs(msgspec.Struct):
@@ -98,7 +107,7 @@ class SetBandwidthArgs(msgspec.Struct):
 class SetThresholdArgs(msgspec.Struct):
     """``set_threshold``: the routing threshold ``t`` in tokens."""
 
-    threshold: Annotated[int, msgspec.Meta(ge=0)]
+    threshold: Tokens
 
 
 class StatsArgs(msgspec.Struct):

@@ -45,6 +45,7 @@ from common.runtime import service
 from proto.frames import ErrorCode
 from services.planner.messages import CLUSTERS
 from services.router import placement
+from services.router.breaker import Breakers
 from services.router.kv_index import KvIndex
 from services.router.leases import Leases
 from services.router.messages import (
@@ -61,6 +62,12 @@ log = logging.getLogger("prfaas.router")
 
 RECENT_LENGTHS = 2000  # placements whose incremental length ``stats`` can report
 MAX_SNAPSHOT_ENTRIES = 1 << 22  # entries (blocks) one node's snapshot may hold; bounds a pending snapshot's memory
+MAX_PLACED = 1 << 16  # leases held at once; past it the oldest lease is released (a gateway that never releases)
+MAX_NODES = 1024  # workers whose prefix cache the index may hold
+# Who may call what, when peers authenticate (common.rpc.credentials); the rest is open to every role.
+ALLOW = {"place": {"gateway"}, "release": {"gateway"}, "prefill_done": {"gateway"}, "kv_events": {"worker"},
+         "kv_resync": {"worker"},
+         "set_threshold": {"planner"}, "set_bandwidth": {"planner"}}
 
 
 @dataclass
@@ -87,7 +94,8 @@ class Router:
 
     def __init__(self, planner_addr: str, threshold: int, name: str = "router", refresh: float = 0.5, release_after: float = 3600.0,
                  bandwidth_plentiful: bool = False, forget_after: float = 10.0,
-                 prefill_fixed_tokens: dict[str, float] | None = None):
+                 prefill_fixed_tokens: dict[str, float] | None = None, breakers: Breakers | None = None,
+                 insecure: Any = None):
         self.threshold = threshold
         self.refresh = refresh
         self.release_after = release_after
@@ -99,6 +107,8 @@ class Router:
         self.leases = Leases()
         self.inflight = self.leases.inflight  # worker name -> requests (see Leases), read by placement
         self.prefill_fixed_tokens = dict(prefill_fixed_tokens or {})
+        self.breakers = breakers or Breakers()
+        self._missing: dict[str, float] = {}  # indexed node -> when it was first missing from the planner's view
         self.decisions: Counter[str] = Counter()
         self.fallbacks = 0
         self.index = KvIndex()
@@ -116,6 +126,7 @@ class Router:
                       "stats": self.stats, "health": self.health,
                       "set_threshold": self.set_threshold, "set_bandwidth": self.set_bandwidth, "kv_events": self.kv_events,
                       "kv_resync": self.kv_resync},
+            allow=ALLOW, **({} if insecure is None else {"insecure": insecure}),
         )
         self._task: asyncio.Task | None = None
 
@@ -135,14 +146,17 @@ class Router:
             await asyncio.sleep(self.refresh)
 
     async def refresh_view(self) -> None:
-        view = await self.planner.call("view", timeout=2.0)
+        view = await self.planner.call("view", {"brief": True}, timeout=2.0)
         self.workers = view["workers"]
         self.view_at = time.monotonic()
+        self.breakers.retain({w["name"] for w in self.workers})
         self._forget_dead()
 
     def _expire_leases(self) -> None:
-        for req_id in self.leases.expire(time.monotonic(), self.release_after):
+        now = time.monotonic()
+        for req_id in [r for r, lease in self.leases.by_req.items() if now - lease.at > self.release_after]:
             log.warning("lease of %s expired without release", req_id)
+            self._end(req_id)
 
     # -- global KVCache index ----------------------------------------------------------------
     def _forget(self, node: str) -> None:
@@ -152,14 +166,31 @@ class Router:
         self._pending.pop(node, None)
 
     def _forget_dead(self) -> None:
-        """Drop the cache of every indexed worker the planner has reported dead for ``forget_after`` s.
-        A worker missing from the view (e.g. the planner restarted) is kept: it re-registers soon."""
+        """Drop the cache of every indexed worker the planner has reported dead for ``forget_after`` s,
+        and of every one missing from the view for ``10 * forget_after`` s (a restarted planner's
+        workers re-register within seconds; one the planner forgot, or that never registered, goes)."""
+        now = time.monotonic()
+        seen = set()
         for w in self.workers:
             name = w.get("name")
+            seen.add(name)
             if name in self.kv_epochs and not w.get("alive") and float(w.get("age_s") or 0) > self.forget_after:
                 log.info("forgetting %s's prefix cache: dead for %.1fs", name, float(w.get("age_s") or 0))
                 self._forget(name)
                 self.forgotten += 1
+        for node in list(self.kv_epochs):
+            if node in seen:
+                self._missing.pop(node, None)
+            elif now - self._missing.setdefault(node, now) > 10 * self.forget_after:
+                log.info("forgetting %s's prefix cache: not in the planner's view for %.0fs", node, now - self._missing[node])
+                self._forget(node)
+                self._missing.pop(node, None)
+                self.forgotten += 1
+
+    def _check_node(self, node: str) -> None:
+        """Refuse (``overloaded``) a new node once the index holds :data:`MAX_NODES` of them."""
+        if node not in self.kv_epochs and node not in self._pending and len(self.kv_epochs) + len(self._pending) >= MAX_NODES:
+            raise RpcError(ErrorCode.OVERLOADED, f"the KV index holds {MAX_NODES} nodes, its limit", retry_after=5)
 
     def _indexed(self, args: KvEventsArgs | KvResyncArgs) -> None:
         """The index now holds ``args.node``'s cache of ``args.epoch`` (hashed in ``block_size`` blocks)."""
@@ -174,6 +205,7 @@ class Router:
         start at seq 1). A new epoch first drops the node's old cache: a restarted worker's seqs
         start at 1 again and must replace, not be skipped as re-deliveries."""
         node = args.node
+        self._check_node(node)
         known = self.kv_epochs.get(node)
         if known is not None and known != args.epoch:
             log.info("%s restarted (epoch %s -> %s): dropping its indexed cache", node, known, args.epoch)
@@ -194,6 +226,7 @@ class Router:
         router restarted between parts) the partial snapshot is dropped and ``{resync: true}`` asks
         for a fresh one. A snapshot over ``MAX_SNAPSHOT_ENTRIES`` entries is dropped as ``bad_request``."""
         node, seq = args.node, args.seq
+        self._check_node(node)
         if args.part == 0:
             self._pending[node] = _PendingSnapshot(args.epoch, seq, args.cluster, args.role)
         pending = self._pending.get(node)
@@ -237,12 +270,9 @@ class Router:
         if args.block_hashes is not None:
             self._check_block_size(args.block_size)
             blocks = self.index.lookup(args.block_hashes)
+        self._end(args.req_id)  # the same request placed again: its old lease ends here, and any probe it was
         try:
-            p = placement.place_request(
-                args.prompt_len, self.threshold, self.workers, self.inflight,
-                exclude_decode=set(args.exclude_decode), exclude_prefill=set(args.exclude_prefill),
-                block_size=args.block_size, prefix_blocks=blocks, bandwidth_plentiful=self.bandwidth_plentiful,
-                prefill_work=self.leases.prefill_work)
+            p = self._place(args, blocks)
         except placement.NoWorker as e:
             excluded = sorted(set(args.exclude_decode if e.role == "decode" else args.exclude_prefill))
             why = f"no alive {e.role} worker is left outside the excluded ones ({', '.join(excluded)})" if excluded else str(e)
@@ -254,7 +284,13 @@ class Router:
         self.fallbacks += p.fell_back
         self._count_prefix(args.prompt_len, p)
         work = p.incremental_len + self.prefill_fixed_tokens.get(p.prefill["cluster"], 0.0)
-        self.leases.place(args.req_id, p.prefill["name"], p.decode["name"], work, time.monotonic())
+        now = time.monotonic()
+        if args.req_id:  # only a lease can be released: without one nothing is counted, and nothing probes
+            if len(self.leases.by_req) >= MAX_PLACED:
+                self._end(next(iter(self.leases.by_req)))
+            self.leases.place(args.req_id, p.prefill["name"], p.decode["name"], work, now)
+            for n in (p.prefill["name"], p.decode["name"]):
+                self.breakers.get(n).placed(now)
         log.info("route=%s req=%s prefill=%s decode=%s %s", p.route, args.req_id, p.prefill["name"], p.decode["name"], p.reason)
         return {
             "route": p.route,
@@ -270,6 +306,25 @@ class Router:
             "prefix_move": list(p.prefix_move) if p.prefix_move else None,
             "prefix_source": p.prefix_source,
         }
+
+    def _place(self, args: PlaceArgs, blocks: dict[str, int] | None) -> placement.Placement:
+        """:func:`placement.place_request` avoiding the request's exclusions and the workers whose
+        breaker is open (or half-open with its probe out), unless that leaves a role with no worker:
+        then that role's breakers are ignored (see :mod:`services.router.breaker`)."""
+        blocked = self.breakers.blocked([w["name"] for w in self.workers], time.monotonic())
+        use = {"decode": bool(blocked), "prefill": bool(blocked)}
+        while True:
+            try:
+                return placement.place_request(
+                    args.prompt_len, self.threshold, self.workers, self.inflight,
+                    exclude_decode=set(args.exclude_decode) | (blocked if use["decode"] else set()),
+                    exclude_prefill=set(args.exclude_prefill) | (blocked if use["prefill"] else set()),
+                    block_size=args.block_size, prefix_blocks=blocks, bandwidth_plentiful=self.bandwidth_plentiful,
+                    prefill_work=self.leases.prefill_work)
+            except placement.NoWorker as e:
+                if not use.get(e.role):
+                    raise
+                use[e.role] = False
 
     def _count_prefix(self, prompt_len: int, p: placement.Placement) -> None:
         c = self.prefix_counts
@@ -299,11 +354,20 @@ class Router:
         log.info("threshold changed from %d to %d tokens", old, t)
         return {"threshold": t, "previous": old}
 
+    def _end(self, req_id: str, outcome: str | None = None) -> bool:
+        """End ``req_id``'s lease, feeding ``outcome`` to its workers' breakers; False when not held."""
+        lease = self.leases.by_req.get(req_id)
+        if lease is None:
+            return False
+        self.breakers.record((lease.prefill, lease.decode), outcome, time.monotonic())
+        return self.leases.release(req_id)
+
     @takes(ReleaseArgs)
     async def release(self, args: ReleaseArgs) -> dict[str, Any]:
-        """Request ``req_id`` is done: lower its workers' in-flight counts (``released`` False when
-        the router holds no lease for it, e.g. it expired or the router restarted)."""
-        return {"released": self.leases.release(args.req_id)}
+        """Request ``req_id``'s attempt is done: lower its workers' in-flight counts and feed its
+        ``outcome`` to their breakers (``released`` False when the router holds no lease for it,
+        e.g. it expired or the router restarted)."""
+        return {"released": self._end(args.req_id, args.outcome)}
 
     @takes(ReleaseArgs)
     async def prefill_done(self, args: ReleaseArgs) -> dict[str, Any]:
@@ -324,6 +388,8 @@ class Router:
             "threshold_tokens": self.threshold,
             "inflight": dict(self.inflight),
             "prefill_work": dict(self.leases.prefill_work),
+            "leases": len(self.leases.by_req),
+            "breakers": self.breakers.state(),
             "prefix": {
                 "requests": c["requests"], "prompt_tokens": c["prompt_tokens"],
                 "hit_tokens": {cluster: self.hit_tokens.get(cluster, 0) for cluster in CLUSTERS},
@@ -348,7 +414,8 @@ class Router:
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     planner_addr = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
     router = Router(planner_addr, args.threshold, args.name, bandwidth_plentiful=args.bandwidth_plentiful,
-                    forget_after=args.forget_after, prefill_fixed_tokens=dict(args.prefill_fixed_tokens))
+                    forget_after=args.forget_after, prefill_fixed_tokens=dict(args.prefill_fixed_tokens),
+                    insecure=args.insecure, breakers=Breakers(args.breaker_failures, args.breaker_cooldown))
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_ROUTER_ADDR"))
     await router.server.start(host, port)
     router.start()
@@ -389,7 +456,13 @@ def main() -> None:
                    help="the fixed cost of one prefill on CLUSTER's hardware in token-equivalents (the intercept over the "
                         "slope of its prefill-time profile), added to each request's l in the queued work that picks the "
                         "prefill worker; repeatable (default 0: work is the incremental tokens alone)")
+    p.add_argument("--breaker-failures", type=int, default=3,
+                   help="failures in a row that callers saw on a worker before its circuit breaker opens")
+    p.add_argument("--breaker-cooldown", type=float, default=5.0,
+                   help="seconds an open breaker keeps its worker out of placement before one probe request (doubling "
+                        "while probes fail, up to 60)")
     p.add_argument("--name", default="router")
+    service.add_insecure_flag(p)
     args = p.parse_args()
     service.setup_logging("router")
     service.run(lambda stop: amain(args, stop))

@@ -20,6 +20,8 @@ from services.gateway.openai.fields import (
 from services.gateway.openai.request import GenerateRequest, ModelContext
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_MESSAGES = 2048  # OpenAI's own limit on a chat request's messages
+MAX_CONTENT_PARTS = 256  # text parts of one message
 
 
 def _message_content(content: Any, role: str, i: int) -> str:
@@ -31,6 +33,8 @@ def _message_content(content: Any, role: str, i: int) -> str:
             return ""
         raise bad_request(f"'{param}' is required for role '{role}'.", param=param)
     if isinstance(content, list):
+        if len(content) > MAX_CONTENT_PARTS:
+            raise bad_request(f"'{param}' may hold at most {MAX_CONTENT_PARTS} parts, got {len(content)}.", param=param)
         texts: list[str] = []
         for j, part in enumerate(content):
             pp = f"{param}[{j}]"
@@ -62,6 +66,8 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
         raise bad_request(f"'messages' must be an array, got {type_name(messages)}.", param="messages")
     if not messages:
         raise bad_request("'messages' must not be empty.", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(f"'messages' may hold at most {MAX_MESSAGES} messages, got {len(messages)}.", param="messages")
     out: list[dict[str, str]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):

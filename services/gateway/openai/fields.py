@@ -22,6 +22,7 @@ from services.gateway.openai.controls import Controls, check_against_prompt, par
 from services.gateway.openai.request import GenerateRequest, ModelContext, OpenAIError
 
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 1024  # per stop string; the decode worker accepts up to 4096 (common.model.sampling)
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**63 - 1
 
@@ -59,9 +60,9 @@ def load_object(body: bytes | bytearray | memoryview | str) -> dict[str, Any]:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise bad_request(f"Request body is not valid JSON: {e}") from None
+        raise bad_request(f"Request body is not valid JSON: {e}", param="body") from None
     if not isinstance(data, dict):
-        raise bad_request(f"Request body must be a JSON object, got {type_name(data)}.")
+        raise bad_request(f"Request body must be a JSON object, got {type_name(data)}.", param="body")
     return data
 
 
@@ -139,6 +140,8 @@ def _parse_stop(data: dict[str, Any]) -> tuple[str, ...]:
             raise bad_request(f"'stop' entries must be strings, got {type_name(s)}.", param="stop")
         if not s:
             raise bad_request("'stop' entries must be non-empty strings.", param="stop")
+        if len(s) > MAX_STOP_CHARS:
+            raise bad_request(f"'stop' entries may be at most {MAX_STOP_CHARS} characters long, got {len(s)}.", param="stop")
     return tuple(v)
 
 

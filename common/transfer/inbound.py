@@ -1,0 +1,296 @@
+"""One KV sender's connection as the receiver reads it (:class:`KvConnection`, an
+``asyncio.BufferedProtocol``): the handshake (HELLO, then AUTH when the listener authenticates, each
+frame at most ``PRE_AUTH_MAX_HEADER`` bytes of header and no payload until then), then frames whose
+payloads land straight in their transfer's memory, and :func:`check_done`, the checks of a
+``KV_DONE`` header. Every number of a KV header is read with :mod:`proto.values`; a bad one fails
+only its own transfer (``KV_ABORT``), never the connection other transfers use.
+
+Ownership: the :class:`~common.transfer.receiver.KvReceiver` owns its connections (its
+``connections`` set) and the reservations their frames land in; a connection owns only its
+buffers and its handshake timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from common.kv.layout import KvError
+from common.rpc.handshake import hello_timeout_frame
+from common.rpc.limits import set_keepalive
+from common.transfer.assembly import KvAssembly
+from proto.frames import (
+    MAGIC,
+    PRE_AUTH_MAX_HEADER,
+    PREFIX,
+    PREFIX_SIZE,
+    VERSION,
+    BadMagic,
+    ErrorCode,
+    FrameTooLarge,
+    Kind,
+    ProtocolError,
+    UnknownKind,
+    UnsupportedVersion,
+    encode_error,
+    encode_frame,
+    parse_header,
+)
+from proto.values import BadValue, wire_int
+
+if TYPE_CHECKING:
+    from common.transfer.receiver import KvReceiver
+
+log = logging.getLogger("prfaas.kv.recv")
+
+MAX_BRANCHES = 64  # first tokens one KV_DONE may carry (sampling.n branches; the gateway allows 16)
+
+
+def check_done(h: dict[str, Any]) -> dict[str, Any]:
+    """A ``KV_DONE`` header with its numbers checked: ``first_token`` an int in ``[0, 2**31)`` (the
+    vocabulary bound is the owner's to check), ``first_tokens`` (if present) at most
+    :data:`MAX_BRANCHES` such ints, ``first_logprobs`` (if present) a list as long, ``prompt_len`` an int
+    if present, ``timings`` a map (anything else is dropped). Raises :class:`BadValue`."""
+    out = {"req_id": h["req_id"], "first_token": wire_int(h["first_token"], "first_token", 0, 2**31 - 1)}
+    if h.get("prompt_len") is not None:
+        out["prompt_len"] = wire_int(h["prompt_len"], "prompt_len", 0, 2**31 - 1)
+    for field in ("first_tokens", "first_logprobs"):
+        v = h.get(field)
+        if v is not None:
+            if not isinstance(v, list) or not 1 <= len(v) <= MAX_BRANCHES:
+                raise BadValue(field, f"expected a list of 1 to {MAX_BRANCHES} entries")
+            out[field] = [wire_int(t, field, 0, 2**31 - 1) for t in v] if field == "first_tokens" else v
+    if isinstance(h.get("timings"), dict):
+        out["timings"] = h["timings"]
+    return out
+
+
+_PREFIX, _HEADER, _PAYLOAD, _DISCARD = range(4)
+_HELLO, _AUTH, _READY = range(3)  # handshake state of a connection
+
+
+class KvConnection(asyncio.BufferedProtocol):
+    """One sender connection. A small state machine: prefix -> header -> payload (into the layer
+    buffer, or discarded) -> prefix ... ``get_buffer`` never offers more than the current part, so a
+    read never crosses a frame boundary."""
+
+    def __init__(self, rx: KvReceiver):
+        self.rx = rx
+        self.transport: asyncio.Transport | None = None
+        self.small = bytearray(max(PREFIX_SIZE, 64 << 10))
+        self.state = _PREFIX
+        self.pos = 0
+        self.need = PREFIX_SIZE
+        self.hello_state = _HELLO
+        self.challenge = None  # the open challenge the peer's AUTH must answer
+        self.peer_name = "?"
+        self.last_rx = time.monotonic()
+        self.kind: Kind | None = None
+        self.header_len = 0
+        self.payload_len = 0
+        self.header: dict[str, Any] = {}
+        self.pieces: list[memoryview] = []  # the current payload's destination, filled in order
+        self.piece_i = 0
+        self.piece_pos = 0
+        self.scratch = bytearray(1 << 16)
+        self.target: tuple[KvAssembly, int, int] | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def authenticated(self) -> bool:
+        """The handshake is over (HELLO accepted and, with authentication on, AUTH checked)."""
+        return self.hello_state == _READY
+
+    # asyncio protocol callbacks ------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        rx = self.rx
+        if len(rx.connections) >= rx.limits.max_connections or rx.handshaking() >= rx.limits.max_unauthenticated:
+            rx.counters["refused_connections"] += 1
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        sock = transport.get_extra_info("socket")
+        set_keepalive(sock)
+        if sock is not None and rx.socket_buffer_bytes > 0:
+            # A fixed, large receive buffer: with the kernel's autotuned one, sender and receiver take
+            # turns (each ~50% busy) and goodput halves; the kernel caps the request at rmem_max.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rx.socket_buffer_bytes)
+        rx.connections.add(self)
+        self._hello_timer = asyncio.get_running_loop().call_later(rx.handshake_timeout_s, self._hello_overdue)
+
+    def _hello_overdue(self) -> None:
+        if self.hello_state != _READY and self.transport is not None:
+            self.send(hello_timeout_frame())
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        self.rx.connections.discard(self)
+
+    def send(self, data: bytes) -> None:
+        """Write a frame; a peer that does not read (over ``max_write_buffer`` bytes queued) is cut off."""
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.write(data)
+            if t.get_write_buffer_size() > self.rx.limits.max_write_buffer:
+                log.warning("%s: KV peer %s does not read; closing", self.rx.name, self.peer_name)
+                t.abort()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.state == _PAYLOAD:
+            if not self.target[0].closed:
+                return self.pieces[self.piece_i][self.piece_pos :]
+            # Its owner released the transfer mid-frame: the memory may belong to someone else now.
+            self.state, self.target, self.pieces = _DISCARD, None, []
+            self.rx.counters["dropped_frames"] += 1
+        if self.state == _DISCARD:
+            return memoryview(self.scratch)[: min(len(self.scratch), self.need - self.pos)]
+        return memoryview(self.small)[self.pos : self.need]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.pos += nbytes
+        self.last_rx = time.monotonic()  # any byte counts: a long payload on a slow link is not idle
+        if self.state == _PAYLOAD:
+            self.piece_pos += nbytes
+            if self.piece_pos == self.pieces[self.piece_i].nbytes and self.piece_i + 1 < len(self.pieces):
+                self.piece_i, self.piece_pos = self.piece_i + 1, 0
+        if self.pos < self.need:
+            return
+        try:
+            self._advance()
+        except ProtocolError as e:
+            log.warning("%s: bad frame from KV peer %s: %s", self.rx.name, self.peer_name, e)
+            self.send(encode_error(e.code, str(e)))
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        return False
+
+    # state machine --------------------------------------------------------------------------
+    def _expect(self, state: int, need: int) -> None:
+        self.state, self.pos, self.need = state, 0, need
+
+    def _advance(self) -> None:
+        if self.state == _PREFIX:
+            magic, version, kind_no, self.header_len, self.payload_len = PREFIX.unpack_from(self.small, 0)
+            if magic != MAGIC:
+                raise BadMagic(bytes(magic))
+            if version != VERSION:
+                raise UnsupportedVersion(version)
+            try:
+                self.kind = Kind(kind_no)
+            except ValueError:
+                raise UnknownKind(kind_no) from None
+            max_header = min(self.rx.max_header, len(self.small)) if self.hello_state == _READY else PRE_AUTH_MAX_HEADER
+            if self.header_len > max_header:
+                raise FrameTooLarge("header", self.header_len, max_header)
+            if (self.kind is not Kind.KV_LAYER or self.hello_state != _READY) and self.payload_len > 0:
+                raise FrameTooLarge("payload", self.payload_len, 0)
+            if self.payload_len > self.rx.max_payload:
+                raise FrameTooLarge("payload", self.payload_len, self.rx.max_payload)
+            self._expect(_HEADER, self.header_len)
+            if self.header_len == 0:
+                self._advance()
+        elif self.state == _HEADER:
+            self.header = parse_header(self.kind, bytes(self.small[: self.header_len]), self.rx.max_header)
+            self._on_header()
+        elif self.state == _PAYLOAD:
+            asm, layer, offset = self.target
+            now = time.monotonic()
+            asm.commit(layer, offset, self.payload_len, now)
+            self.rx.counters["bytes_received"] += self.payload_len
+            self.rx.maybe_ack(self, asm)
+            self.pieces, self.target = [], None
+            self._expect(_PREFIX, PREFIX_SIZE)
+        elif self.state == _DISCARD:
+            self._expect(_PREFIX, PREFIX_SIZE)
+
+    def _handshake(self, kind: Kind, h: dict[str, Any]) -> bool:
+        """The HELLO, then (with authentication on) the AUTH; False when the peer was refused (closed)."""
+        if self.hello_state == _HELLO:
+            answer = self.rx.hello.answer(kind, h)
+            self.peer_name = answer.peer_name
+            self.send(answer.reply)
+            if answer.accepted:
+                self.challenge = answer.challenge
+                self.hello_state = _AUTH if answer.challenge is not None else _READY
+                return True
+            if kind is Kind.HELLO:
+                self.rx.counters["refused_peers"] += 1
+        else:
+            role, refusal = self.rx.hello.check_auth(self.challenge, kind, h, self.peer_name)
+            if role is not None:
+                self.hello_state, self.challenge = _READY, None
+                return True
+            self.rx.counters["refused_peers"] += 1
+            self.send(refusal)
+        self.transport.close()
+        return False
+
+    def _on_header(self) -> None:
+        kind, h = self.kind, self.header
+        self.rx.counters["frames"] += 1
+        if self.hello_state != _READY:
+            if not self._handshake(kind, h):
+                return
+        elif kind is Kind.KV_LAYER:
+            if self._on_layer(h):
+                return
+        elif kind is Kind.KV_BEGIN:
+            self.rx.on_begin(self, h)
+        elif kind is Kind.KV_DONE:
+            asm = self.rx.assembly(h["req_id"])
+            if asm is not None:
+                try:
+                    asm.finish(check_done(h))
+                except BadValue as e:
+                    self._bad(asm, f"bad KV_DONE: {e}")
+                else:
+                    self.rx.maybe_ack(self, asm, again=True)
+        elif kind is Kind.KV_ABORT:
+            asm = self.rx.assembly(h["req_id"])
+            if asm is not None:
+                asm.abort(f"sender aborted: {str(h['reason'])[:512]}")
+        elif kind is Kind.PING:
+            self.send(encode_frame(Kind.PONG, {"t": h["t"]}))
+        else:
+            self.send(encode_error(ErrorCode.BAD_FRAME, f"KV listener does not accept {kind.name}"))
+        self._expect(_PREFIX, PREFIX_SIZE)
+
+    def _bad(self, asm: KvAssembly, why: str) -> None:
+        """A frame of ``asm``'s transfer carried a bad value: fail that transfer alone (the connection stays)."""
+        self.rx.counters["bad_values"] += 1
+        asm.abort(why)
+        self.send(encode_frame(Kind.KV_ABORT, {"req_id": asm.req_id, "reason": why}))
+
+    def _on_layer(self, h: dict[str, Any]) -> bool:
+        """Route a ``KV_LAYER`` payload into its transfer's memory, or to the discard buffer; True when
+        the connection now reads the payload."""
+        asm = self.rx.assembly(h["req_id"])
+        try:
+            if asm is None or asm.error is not None or asm.complete:
+                raise LookupError  # unknown, failed, or a late duplicate of a finished transfer
+            layer = wire_int(h["layer"], "layer", 0, asm.num_layers - 1)
+            offset = wire_int(h["offset"], "offset")
+            self.pieces = [p for p in asm.dest(layer, offset, self.payload_len) if p.nbytes]
+            self.piece_i = self.piece_pos = 0
+            self.target = (asm, layer, offset)
+        except LookupError:
+            self.rx.counters["dropped_frames"] += 1  # cancelled or unknown request: discard its bytes
+        except (KvError, BadValue) as e:
+            self.rx.counters["dropped_frames"] += 1
+            self._bad(asm, f"bad KV_LAYER: {e}")
+        if self.target is not None and self.payload_len > 0:
+            self._expect(_PAYLOAD, self.payload_len)
+            return True
+        self.target = None  # an empty range
+        if self.payload_len > 0:
+            self._expect(_DISCARD, self.payload_len)
+            return True
+        return False
