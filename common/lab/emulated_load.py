@@ -113,9 +113,11 @@ class Outcome:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, scales: Scales,
-               out: Outcome) -> None:
+               out: Outcome, priority: int | None = None) -> None:
     body = {"model": "prfaas/emulated", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "return_token_ids": True}
+    if priority is not None:
+        body["priority"] = priority
     t0 = time.monotonic()
     times: list[float] = []
     tokens: list[int] = []
@@ -147,11 +149,11 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_
 
 async def drive(url: str, scales: Scales, arrivals: Sequence[float], prompts: Sequence[list[int]], lengths: Sequence[int],
                 max_tokens: int | Sequence[int], t_pd: Callable[[float], float], progress: Callable[[], None] | None = None,
-                at_start: Callable[[], None] | None = None) -> list[Outcome]:
+                at_start: Callable[[], None] | None = None, priorities: Sequence[int] | None = None) -> list[Outcome]:
     """Send ``prompts[i]`` (carried tokens; ``lengths[i]`` unscaled) at ``arrivals[i]`` emulated seconds
     after the start, streaming ``max_tokens`` (carried; one number, or one per request) tokens each;
     returns the outcomes in order. ``t_pd``: the PD cluster's prefill seconds of an unscaled length
-    (for the TTFT SLO)."""
+    (for the TTFT SLO). ``priorities``: each request's ``priority`` field (None: not sent)."""
     outs = [Outcome(int(lengths[i]), float(arrivals[i]), t_pd(lengths[i])) for i in range(len(arrivals))]
     mts = [max_tokens] * len(outs) if isinstance(max_tokens, int) else list(max_tokens)
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -161,11 +163,12 @@ async def drive(url: str, scales: Scales, arrivals: Sequence[float], prompts: Se
         if at_start is not None:
             at_start()
         tasks = []
-        for o, p, mt in zip(outs, prompts, mts):
+        prios = [None] * len(outs) if priorities is None else list(priorities)
+        for o, p, mt, prio in zip(outs, prompts, mts, prios):
             delay = t0 + o.arrival / scales.time_scale - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(_one(session, url, p, mt, scales, o))
+            task = asyncio.create_task(_one(session, url, p, mt, scales, o, prio))
             if progress is not None:
                 task.add_done_callback(lambda _t: progress())
             tasks.append(task)

@@ -74,6 +74,7 @@ class BatchLoop:
                 await self._wakeup.wait()
             self._retire_done()
             await self._swap_in()
+            await self._preempt_for_waiters()
             early = self._take_joining()
             if early is not None:
                 await self._early_step(early)
@@ -159,9 +160,21 @@ class BatchLoop:
                 self.store.release(r.seq)
                 r.fail(d.code, d.message)
                 return []
-            order.pop()
+            j = order.index(d.row)
+            order.pop(j)
+            if j < i:
+                i -= 1
             await self._swap_out(d.row)
         return order
+
+    async def _preempt_for_waiters(self) -> None:
+        """While the first waiter (by priority) does not fit and a running row of strictly lower
+        priority exists (:meth:`DecodeScheduler.admission_victim`), swap that row out and offer the
+        freed blocks to the waiters (``on_blocks_freed``). One priority everywhere: nothing happens."""
+        s = self.sched
+        while (w := s.next_waiter()) is not None and (v := s.admission_victim(w.priority)) is not None:
+            await self._swap_out(v.row)
+            self.on_blocks_freed()
 
     async def _swap_out(self, r: DecodeRequest) -> None:
         self.preemptions += 1

@@ -11,6 +11,8 @@ from typing import Annotated, Any
 
 import msgspec
 
+from common.runtime.priority import PRIORITY_MAX, PRIORITY_MIN
+
 
 class ResumeArgs(msgspec.Struct):
     """``generate``'s ``resume``: the client's prompt length (tokens, at least 1) and the token ids an
@@ -31,7 +33,8 @@ class GenerateArgs(msgspec.Struct):
     chosen prefill worker's host:port; ``route``: ``"remote"`` when that worker is in the PrfaaS
     cluster (it is told ``kv_addr_remote``); ``prefix_source``: passed to the prefill worker as is;
     ``branch``: the index of the first branch (``sampling.n`` branches, index ``branch + j``, seed
-    ``seed + branch + j``): a resumed branch of a request with several.
+    ``seed + branch + j``): a resumed branch of a request with several. ``priority``: lower first
+    (admission, swap-in and preemption order; passed to the prefill worker's queue).
     """
 
     req_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -42,3 +45,4 @@ class GenerateArgs(msgspec.Struct):
     route: Annotated[str, msgspec.Meta(max_length=16)] | None = None
     prefix_source: Annotated[str, msgspec.Meta(max_length=262)] | None = None
     branch: Annotated[int, msgspec.Meta(ge=0, lt=MAX_BRANCHES)] = 0
+    priority: Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0

@@ -67,6 +67,7 @@ class DecodeRequest:
         self.in_loop = False  # the batch loop owns (and will free) its blocks
         self.no_early = False
         self.prompt_hashes: list[int] = []  # the prompt's full-block hashes, until its blocks are offered to the prefix cache
+        self.priority = 0  # lower first (common.runtime.priority): admission, swap-in and preemption order
 
     @property
     def done(self) -> bool:

@@ -1,16 +1,21 @@
 """The decode worker's scheduling decisions (PD-D), pure: no asyncio, no torch, no backend, no sockets.
 
 Invariant: a request is in at most one of the four places this scheduler owns, and moves only by
-the methods below. ``admission`` holds requests waiting for KV blocks, oldest first (at most
-``max_waiting``); ``joining`` holds requests whose blocks are reserved and whose KVCache is landing;
-``running`` holds the rows of the batch; ``swapped`` holds preempted rows whose KVCache was copied
-out of the pool, oldest preemption first. A swapped-out row always comes back before any waiting
-request is admitted, and a row is preempted only by the growth of the batch (the most recently
-admitted row goes first).
+the methods below. ``admission`` holds requests waiting for KV blocks in ``(priority, arrival)``
+order (lower priority values first, then oldest; at most ``max_waiting``); ``joining`` holds
+requests whose blocks are reserved and whose KVCache is landing; ``running`` holds the rows of the
+batch; ``swapped`` holds preempted rows whose KVCache was copied out of the pool, in ``(priority,
+preemption)`` order. A swapped-out row comes back before any waiting request of its priority or a
+lower one (a larger value) is admitted; a waiting request of a strictly higher priority goes first.
+A row is preempted by the growth of the batch (the lowest-priority row, most recently admitted
+among those, goes first) or, when the pool is full, by a waiting request of strictly higher
+priority (:meth:`DecodeScheduler.admission_victim`): a high-priority row is never preempted for a
+lower one. With one priority everywhere this is plain FIFO admission and newest-first preemption.
 
 The scheduler owns those collections and the rules, never memory: the worker holds the KV store,
 carries out each decision (reserve, grow, release, copy a row out or in) and reports back. A row is
-any object with ``req_id``, ``admitted_at`` (seconds, monotonic), ``done``, ``no_early`` (an early
+any object with ``req_id``, ``admitted_at`` (seconds, monotonic), ``priority`` (int, lower first;
+0 when absent), ``done``, ``no_early`` (an early
 first step was already tried), ``transfer_error`` (None unless its KV transfer failed) and
 ``transfer_complete`` (every layer and ``KV_DONE`` are in, or the transfer failed).
 
@@ -91,6 +96,7 @@ class Waiter:
     req_id: str
     deadline: float
     ticket: Any = None
+    priority: int = 0
 
 
 class DecodeScheduler(Generic[R]):
@@ -116,6 +122,7 @@ class DecodeScheduler(Generic[R]):
         self.joining: deque[R] = deque()
         self.running: dict[str, R] = {}
         self.swapped: deque[R] = deque()
+        self.displaced: list[Waiter] = []  # waiters pushed out of a full queue by higher priorities: refuse each
 
     @property
     def idle(self) -> bool:
@@ -135,9 +142,10 @@ class DecodeScheduler(Generic[R]):
         return Refuse(ErrorCode.BAD_REQUEST, f"a prompt of {tokens - 1} tokens needs more KVCache than this decode "
                       f"worker's whole pool ({self.pool.num_pages} blocks of {self.pool.block_size} tokens)")
 
-    def may_reserve_at_once(self) -> bool:
-        """A new request may take blocks without queueing only when nobody waits and nothing is swapped out."""
-        return not self.admission and not self.swapped
+    def may_reserve_at_once(self, priority: int = 0) -> bool:
+        """A new request of ``priority`` may take blocks without queueing only when no waiter and no
+        swapped-out row has its priority or a higher one (a value ``<= priority``)."""
+        return all(w.priority > priority for w in self.admission) and all(prio(r) > priority for r in self.swapped)
 
     def pages_wanted(self, tokens: int, shared_blocks: int = 0) -> int:
         """Free pages a new request of ``tokens`` tokens (``shared_blocks`` of them a prefix-cache hit)
@@ -147,15 +155,33 @@ class DecodeScheduler(Generic[R]):
         need = pool.pages_for(max(0, pool.blocks_for(tokens) - shared_blocks), self.state_slots)
         return need + min(len(self.running) + len(self.joining), pool.num_pages - need)
 
-    def enqueue(self, req_id: str, now: float, step_time_s: float, ticket: Any = None) -> Waiter | Refuse:
-        """Queue a request that could not take blocks at once (``now``: seconds on the worker's clock).
-        Returns its :class:`Waiter`, or ``overloaded`` when ``max_waiting`` already wait."""
+    def enqueue(self, req_id: str, now: float, step_time_s: float, ticket: Any = None, priority: int = 0) -> Waiter | Refuse:
+        """Queue a request that could not take blocks at once (``now``: seconds on the worker's clock),
+        behind every waiter of its priority or a higher one. Returns its :class:`Waiter`, or
+        ``overloaded`` when ``max_waiting`` already wait and none of them has a lower priority (a
+        larger value) than ``priority``; when one has, the last in line of the lowest priority leaves
+        the queue for :attr:`displaced` (the worker refuses it ``overloaded``) and this one is queued."""
         if len(self.admission) >= self.max_waiting:
-            return Refuse(ErrorCode.OVERLOADED, f"KV pool full and {len(self.admission)} requests already wait for blocks",
-                          retry_after=retry_after(step_time_s))
-        w = Waiter(req_id, now + self.admission_timeout, ticket)
-        self.admission.append(w)
+            worst = self.admission[-1] if self.admission else None
+            if worst is None or worst.priority <= priority:
+                return Refuse(ErrorCode.OVERLOADED, f"KV pool full and {len(self.admission)} requests already wait for blocks",
+                              retry_after=retry_after(step_time_s))
+            self.admission.pop()
+            self.displaced.append(worst)
+        w = Waiter(req_id, now + self.admission_timeout, ticket, priority)
+        at = next((i for i, o in enumerate(self.admission) if o.priority > priority), len(self.admission))
+        self.admission.insert(at, w)
         return w
+
+    def take_displaced(self) -> list[Waiter]:
+        """The waiters :meth:`enqueue` pushed out since the last call (each to be refused ``overloaded``)."""
+        out, self.displaced = self.displaced, []
+        return out
+
+    def displaced_refusal(self, w: Waiter, step_time_s: float) -> Refuse:
+        """The refusal of a waiter pushed out of the full queue by a higher-priority request."""
+        return Refuse(ErrorCode.OVERLOADED, f"KV pool full and the admission queue holds {self.max_waiting} requests of "
+                      f"higher priority than {w.priority}", retry_after=retry_after(step_time_s))
 
     def timed_out(self, step_time_s: float) -> Refuse:
         """The refusal of a waiter whose deadline passed."""
@@ -170,10 +196,24 @@ class DecodeScheduler(Generic[R]):
             pass
 
     def next_waiter(self) -> Waiter | None:
-        """The waiter to offer blocks to now: the oldest, and none while a swapped-out row waits to come back."""
-        if self.swapped or not self.admission:
+        """The waiter to offer blocks to now: the first in ``(priority, arrival)`` order, and none while
+        a swapped-out row of its priority or a higher one waits to come back."""
+        if not self.admission:
             return None
-        return self.admission[0]
+        w = self.admission[0]
+        if self.swapped and prio(self.swapped[0]) <= w.priority:
+            return None
+        return w
+
+    def admission_victim(self, priority: int) -> Preempt[R] | None:
+        """A running row to swap out so that a waiter of ``priority`` can be admitted into a full pool:
+        the lowest-priority row (most recently admitted among those) whose KVCache is all in, if its
+        priority is strictly lower (a larger value) than ``priority``; else None (a waiter never
+        preempts its own class or a higher one)."""
+        rows = [r for r in self.running.values() if r.transfer_complete and prio(r) > priority]
+        if not rows:
+            return None
+        return Preempt(max(rows, key=lambda r: (prio(r), r.admitted_at)))
 
     # -- batch composition -------------------------------------------------------------------
     def retire_done(self) -> list[R]:
@@ -196,7 +236,7 @@ class DecodeScheduler(Generic[R]):
         runs, the first joiner that has not
         tried an early step leaves ``joining`` to take one (its transfer's tail may still be landing)."""
         c: Composition[R] = Composition()
-        for r in list(self.joining):
+        for r in sorted(self.joining, key=prio):  # stable: arrival order within a priority
             if r.transfer_error is not None:
                 self.joining.remove(r)
                 c.failed.append(Fail(r, ErrorCode.UNAVAILABLE, f"transfer of {r.req_id} failed: {r.transfer_error}"))
@@ -224,16 +264,17 @@ class DecodeScheduler(Generic[R]):
 
     # -- growth and preemption ---------------------------------------------------------------
     def growth_order(self) -> list[R]:
-        """Running rows, oldest admission first: the order in which each grows by one token."""
-        return sorted(self.running.values(), key=lambda r: r.admitted_at)
+        """Running rows, highest priority then oldest admission first: the order in which each grows by one token."""
+        return sorted(self.running.values(), key=lambda r: (prio(r), r.admitted_at))
 
     def when_short(self, order: list[R], i: int, tokens: int, others_hold_blocks: bool) -> Preempt[R] | Fail[R]:
-        """``order[i]`` cannot grow to ``tokens`` tokens and the prefix cache has nothing left to evict. The newest row
-        (``order[-1]``) is preempted, unless ``order[i]`` is the only row and nothing else holds blocks
-        that will come free (no joiner, and ``others_hold_blocks`` false: no KV reservation): then
-        it can never grow here and fails ``overloaded`` (it leaves ``running``; the worker frees its
-        blocks). The worker removes the preempted row from ``order`` and steps what is left of it."""
-        r, victim = order[i], order[-1]
+        """``order[i]`` cannot grow to ``tokens`` tokens and the prefix cache has nothing left to evict. The
+        lowest-priority row, newest among those (``order[-1]`` with one priority), is preempted, unless
+        ``order[i]`` is the only row and nothing else holds blocks that will come free (no joiner, and
+        ``others_hold_blocks`` false: no KV reservation): then it can never grow here and fails
+        ``overloaded`` (it leaves ``running``; the worker frees its blocks). The worker removes the
+        preempted row from ``order`` and steps what is left of it."""
+        r, victim = order[i], max(order, key=lambda o: (prio(o), o.admitted_at))
         if victim is r and len(order) == 1 and not (self.joining or others_hold_blocks):
             self.running.pop(r.req_id)
             return Fail(r, ErrorCode.OVERLOADED, f"the KV pool cannot hold {tokens} tokens of {r.req_id}")
@@ -244,12 +285,20 @@ class DecodeScheduler(Generic[R]):
         self.running.pop(r.req_id)
 
     def swapped_out(self, r: R) -> None:
-        """``r``'s KVCache is out of the pool and its blocks are free: it waits to come back, last in line."""
-        self.swapped.append(r)
+        """``r``'s KVCache is out of the pool and its blocks are free: it waits to come back, last in
+        line among its priority."""
+        at = next((i for i, o in enumerate(self.swapped) if prio(o) > prio(r)), len(self.swapped))
+        self.swapped.insert(at, r)
 
     def next_swap_in(self) -> R | None:
-        """The swapped-out row to bring back first (the oldest preemption), or None."""
-        return self.swapped[0] if self.swapped else None
+        """The swapped-out row to bring back first (the highest priority, oldest preemption), or None:
+        also None while a waiter of strictly higher priority waits for blocks (it goes first)."""
+        if not self.swapped:
+            return None
+        r = self.swapped[0]
+        if self.admission and self.admission[0].priority < prio(r):
+            return None
+        return r
 
     def swap_in_short(self, others_hold_blocks: bool) -> Fail[R] | None:
         """The head of ``swapped`` does not fit back. When nothing holds blocks that will come free
@@ -264,6 +313,11 @@ class DecodeScheduler(Generic[R]):
         """The head of ``swapped`` is back in the pool: it is a row of the batch again."""
         self.swapped.popleft()
         self.running[r.req_id] = r
+
+
+def prio(r: Any) -> int:
+    """A row's priority (lower first); 0 for a row that has none."""
+    return getattr(r, "priority", 0)
 
 
 def retry_after(step_time_s: float) -> float:

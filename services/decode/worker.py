@@ -5,7 +5,8 @@ Request lifecycle: pre-allocate, then transfer, then wait, then run, then finish
 
 1. **Pre-allocate.** The ``generate`` stream RPC (prompt, sampling settings, chosen prefill worker)
    first takes blocks for the prompt and one state slot from the :class:`~common.kv.paged_store.PagedKvStore`,
-   all or nothing. If the pool is short, the request waits in a FIFO admission queue (at most
+   all or nothing. If the pool is short, the request waits in an admission queue ordered by
+   ``(priority, arrival)`` (vLLM's request priority, lower first; FIFO within one; at most
    ``max_waiting`` requests, each at most ``admission_timeout`` seconds); a full queue or a passed
    deadline is an ``overloaded`` error with ``retry_after``, which the gateway turns into a try on
    another decode worker. A prompt that can never fit is ``bad_request``. Nothing is half-admitted.
@@ -210,24 +211,32 @@ class DecodeWorker:
             self.store.release(seq)
         return seqs
 
-    async def _admit(self, req_id: str, input_ids: list[int], hashes: list[int], n: int = 1) -> list[PagedSeq]:
+    async def _admit(self, req_id: str, input_ids: list[int], hashes: list[int], n: int = 1, priority: int = 0) -> list[PagedSeq]:
         """Blocks for the prompt and its ``n`` branches (see :meth:`_reserve`; ``hashes``: its full-block
-        hashes, empty without a prefix cache), now or after a bounded FIFO wait.
-        Raises :class:`RpcError` (``bad_request``: never fits; ``overloaded``: queue full or deadline)."""
+        hashes, empty without a prefix cache), now or after a bounded wait in ``(priority, arrival)``
+        order. Raises :class:`RpcError` (``bad_request``: never fits; ``overloaded``: queue full of
+        requests of its priority or higher, pushed out of it by a higher priority, or deadline)."""
         refuse = self.sched.never_fits(len(input_ids) + 1)
         if refuse is not None:
             self.refused += 1
             raise _refusal(refuse)
-        if self.sched.may_reserve_at_once():
+        if self.sched.may_reserve_at_once(priority):
             seqs = self._reserve(req_id, input_ids, hashes, n)
             if seqs is not None:
                 return seqs
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        waiter = self.sched.enqueue(req_id, loop.time(), self.batch.step_time_ewma, ticket=(input_ids, hashes, n, fut))
+        waiter = self.sched.enqueue(req_id, loop.time(), self.batch.step_time_ewma, ticket=(input_ids, hashes, n, fut),
+                                    priority=priority)
         if isinstance(waiter, Refuse):
             self.refused += 1
             raise _refusal(waiter)
+        for w in self.sched.take_displaced():  # lower priorities pushed out of the full queue
+            out = w.ticket[3]
+            if not out.done():
+                self.refused += 1
+                out.set_exception(_refusal(self.sched.displaced_refusal(w, self.batch.step_time_ewma)))
+        self.batch.wake()  # a higher priority may preempt a running row at the next step boundary
         ok = False
         try:
             async with asyncio.timeout_at(waiter.deadline):  # not wait_for: see PrefillCall.first_token
@@ -241,7 +250,7 @@ class DecodeWorker:
             self.sched.leave(waiter)
             if not fut.done():
                 fut.cancel()
-            elif not ok and not fut.cancelled():
+            elif not ok and not fut.cancelled() and fut.exception() is None:
                 for seq in fut.result():  # blocks arrived as the wait ended: give them back
                     self.store.release(seq)
 
@@ -322,9 +331,10 @@ class DecodeWorker:
         try:
             # hashed once: the admission's prefix lookup and, after the transfer, the prefix cache's insert
             hashes = block_hashes(input_ids, self.store.block_size) if self.prefix_cache is not None else []
-            seqs = await self._admit(req_id, input_ids, hashes, n)  # 1. pre-allocate (every branch's table)
+            seqs = await self._admit(req_id, input_ids, hashes, n, args.priority)  # 1. pre-allocate (every branch's table)
             for r, seq in zip(reqs, seqs):
                 r.seq, r.admitted_at, r.no_early = seq, time.monotonic(), n > 1  # a branch forks from a landed prompt
+                r.priority = args.priority
             req.prompt_hashes = hashes
             kv_from = req.seq.cached_tokens  # only the suffix crosses the link
             self.prompt_tokens += len(input_ids)
@@ -341,7 +351,8 @@ class DecodeWorker:
             leg = self.prefill.start(req_id, prefill_addr, asm, {  # 2. transfer
                 "req_id": req_id, "input_ids": input_ids, "sampling": prefill_sampling.to_wire(),
                 "kv_addr": self.kv_addr_remote if args.route == "remote" else self.kv_addr,
-                "kv_from": kv_from, "prefix_source": args.prefix_source, "prompt_len": prompt_len})
+                "kv_from": kv_from, "prefix_source": args.prefix_source, "prompt_len": prompt_len,
+                **({"priority": args.priority} if args.priority else {})})
             await leg.first_token()  # 3. wait for the first token (KV_DONE); the last layers may still be landing
             final = asm.final or {}
             firsts = final.get("first_tokens") or [final.get("first_token")]

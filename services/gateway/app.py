@@ -41,6 +41,7 @@ from common.model.loader import load_model_info
 from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
+from common.runtime.priority import CLASSES
 from services.gateway.auth import ApiKeys, parse_keys
 from services.gateway.dispatch import RETRY_REASONS, Dispatcher
 from services.gateway.http_limits import BodyBudget, HttpLimits, check_wire_size, read_body, serve_http
@@ -101,7 +102,8 @@ class Gateway:
 
     def __init__(self, ctx: ModelContext, router_addr: str, planner_addr: str, name: str = "gateway",
                  request_timeout: float = 600.0, block_size: int | None = None, max_inflight: int = 256,
-                 place_retry_s: float = 15.0, api_keys: tuple[str, ...] = (), limits: HttpLimits | None = None):
+                 place_retry_s: float = 15.0, api_keys: tuple[str, ...] = (), limits: HttpLimits | None = None,
+                 ttft_slo_s: dict[str, float] | None = None, low_share: float = 0.75):
         self.ctx = ctx
         self.token_text = TokenText(ctx.tokenizer)
         self.name = name
@@ -113,9 +115,10 @@ class Gateway:
         self.planner = RpcClient(planner_addr, service="gateway", name=name, connect_timeout=2.0)
         self.decoders = ClientPool(service="gateway", name=name, connect_timeout=5.0)
         self.stats = GatewayMetrics(active=lambda: self.dispatch.active, inflight=lambda: self.dispatch.inflight,
-                                    retry_reasons=RETRY_REASONS)
+                                    retry_reasons=RETRY_REASONS, ttft_slo_s=ttft_slo_s)
         self.dispatch = Dispatcher(self.router, self.decoders, self.stats, request_timeout=request_timeout,
-                                   block_size=block_size, max_inflight=max_inflight, place_retry_s=place_retry_s)
+                                   block_size=block_size, max_inflight=max_inflight, place_retry_s=place_retry_s,
+                                   low_share=low_share)
         self.max_body = ctx.max_prompt_bytes + (64 << 10)
         self.app = web.Application(client_max_size=self.max_body,
                                    middlewares=[_json_http_errors, _api_key_middleware(ApiKeys(api_keys))])
@@ -177,6 +180,7 @@ class Gateway:
             body = await read_body(request, self.bodies, self.limits.body_timeout_s, self.max_body)
             with self.dispatch.admission():
                 req = await self._parse(parse, body)
+                self.dispatch.admit_class(req.priority)
                 check_wire_size(req, "prompt" if endpoint == "completions" else "messages")
                 resp = await (self._stream(request, req) if req.stream else self._unary(req))
                 status = resp.status
@@ -299,7 +303,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
                         write_timeout_s=args.write_timeout, max_connections=args.max_connections)
     gw = Gateway(ctx, service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service.require(args, "planner", "PRFAAS_PLANNER_ADDR"),
                  request_timeout=args.request_timeout, max_inflight=args.max_inflight, place_retry_s=args.place_retry_s,
-                 api_keys=keys, limits=limits)
+                 api_keys=keys, limits=limits, ttft_slo_s=dict(args.slo_ttft), low_share=args.low_priority_share)
     # keepalive_timeout is also the header timeout: aiohttp closes a connection still waiting for a
     # whole request head that long after it opened or after its previous response
     runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, keepalive_timeout=limits.header_timeout_s)
@@ -310,6 +314,18 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     await stop.wait()
     server.close()
     await runner.cleanup()
+
+
+def _class_seconds(text: str) -> tuple[str, float]:
+    """``CLASS=SECONDS`` for ``--slo-ttft``: a priority class and a positive finite number."""
+    name, _, value = text.partition("=")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if name not in CLASSES or not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected CLASS=SECONDS with CLASS one of {', '.join(CLASSES)}, got {text!r}")
+    return name, seconds
 
 
 def main() -> None:
@@ -335,7 +351,15 @@ def main() -> None:
                         "PRFAAS_API_KEY, comma-separated; none: no key needed). /health and /metrics stay open")
     p.add_argument("--place-retry-s", type=float, default=15.0,
                    help="seconds to keep asking an unreachable router (or one with no alive worker) for a placement")
+    p.add_argument("--slo-ttft", type=_class_seconds, action="append", default=[], metavar="CLASS=SECONDS",
+                   help="the TTFT SLO of a priority class (high: priority < 0, normal: 0, low: > 0) that "
+                        "prfaas_slo_ttft_total counts against; repeatable (default high=1 normal=2 low=10)")
+    p.add_argument("--low-priority-share", type=float, default=0.75,
+                   help="share of --max-inflight the low priority class (priority > 0) may hold; past it low "
+                        "requests are answered 429 first")
     args = p.parse_args()
+    if not 0 < args.low_priority_share <= 1:
+        p.error("--low-priority-share must be in (0, 1]")
     service.setup_logging("gateway")
     prometheus_client.disable_created_metrics()  # /metrics shows each counter's *_total only, no *_created series
     service.run(lambda stop: amain(args, stop))

@@ -28,6 +28,7 @@ from common.kv.block_hash import block_hashes
 from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime.backoff import Backoff
+from common.runtime.priority import admission_limit, class_of
 from proto.frames import ErrorCode
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai.request import GenerateRequest, OpenAIError
@@ -88,7 +89,8 @@ class Dispatcher:
     """Admits, places and streams requests: one router client, one client per decode worker address."""
 
     def __init__(self, router: RpcClient, decoders: ClientPool, metrics: GatewayMetrics, *, request_timeout: float = 600.0,
-                 block_size: int | None = None, max_inflight: int = 256, place_retry_s: float = 15.0):
+                 block_size: int | None = None, max_inflight: int = 256, place_retry_s: float = 15.0,
+                 low_share: float = 0.75):
         self.router = router
         self.decoders = decoders
         self.metrics = metrics
@@ -100,6 +102,7 @@ class Dispatcher:
         self.place_retry_s = place_retry_s
         self.max_inflight = max_inflight
         self.inflight = 0  # requests admitted at the gateway and not yet answered
+        self.low_share = low_share  # share of max_inflight the low priority class may hold (common.runtime.priority)
         self.notes: set[asyncio.Task] = set()  # prefill_done calls in flight (at most one per active attempt)
 
     async def close(self) -> None:
@@ -132,6 +135,17 @@ class Dispatcher:
             yield
         finally:
             self.inflight -= 1
+
+    def admit_class(self, priority: int) -> None:
+        """Once the request is parsed and holds its place: refuse it (429 ``overloaded``) when its
+        priority class's share of ``max_inflight`` is used up (:func:`~common.runtime.priority.admission_limit`):
+        the low class is shed first, the others only at the whole cap."""
+        limit = admission_limit(priority, self.max_inflight, self.low_share)
+        if self.inflight > limit:
+            self.metrics.count_rejected(class_of(priority))
+            raise OpenAIError(status=429, message=f"{self.inflight} requests are in flight and the {class_of(priority)} "
+                              f"priority class may use {limit} of the gateway's {self.max_inflight}; retry after the "
+                              "Retry-After header's seconds", type="rate_limit_error", param=None, code="overloaded")
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         """Yield decode stream items for ``req``; places it first and releases it at the end.
@@ -170,6 +184,7 @@ class Dispatcher:
         finished: set[int] = set()
         retries = 0
         hashes, hashed_len = None, -1  # block hashes of the input, recomputed only when a resume lengthens it
+        t0, first_token = loop.time(), True
         while True:
             todo = [i for i in range(branches) if i not in finished]
             if not todo:
@@ -195,6 +210,8 @@ class Dispatcher:
                     "route": placement["route"],
                     "prefix_source": (placement.get("prefix_source") or {}).get("addr"),
                 }
+                if req.priority:
+                    args["priority"] = req.priority
                 if first:
                     args["branch"] = first
                 if generated[first]:
@@ -204,6 +221,9 @@ class Dispatcher:
                         async for item in items:
                             if not started:
                                 self._prefill_done(req)
+                            if first_token:
+                                first_token = False
+                                self.metrics.observe_ttft(req.priority, loop.time() - t0)
                             started = True
                             index = int(item.get("index", 0))
                             generated[index] += item["token_ids"]
@@ -274,6 +294,8 @@ class Dispatcher:
         ids = req.prompt_ids if input_ids is None else input_ids
         args: dict[str, Any] = {"req_id": req.request_id, "prompt_len": len(ids), "exclude_decode": excluded,
                                 "exclude_prefill": excluded_prefill or []}
+        if req.priority:  # the default (0) is left out, as older peers expect
+            args["priority"] = req.priority
         if hashes is not None:
             args.update(block_hashes=hashes, block_size=self.block_size)
         loop = asyncio.get_running_loop()

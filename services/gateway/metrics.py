@@ -16,14 +16,19 @@ import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
+from common.runtime.priority import CLASSES, class_of
 from common.transfer.link_metrics import link_metric_families
 
 _UNREACHABLE = (RpcError, asyncio.TimeoutError, OSError)
+# Per priority class: the TTFT a request of the class should meet (seconds), the SLO that
+# ``prfaas_slo_ttft_total{priority_class, met}`` counts against (``--slo-ttft`` on the gateway).
+DEFAULT_TTFT_SLO_S = {"high": 1.0, "normal": 2.0, "low": 10.0}
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class GatewayMetrics:
@@ -33,8 +38,25 @@ class GatewayMetrics:
     requests admitted and not yet answered); ``retry_reasons`` are the reasons whose retry counters
     are shown even at 0. Counts are plain event counts (requests, attempts, calls)."""
 
-    def __init__(self, active: Callable[[], int], inflight: Callable[[], int], retry_reasons: Sequence[str]):
+    def __init__(self, active: Callable[[], int], inflight: Callable[[], int], retry_reasons: Sequence[str],
+                 ttft_slo_s: dict[str, float] | None = None):
         self.registry = CollectorRegistry()
+        self.ttft_slo_s = {**DEFAULT_TTFT_SLO_S, **(ttft_slo_s or {})}
+        self.ttft = Histogram("prfaas_ttft_seconds", "Time to first token at the gateway, by priority class.",
+                              ["priority_class"], buckets=TTFT_BUCKETS, registry=self.registry)
+        self.slo = Counter("prfaas_slo_ttft_total", "Requests whose first token met (met=true) or missed their priority "
+                           "class's TTFT SLO.", ["priority_class", "met"], registry=self.registry)
+        target = Gauge("prfaas_slo_ttft_target_seconds", "Each priority class's TTFT SLO.", ["priority_class"],
+                       registry=self.registry)
+        self.rejected_by_class = Counter("prfaas_gateway_rejected_by_class_total",
+                                         "Requests answered 429 at the gateway, by priority class.", ["priority_class"],
+                                         registry=self.registry)
+        for c in CLASSES:
+            target.labels(c).set(self.ttft_slo_s[c])
+            self.ttft.labels(c)
+            self.rejected_by_class.labels(c)
+            for met in ("true", "false"):
+                self.slo.labels(c, met)
         self.requests = Counter("prfaas_requests_total", "HTTP requests by endpoint and status.", ["endpoint", "status"],
                                 registry=self.registry)
         Gauge("prfaas_requests_active", "Requests in flight at the gateway.", registry=self.registry).set_function(active)
@@ -69,9 +91,18 @@ class GatewayMetrics:
         """One ``place`` call repeated: the router was unreachable or had no worker."""
         self.place_retries.inc()
 
-    def count_rejected(self) -> None:
-        """One request answered 429 because ``max_inflight`` were in flight."""
+    def count_rejected(self, priority_class: str | None = None) -> None:
+        """One request answered 429 because ``max_inflight`` were in flight (or, with ``priority_class``,
+        because that class's share of it was)."""
         self.rejected.inc()
+        if priority_class is not None:
+            self.rejected_by_class.labels(priority_class).inc()
+
+    def observe_ttft(self, priority: int, seconds: float) -> None:
+        """A request of ``priority`` got its first token ``seconds`` after the gateway placed it."""
+        c = class_of(priority)
+        self.ttft.labels(c).observe(seconds)
+        self.slo.labels(c, "true" if seconds <= self.ttft_slo_s[c] else "false").inc()
 
     async def scrape(self, router: RpcClient, planner: RpcClient) -> bytes:
         """Prometheus text (format 0.0.4, UTF-8): the gateway's metrics, then the router's route
@@ -132,6 +163,10 @@ def route_families(stats: dict[str, Any]) -> list[Metric]:
         _family("counter", "prfaas_route_decisions_total",
                 "Router placements by route (remote = PrfaaS cluster, local = PD-P).", ["route"],
                 [((route,), decisions.get(route, 0)) for route in sorted({"remote", "local", *decisions})]),
+        _family("counter", "prfaas_route_decisions_by_class_total", "Router placements by priority class and route.",
+                ["priority_class", "route"],
+                [(tuple(k.split("/", 1)), v) for k, v in sorted((stats.get("route_decisions_by_class") or {}).items())
+                 if "/" in k]),
         _single("counter", "prfaas_route_fallbacks_total", "", stats["route_fallbacks"]),
         _single("gauge", "prfaas_route_threshold_tokens", "", stats["threshold_tokens"]),
         *prefix_families(stats),

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import msgspec
 
 from common.rpc.schema import U64
+from common.runtime.priority import PRIORITY_MAX, PRIORITY_MIN
 
 
 class PrefillArgs(msgspec.Struct):
@@ -22,7 +23,9 @@ class PrefillArgs(msgspec.Struct):
     tokens the decode worker already holds (a whole number of blocks, below the prompt length).
     ``prefix_source``: host:port of a prefill worker to pull a longer cached prefix from first.
     ``prompt_len``: tokens of ``input_ids`` that are the client's prompt (default all); the rest were
-    generated already (a resume), and the penalties and ``min_tokens`` count them as output."""
+    generated already (a resume), and the penalties and ``min_tokens`` count them as output.
+    ``priority``: the request's priority (lower first): requests wait for the compute in
+    ``(priority, arrival)`` order."""
 
     req_id: Annotated[str, msgspec.Meta(max_length=256)]
     kv_addr: Annotated[str, msgspec.Meta(min_length=3, max_length=262)]
@@ -31,6 +34,7 @@ class PrefillArgs(msgspec.Struct):
     kv_from: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
     prefix_source: Annotated[str, msgspec.Meta(max_length=262)] | None = None
     prompt_len: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] | None = None
+    priority: Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
 
 
 class ExportPrefixArgs(msgspec.Struct):

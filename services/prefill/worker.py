@@ -2,7 +2,8 @@
 
 Request lifecycle (who frees what):
 1. ``prefill`` RPC from a decode worker, which has already reserved room for the KVCache and names
-   its KV address. The request waits (``waiting`` in the stats) for one of two stage permits, then,
+   its KV address. The request waits (``waiting`` in the stats) for one of two stage permits, handed
+   out by priority (lower values first, then arrival: :class:`~common.runtime.priority.PriorityGate`), then,
    staged in its compute thread, for the accelerator (one compute at a time, ``running``). The
    permit is returned once its compute has ended and every layer is queued on the link, so at most
    two requests hold layer state (one draining, one computing) and one more is staged. The staged
@@ -47,6 +48,7 @@ from common.rpc.client import ClientPool
 from common.rpc.errors import RpcError
 from common.rpc.schema import takes
 from common.runtime import service
+from common.runtime.priority import PriorityGate
 from common.transfer.ranges import tensor_ranges
 from common.transfer.sender import KvLink
 from proto.frames import ErrorCode
@@ -83,7 +85,7 @@ class PrefillWorker:
         self.fingerprint = backend.loaded.fingerprint
         self.vocab_size = int(backend.loaded.model.config.vocab_size)
         self.faults = Faults()
-        self._slot = asyncio.Semaphore(2)  # stage permits: one computing (or draining) and one staged
+        self._slot = PriorityGate(2)  # stage permits: one computing (or draining) and one staged; by (priority, arrival)
         self._accelerator = threading.Lock()  # one compute at a time; taken and released in compute threads
         self._links: dict[str, KvLink] = {}  # by KV address, least recently used first
         self._link_used: dict[str, float] = {}
@@ -212,7 +214,7 @@ class PrefillWorker:
         link = await self._link(kv_addr)
         self._link_users[kv_addr] = self._link_users.get(kv_addr, 0) + 1
         try:
-            return await self._prefill_on(link, req_id, input_ids, sampling, kv_from, prompt_len)
+            return await self._prefill_on(link, req_id, input_ids, sampling, kv_from, prompt_len, args.priority)
         finally:
             self._link_users[kv_addr] -= 1
             if not self._link_users[kv_addr]:
@@ -220,8 +222,9 @@ class PrefillWorker:
             await self._forget_dead_link(kv_addr)
 
     async def _prefill_on(self, link: KvLink, req_id: str, input_ids: list[int], sampling: SamplingParams,
-                          kv_from: int, prompt_len: int) -> dict[str, Any]:
-        """The rest of :meth:`prefill` once its link is chosen: connect it, wait for the compute slot, run."""
+                          kv_from: int, prompt_len: int, priority: int = 0) -> dict[str, Any]:
+        """The rest of :meth:`prefill` once its link is chosen: connect it, wait for the compute slot
+        (requests of a lower ``priority`` value first, then by arrival), run."""
         await link.ensure_connected()  # before the slot: a receiver nobody can reach must not cost another request its turn
         self.waiting += 1
         started = [False]
@@ -232,7 +235,7 @@ class PrefillWorker:
                 self.waiting -= 1
                 self.running += 1
         try:
-            await self._slot.acquire()
+            await self._slot.acquire(priority)
         except BaseException:
             self.waiting -= 1
             raise

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from common.rpc.schema import U64
+from common.runtime.priority import PRIORITY_MAX, PRIORITY_MIN
 from services.planner.messages import Cluster, Name, Role
 from services.router.breaker import OUTCOMES
 from services.router.kv_index import check_hash
@@ -27,6 +28,7 @@ Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Exclusions = Annotated[list[Name], msgspec.Meta(max_length=256)]
 Outcome = Literal[OUTCOMES]  # type: ignore[valid-type]
 Event = tuple[int, Literal["stored", "evicted"], BlockHash, BlockHash | None]  # (seq, kind, hash, parent)
+Priority = Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)]  # lower first (common.runtime.priority)
 
 
 class PlaceArgs(msgspec.Struct):
@@ -35,7 +37,8 @@ class PlaceArgs(msgspec.Struct):
     ``block_hashes``: the prompt's chained full-block hashes (cache-aware placement; needs
     ``block_size`` >= 1 tokens, and the blocks must fit the prompt); without them the whole prompt is
     incremental. ``exclude_decode`` / ``exclude_prefill``: worker names that just refused or failed
-    this request. ``req_id`` "" places without a lease (nothing to ``release``).
+    this request. ``req_id`` "" places without a lease (nothing to ``release``). ``priority``: the
+    request's priority (lower first), counted per class and weighing its share of a link.
     """
 
     prompt_len: Tokens
@@ -44,6 +47,7 @@ class PlaceArgs(msgspec.Struct):
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
     exclude_decode: Exclusions = []
     exclude_prefill: Exclusions = []
+    priority: Priority = 0
 
     def __post_init__(self) -> None:
         if self.block_hashes is None:

@@ -42,6 +42,7 @@ from common.rpc.handshake import parse_addr
 from common.rpc.schema import NoArgs, takes
 from common.rpc.server import RpcServer
 from common.runtime import service
+from common.runtime.priority import class_of
 from proto.frames import ErrorCode
 from services.planner.messages import CLUSTERS
 from services.router import placement
@@ -110,6 +111,7 @@ class Router:
         self.breakers = breakers or Breakers()
         self._missing: dict[str, float] = {}  # indexed node -> when it was first missing from the planner's view
         self.decisions: Counter[str] = Counter()
+        self.class_decisions: Counter[str] = Counter()  # "<priority class>/<route>" -> placements
         self.fallbacks = 0
         self.index = KvIndex()
         self.kv_epochs: dict[str, str] = {}  # node -> epoch of the cache the index holds (every indexed node has one)
@@ -280,6 +282,7 @@ class Router:
         except ValueError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
         self.decisions[p.route] += 1
+        self.class_decisions[f"{class_of(args.priority)}/{p.route}"] += 1
         self.recent_lengths.append(p.incremental_len)
         self.fallbacks += p.fell_back
         self._count_prefix(args.prompt_len, p)
@@ -291,7 +294,8 @@ class Router:
             self.leases.place(args.req_id, p.prefill["name"], p.decode["name"], work, now)
             for n in (p.prefill["name"], p.decode["name"]):
                 self.breakers.get(n).placed(now)
-        log.info("route=%s req=%s prefill=%s decode=%s %s", p.route, args.req_id, p.prefill["name"], p.decode["name"], p.reason)
+        log.info("route=%s req=%s priority=%d prefill=%s decode=%s %s", p.route, args.req_id, args.priority, p.prefill["name"],
+                 p.decode["name"], p.reason)
         return {
             "route": p.route,
             "incremental_len": p.incremental_len,
@@ -384,6 +388,7 @@ class Router:
         extra = {"recent_lengths": list(self.recent_lengths)} if args.lengths else {}
         return {**extra,
             "route_decisions": dict(self.decisions),
+            "route_decisions_by_class": dict(self.class_decisions),
             "route_fallbacks": self.fallbacks,
             "threshold_tokens": self.threshold,
             "inflight": dict(self.inflight),

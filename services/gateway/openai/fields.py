@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 
 from common.model.sampling import SamplingParams
+from common.runtime.priority import DEFAULT_PRIORITY, PRIORITY_MAX, PRIORITY_MIN
 from services.gateway.openai.controls import Controls, check_against_prompt, parse_controls
 from services.gateway.openai.request import GenerateRequest, ModelContext, OpenAIError
 
@@ -262,6 +263,18 @@ class CommonFields:
     stream: bool
     include_usage: bool
     controls: Controls
+    priority: int = DEFAULT_PRIORITY
+
+
+def parse_priority(data: dict[str, Any]) -> int:
+    """vLLM's ``priority`` (lower first, default 0), an integer in ``[PRIORITY_MIN, PRIORITY_MAX]``."""
+    v = _opt_int(data, "priority")
+    if v is None:
+        return DEFAULT_PRIORITY
+    if not PRIORITY_MIN <= v <= PRIORITY_MAX:
+        raise bad_request(f"'priority' must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower values are served "
+                          f"first), got {v}.", param="priority")
+    return v
 
 
 def parse_common(body: bytes | str, ctx: ModelContext, reject_unsupported: Callable[[dict[str, Any]], None],
@@ -276,7 +289,7 @@ def parse_common(body: bytes | str, ctx: ModelContext, reject_unsupported: Calla
     sampling = parse_sampling_fields(data)
     stream, include_usage = parse_stream(data)
     controls = parse_controls(data, kind, len(ctx.tokenizer), stream)
-    return CommonFields(data, model, sampling, stream, include_usage, controls)
+    return CommonFields(data, model, sampling, stream, include_usage, controls, parse_priority(data))
 
 
 def build_request(kind: str, prefix: str, common: CommonFields, prompt_ids: list[int], requested: int | None,
@@ -323,4 +336,5 @@ def build_request(kind: str, prefix: str, common: CommonFields, prompt_ids: list
         n=c.n,
         echo=c.echo,
         logprobs=c.logprobs,
+        priority=common.priority,
     )

@@ -115,3 +115,4 @@ class GenerateRequest:
     logprobs: int | None = None
     prompt_text: str | None = None  # the prompt as the client wrote it (echo), None for token ids
     tokens_as_ids: bool = False  # vLLM extension return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    priority: int = 0  # vLLM's request priority: lower first (common.runtime.priority)
