@@ -1,0 +1,161 @@
+"""The multi-cluster rules, pure: the topology file, the pair choice and the HTB-style link share,
+with exact expectations (no sockets, no torch)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.planner.topology import TopologyError, default_topology, load_topology, topology_from_dict
+from services.router.bandwidth import class_headroom, class_shares, transfer_shares, water_fill
+from services.router.pairs import LinkState, choose_pair
+
+TWO_PRFAAS = {
+    "clusters": [{"name": "pa", "kind": "prfaas", "speed": 2.0}, {"name": "pb", "kind": "prfaas"},
+                 {"name": "pd", "kind": "pd"}],
+    "links": [{"src": "pa", "dst": "pd", "gbps": 100, "rtt_ms": 5}, {"src": "pb", "dst": "pd", "gbps": 25}],
+}
+
+
+# ------------------------------------------------------------------------------ topology
+
+
+def test_the_default_is_the_two_cluster_case(tmp_path):
+    t = default_topology()
+    assert t.is_default and t.kind("prfaas") == "prfaas" and t.kind("pd") == "pd" and t.kind("moon") is None
+    assert t.pairs() == [("pd", "pd"), ("prfaas", "pd")] and [lk.key for lk in t.links_into("pd")] == ["prfaas->pd"]
+    assert load_topology(None) == t and load_topology("") == t
+    p = tmp_path / "topo.json"
+    p.write_text(json.dumps(TWO_PRFAAS))
+    multi = load_topology(p)
+    assert not multi.is_default and multi.pairs() == [("pa", "pd"), ("pb", "pd"), ("pd", "pd")]
+    assert multi.link("pb", "pd").gbps == 25.0 and multi.link("pa", "pd").rtt_ms == 5.0 and multi.clusters["pa"].speed == 2.0
+    assert topology_from_dict(multi.to_dict()) == multi
+
+
+@pytest.mark.parametrize("bad, why", [
+    ([], "a topology is an object"),
+    ({"clusters": []}, "1 to 64 clusters"),
+    ({"clusters": [{"name": "a b", "kind": "pd"}]}, "clusters[0]: name must be"),
+    ({"clusters": [{"name": "a", "kind": "pd"}, {"name": "a", "kind": "pd"}]}, "named twice"),
+    ({"clusters": [{"name": "a", "kind": "gpu"}]}, "kind must be one of prfaas, pd"),
+    ({"clusters": [{"name": "a", "kind": "prfaas"}]}, "needs at least one pd cluster"),
+    ({"clusters": [{"name": "a", "kind": "pd", "speed": 0}]}, "speed must be a finite number > 0"),
+    ({"clusters": [{"name": "a", "kind": "pd"}], "links": [{"src": "x", "dst": "a"}]}, "src 'x' is not a cluster"),
+    ({"clusters": [{"name": "a", "kind": "pd"}], "links": [{"src": "a", "dst": "a"}]}, "a link joins two clusters"),
+    ({"clusters": [{"name": "a", "kind": "pd"}, {"name": "p", "kind": "prfaas"}], "links": [{"src": "a", "dst": "p"}]},
+     "KVCache flows into a pd cluster"),
+    ({"clusters": [{"name": "a", "kind": "pd"}, {"name": "p", "kind": "prfaas"}],
+      "links": [{"src": "p", "dst": "a"}, {"src": "p", "dst": "a"}]}, "given twice"),
+    ({"clusters": [{"name": "a", "kind": "pd"}, {"name": "p", "kind": "prfaas"}],
+      "links": [{"src": "p", "dst": "a", "gbps": -1}]}, "gbps must be a finite number > 0"),
+])
+def test_a_bad_topology_is_refused_naming_the_entry(bad, why):
+    with pytest.raises(TopologyError) as e:
+        topology_from_dict(bad)
+    assert why in str(e.value)
+
+
+def test_a_bad_file_names_itself(tmp_path):
+    p = tmp_path / "t.json"
+    p.write_text("{not json")
+    with pytest.raises(TopologyError, match="t.json"):
+        load_topology(p)
+
+
+# ------------------------------------------------------------------------------ pair choice
+
+TOPO = topology_from_dict(TWO_PRFAAS)
+ALL = {"pa", "pb", "pd"}
+
+
+def pair(prompt_len, cached=None, alive=ALL, work=None, links=None, t=1000, pair_t=None):
+    return choose_pair(TOPO, prompt_len, "pd", cached or {}, set(alive), work or {}, links or {}, t, pair_t)
+
+
+def test_short_prompts_stay_local_and_long_ones_go_to_the_fastest_clear_pair():
+    p = pair(800)
+    assert (p.prefill, p.l, p.remote, p.fell_back) == ("pd", 800, False, False)
+    p = pair(1000)  # l == t stays local
+    assert (p.prefill, p.remote) == ("pd", False)
+    p = pair(4000)  # pa: 4000 / 2 = 2000 beats pb: 4000 / 1
+    assert (p.prefill, p.decode, p.l, p.remote) == ("pa", "pd", 4000, True)
+    assert p.reason == "l_local=4000 > t=1000 for pa->pd; pa: l=4000 t=1000 score=2000; pb: l=4000 t=1000 score=4000"
+    p = pair(4000, work={"pa": 5000})  # pa's queue: (5000 + 4000) / 2 = 4500 > 4000
+    assert p.prefill == "pb"
+    p = pair(4000, cached={"pd": 3200})  # the local cache makes it short
+    assert (p.prefill, p.l) == ("pd", 800)
+    p = pair(4000, cached={"pb": 3984}, work={"pa": 0})  # pb's cache: (0 + 16) / 1 beats 4000 / 2
+    assert (p.prefill, p.l) == ("pb", 16)
+
+
+def test_a_pair_has_its_own_threshold():
+    p = pair(4000, pair_t={"pa->pd": 8000})  # short for pa, long for pb
+    assert p.prefill == "pb" and "pa: l=4000 t=8000 score=2000 (short for it)" in p.reason
+    p = pair(4000, pair_t={"pa->pd": 8000, "pb->pd": 5000})
+    assert (p.prefill, p.remote) == ("pd", False)
+
+
+def test_a_degraded_or_down_link_moves_traffic_to_the_other_pair_before_any_threshold_moves():
+    assert pair(4000, links={"pa->pd": LinkState(True, 0.6)}).prefill == "pa"  # 4000 / (2 * 0.6) = 3333 < 4000
+    assert pair(4000, links={"pa->pd": LinkState(True, 0.4)}).prefill == "pb"  # 5000 > 4000
+    assert pair(4000, links={"pa->pd": LinkState(True, 0.04)}).prefill == "pb"  # below MIN_HEADROOM: no new request
+    assert pair(4000, links={"pa->pd": LinkState(False, 1.0)}).prefill == "pb"
+    both_down = {"pa->pd": LinkState(False), "pb->pd": LinkState(False)}
+    p = pair(4000, links=both_down)
+    assert (p.prefill, p.remote, p.fell_back) == ("pd", False, False)  # no pair with headroom: local
+    p = pair(4000, alive={"pa", "pb"}, links=both_down)  # and no local prefill: the least bad remote one
+    assert (p.prefill, p.fell_back) == ("pa", True)
+    assert pair(4000, alive=set()) is None
+
+
+def test_no_local_prefill_falls_back_remote_even_for_short_prompts():
+    p = pair(100, alive={"pb"})
+    assert (p.prefill, p.l, p.remote, p.fell_back) == ("pb", 100, True, True)
+
+
+def test_pair_inputs_are_checked():
+    with pytest.raises(ValueError, match="prompt_len"):
+        pair(0)
+    with pytest.raises(ValueError, match="not a pd cluster"):
+        choose_pair(TOPO, 10, "pa", {}, ALL, {}, {}, 1000)
+    with pytest.raises(ValueError, match="outside"):
+        pair(10, cached={"pa": 10})
+
+
+# ------------------------------------------------------------------------------ link share
+
+
+def test_water_fill_is_weighted_max_min():
+    assert water_fill(100, {"a": 80, "b": 80}, {"a": 4, "b": 1}) == {"a": 80.0, "b": 20.0}
+    assert water_fill(100, {"a": 30, "b": 80}, {"a": 4, "b": 1}) == {"a": 30.0, "b": 70.0}  # b borrows what a leaves
+    assert water_fill(100, {"a": 10, "b": 10}, {}) == {"a": 10.0, "b": 10.0}  # enough for all
+    assert water_fill(90, {"a": 0, "b": 500, "c": 500}, {}) == {"a": 0.0, "b": 45.0, "c": 45.0}
+    with pytest.raises(ValueError):
+        water_fill(-1, {}, {})
+    with pytest.raises(ValueError):
+        water_fill(1, {"a": 1}, {"a": 0})
+
+
+def test_classes_share_by_weight_and_the_low_class_is_never_starved():
+    s = class_shares(700, {"high": 1000, "normal": 1000, "low": 1000})
+    assert s == {"high": 400.0, "normal": 200.0, "low": 100.0}
+    s = class_shares(700, {"high": 10_000, "low": 10_000})  # low keeps its assured 1/5
+    assert s == {"high": 560.0, "normal": 0.0, "low": 140.0}
+    assert class_shares(700, {"low": 10_000}) == {"high": 0.0, "normal": 0.0, "low": 700.0}  # alone it takes the link
+    assert class_shares(700, {"high": 100, "low": 10_000}) == {"high": 100.0, "normal": 0.0, "low": 600.0}
+    with pytest.raises(ValueError, match="unknown priority classes"):
+        class_shares(1, {"urgent": 1})
+
+
+def test_transfers_share_within_their_class_and_headroom_per_class():
+    r = transfer_shares(700, [("h1", -1, 1000), ("h2", -5, 100), ("l1", 3, 1000), ("l2", 1, 1000)])
+    assert r == {"h1": 460.0, "h2": 100.0, "l1": 70.0, "l2": 70.0}
+    with pytest.raises(ValueError, match="twice"):
+        transfer_shares(1, [("a", 0, 1), ("a", 0, 1)])
+    # the low class fills the link: a high transfer could still get 4/5 of it
+    assert class_headroom(100, {"low": 100}, -1) == 80.0
+    # the high class fills the link: a low transfer still has its assured fifth
+    assert class_headroom(100, {"high": 100}, 1) == 20.0
+    assert class_headroom(100, {"high": 20}, -1) == 80.0 and class_headroom(100, {}, 0) == 100.0
