@@ -159,3 +159,28 @@ def test_transfers_share_within_their_class_and_headroom_per_class():
     # the high class fills the link: a low transfer still has its assured fifth
     assert class_headroom(100, {"high": 100}, 1) == 20.0
     assert class_headroom(100, {"high": 20}, -1) == 80.0 and class_headroom(100, {}, 0) == 100.0
+
+
+# ------------------------------------------------------------------------------ placement over workers
+
+
+def test_place_multi_picks_decode_then_pair_then_worker():
+    from services.router.multi import place_multi
+    from services.router.placement import NoWorker
+
+    def w(name, role, cluster, **stats):
+        return {"name": name, "role": role, "cluster": cluster, "alive": True, "addr": name + ":1", "stats": stats}
+
+    ws = [w("a0", "prefill", "pa"), w("a1", "prefill", "pa"), w("b0", "prefill", "pb"), w("p0", "prefill", "pd"),
+          w("d0", "decode", "pd"), w("d1", "decode", "pd", running=3), w("x0", "prefill", "elsewhere")]
+    p, c = place_multi(TOPO, 4000, 1000, ws, {}, prefill_work={"a0": 500.0})
+    assert (p.route, p.prefill["name"], p.decode["name"], c.prefill, p.incremental_len) == ("remote", "a1", "d0", "pa", 4000)
+    p, c = place_multi(TOPO, 500, 1000, ws, {})
+    assert (p.route, p.prefill["name"], c.prefill) == ("local", "p0", "pd")
+    p, c = place_multi(TOPO, 4000, 1000, ws, {}, exclude_prefill={"a0", "a1"})  # pa's workers failed it: pb
+    assert (p.prefill["name"], c.prefill) == ("b0", "pb")
+    # cached blocks: b0 holds 200 blocks of 16 (3200 tokens): pb's (0 + 800) / 1 beats pa's 4000 / 2
+    p, c = place_multi(TOPO, 4000, 1000, ws, {}, block_size=16, prefix_blocks={"b0": 200})
+    assert (p.prefill["name"], p.incremental_len, p.l_prfaas, p.prefill_prefix_tokens) == ("b0", 800, 3200, 3200)
+    with pytest.raises(NoWorker):
+        place_multi(TOPO, 10, 1000, ws, {}, exclude_decode={"d0", "d1"})

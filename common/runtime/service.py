@@ -30,6 +30,19 @@ def require(args: argparse.Namespace, attr: str, var: str) -> str:
     return value
 
 
+def keyed_number(text: str, key_ok: Callable[[str], bool], positive: bool, usage: str) -> tuple[str, float]:
+    """``KEY=NUMBER`` from a flag: ``(key, number)`` when ``key_ok(key)`` and the number is finite and
+    ``>= 0`` (``> 0`` with ``positive``). Raises ``argparse.ArgumentTypeError`` quoting ``usage``."""
+    key, _, raw = text.partition("=")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not key_ok(key) or not (0 < value if positive else 0 <= value) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected {usage}, got {text!r}")
+    return key, value
+
+
 def add_insecure_flag(p: argparse.ArgumentParser) -> None:
     """``--insecure``: let this service's RPC and KV listeners bind a non-loopback address without a
     shared secret (default ``PRFAAS_INSECURE``; see ``common.rpc.limits.check_bind``)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from common.model.backend import BACKENDS
 from common.runtime import service
@@ -74,6 +75,15 @@ def add_prefill_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-
                    help="hybrid models: checkpoint linear states every N blocks (and at each prompt's last full block)")
 
 
+def cluster_addr(text: str) -> tuple[str, str]:
+    """``CLUSTER=HOST:PORT`` for ``--kv-advertise-for``."""
+    cluster, _, addr = text.partition("=")
+    host, sep, port = addr.rpartition(":")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", cluster) or not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise argparse.ArgumentTypeError(f"expected CLUSTER=HOST:PORT, got {text!r}")
+    return cluster, addr
+
+
 def add_decode_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-timeout") -> None:
     """Flags of the decode role (PD-D): KV listener, KV block pool, admission queue, prefix cache.
     ``stall_flag`` names the receive-side stall deadline (renamed by the PD worker, see
@@ -84,6 +94,9 @@ def add_decode_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-t
     p.add_argument("--kv-advertise-remote", default=service.env_default("PRFAAS_DECODE_KV_ADVERTISE_REMOTE"),
                    help="host:port PrfaaS-cluster prefill workers (route remote) dial for KV, when they reach this worker "
                         "by another path than the local PD-P does (e.g. across the datacenter link); default --kv-advertise")
+    p.add_argument("--kv-advertise-for", type=cluster_addr, action="append", default=[], metavar="CLUSTER=HOST:PORT",
+                   help="host:port the prefill workers of CLUSTER dial for KV (each PrfaaS cluster behind its own link "
+                        "or proxy); repeatable; a cluster not named gets --kv-advertise-remote (remote) or --kv-advertise")
     p.add_argument("--prefill-timeout", type=float, default=300.0, help="seconds from the prefill call to the last KV byte")
     p.add_argument(stall_flag, dest="kv_receive_stall_timeout", type=float, default=10.0,
                    help="seconds a KV transfer may make no progress before its prefill worker is probed (health) and, "

@@ -35,6 +35,7 @@ class GenerateArgs(msgspec.Struct):
     ``branch``: the index of the first branch (``sampling.n`` branches, index ``branch + j``, seed
     ``seed + branch + j``): a resumed branch of a request with several. ``priority``: lower first
     (admission, swap-in and preemption order; passed to the prefill worker's queue).
+    ``prefill_cluster``: the chosen prefill worker's cluster (picks its KV address, ``kv_addr_for``).
     """
 
     req_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -46,3 +47,4 @@ class GenerateArgs(msgspec.Struct):
     prefix_source: Annotated[str, msgspec.Meta(max_length=262)] | None = None
     branch: Annotated[int, msgspec.Meta(ge=0, lt=MAX_BRANCHES)] = 0
     priority: Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
+    prefill_cluster: Annotated[str, msgspec.Meta(max_length=64)] | None = None

@@ -20,7 +20,7 @@ def decode_worker_from_args(args: argparse.Namespace, backend, kv_listen: str):
                           lease_s=args.kv_lease_s, secret=peer_auth.ENV_SECRET, ssl=tls_server_context(args),
                           insecure=getattr(args, "insecure", ENV_INSECURE))
     worker = DecodeWorker(backend, args.name, args.kv_advertise or kv_listen, receiver, prefill_timeout=args.prefill_timeout,
-                          kv_addr_remote=args.kv_advertise_remote,
+                          kv_addr_remote=args.kv_advertise_remote, kv_addr_for=dict(args.kv_advertise_for),
                           kv_pool_bytes=args.kv_budget_bytes, block_size=args.block_size, max_waiting=args.max_waiting,
                           admission_timeout=args.admission_timeout, max_num_seqs=args.max_num_seqs,
                           prefix_cache=args.prefix_cache == "on",

@@ -104,17 +104,20 @@ class DecodeWorker:
     ``kv_stall_timeout`` (seconds; 0 disables) is the stall deadline: a transfer that makes no
     progress that long while its prefill worker does not answer a ``health`` probe either fails
     (``prefill_failed`` before the first token); ``max_waiting`` and ``admission_timeout`` (seconds)
-    bound the admission queue; ``max_num_seqs`` caps the batch (rows; 0: the pool alone bounds it).
+    bound the admission queue; ``max_num_seqs`` caps the batch (rows; 0: the pool alone bounds it);
+    ``kv_addr_for``: prefill cluster name -> the KV address that cluster's workers dial (a request
+    names its prefill cluster in ``prefill_cluster``), before ``kv_addr_remote``/``kv_addr``.
     """
 
     def __init__(self, backend: Backend, name: str, kv_addr: str, receiver: KvReceiver, prefill_timeout: float = 300.0,
                  kv_pool_bytes: int = 1 << 30, block_size: int = 16, max_waiting: int = 64, admission_timeout: float = 30.0,
                  prefix_cache: bool = True, kv_stall_timeout: float = 10.0, kv_addr_remote: str | None = None,
-                 max_num_seqs: int = 0):
+                 max_num_seqs: int = 0, kv_addr_for: dict[str, str] | None = None):
         self.backend = backend
         self.name = name
         self.kv_addr = kv_addr
         self.kv_addr_remote = kv_addr_remote or kv_addr  # what a PrfaaS prefill worker (route "remote") dials
+        self.kv_addr_for = dict(kv_addr_for or {})  # prefill cluster -> the KV address its workers dial (own link each)
         self.receiver = receiver
         self.store = backend.paged_store(kv_pool_bytes, block_size)
         self.sched: DecodeScheduler[DecodeRequest] = DecodeScheduler(
@@ -350,7 +353,8 @@ class DecodeWorker:
                 raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
             leg = self.prefill.start(req_id, prefill_addr, asm, {  # 2. transfer
                 "req_id": req_id, "input_ids": input_ids, "sampling": prefill_sampling.to_wire(),
-                "kv_addr": self.kv_addr_remote if args.route == "remote" else self.kv_addr,
+                "kv_addr": self.kv_addr_for.get(args.prefill_cluster or "")
+                or (self.kv_addr_remote if args.route == "remote" else self.kv_addr),
                 "kv_from": kv_from, "prefix_source": args.prefix_source, "prompt_len": prompt_len,
                 **({"priority": args.priority} if args.priority else {})})
             await leg.first_token()  # 3. wait for the first token (KV_DONE); the last layers may still be landing

@@ -318,14 +318,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
 def _class_seconds(text: str) -> tuple[str, float]:
     """``CLASS=SECONDS`` for ``--slo-ttft``: a priority class and a positive finite number."""
-    name, _, value = text.partition("=")
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if name not in CLASSES or not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected CLASS=SECONDS with CLASS one of {', '.join(CLASSES)}, got {text!r}")
-    return name, seconds
+    return service.keyed_number(text, lambda k: k in CLASSES, True, f"CLASS=SECONDS with CLASS one of {', '.join(CLASSES)}")
 
 
 def main() -> None:

@@ -212,6 +212,8 @@ class Dispatcher:
                 }
                 if req.priority:
                     args["priority"] = req.priority
+                if placement.get("multi"):  # several PrfaaS clusters: the decode worker picks the KV address by cluster
+                    args["prefill_cluster"] = placement["prefill"].get("cluster")
                 if first:
                     args["branch"] = first
                 if generated[first]:

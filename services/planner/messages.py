@@ -3,7 +3,7 @@
 Each handler of :class:`services.planner.server.Planner` is marked ``@takes(...)`` with one of these
 ``msgspec.Struct`` types: :class:`common.rpc.server.RpcServer` converts the request's ``args`` map
 before the handler runs and answers ``bad_request`` naming the field on a missing field, a wrong type
-or an unknown role or cluster (e.g. ``"register: Invalid enum value 'moon' - at `$.cluster`"``).
+or an unknown role (e.g. ``"register: Invalid enum value 'moon' - at `$.role`"``) or a malformed cluster name.
 Unknown fields are ignored. ``Role`` and ``Cluster`` are the vocabulary every service shares.
 """
 
@@ -15,9 +15,10 @@ import msgpack
 import msgspec
 
 Role = Literal["prefill", "decode"]
-Cluster = Literal["prfaas", "pd"]
 ROLES: tuple[str, ...] = get_args(Role)
-CLUSTERS: tuple[str, ...] = get_args(Cluster)
+CLUSTERS: tuple[str, ...] = ("prfaas", "pd")  # the default topology's clusters (services/planner/topology.py)
+# A cluster's name: "prfaas" and "pd" by default; any name a topology file gives (its kind comes from there).
+Cluster = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 
 
 MAX_EPOCH = 2**53 - 1  # role epochs: far above any count of moves, far below the 64-bit wire limit

@@ -32,6 +32,7 @@ from services.planner.long_loop import LongConfig, LongLoop
 from services.planner.messages import BadStats, MoveWorkerArgs, RegisterArgs, ReportArgs, ViewArgs
 from services.planner.registry import RegistrationError, RegistryFull, WorkerRegistry
 from services.planner.roles import RoleMover
+from services.planner.topology import Topology, TopologyError, default_topology, load_topology
 
 log = logging.getLogger("prfaas.planner")
 
@@ -53,7 +54,9 @@ class Planner:
 
     def __init__(self, name: str = "planner", dead_after: float = 3.0, controller: Any = None, loop_interval: float = 1.0,
                  mover: RoleMover | None = None, router: RpcClient | None = None, workload_refresh: float = 30.0,
-                 workload_samples: int = 400, forget_after: float = 300.0, insecure: Any = None):
+                 workload_samples: int = 400, forget_after: float = 300.0, insecure: Any = None,
+                 topology: Topology | None = None):
+        self.topology = topology or default_topology()
         self.registry = WorkerRegistry(dead_after=dead_after, forget_after=forget_after)
         self.controller = controller  # a services.planner.control.Controller, or None (no scheduling loop)
         self.workers = ClientPool(service="planner", name=name, connect_timeout=2.0)
@@ -151,7 +154,11 @@ class Planner:
 
     @takes(RegisterArgs)
     async def register(self, args: RegisterArgs) -> dict[str, Any]:
-        """Add or replace a worker in the view (a wrong field is ``bad_request`` before this runs)."""
+        """Add or replace a worker in the view (a wrong field is ``bad_request`` before this runs; so
+        is a cluster the topology does not name)."""
+        if args.cluster not in self.topology.clusters:
+            raise RpcError(ErrorCode.BAD_REQUEST, f"register: Invalid enum value {args.cluster!r} - at `$.cluster` (the "
+                           f"topology's clusters are {', '.join(sorted(self.topology.clusters))})")
         try:
             rec = self.registry.register(args, time.monotonic())
         except BadStats as e:
@@ -191,6 +198,10 @@ class Planner:
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     controller, router, mover = None, None, None
+    try:
+        topology = load_topology(args.topology)
+    except TopologyError as e:
+        raise SystemExit(f"planner: --topology: {e}") from None
     if args.profile:
         from services.planner import throughput as tm
         from services.planner.control import Controller, load_profile
@@ -212,7 +223,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
                               drain_timeout_s=args.drain_timeout)
     planner = Planner(args.name, args.dead_after, controller=controller, loop_interval=args.loop_interval, mover=mover,
                       router=router, workload_refresh=args.workload_refresh, workload_samples=args.workload_samples,
-                      forget_after=args.forget_after, insecure=args.insecure)
+                      forget_after=args.forget_after, insecure=args.insecure, topology=topology)
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_PLANNER_ADDR"))
     await planner.server.start(host, port)
     planner.start()
@@ -233,6 +244,9 @@ def main() -> None:
                    help="seconds without a report before a worker is forgotten (it registers again when it comes back)")
     service.add_insecure_flag(p)
     p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"), help="router address (for the loop)")
+    p.add_argument("--topology", default=service.env_default("PRFAAS_TOPOLOGY", ""),
+                   help="JSON file of named clusters and links (services/planner/topology.py); workers of other "
+                        "clusters are refused; default: the two clusters prfaas -> pd")
     p.add_argument("--profile", default=service.env_default("PRFAAS_PLANNER_PROFILE"),
                    help="hardware profile JSON (e.g. from scripts/measure_profile.py); enables the short-timescale loop")
     p.add_argument("--prfaas-profile", default=service.env_default("PRFAAS_PLANNER_PRFAAS_PROFILE"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 
 from common.rpc.schema import NoArgs, takes
 from common.worker.bring_up import load_worker, serve_worker, worker_main
@@ -31,12 +32,20 @@ async def _health(args: NoArgs) -> dict:
     return {"ok": True}
 
 
+def _cluster_name(text: str) -> str:
+    """``--cluster``: 1-64 characters of ``[A-Za-z0-9_.-]``."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", text):
+        raise argparse.ArgumentTypeError(f"a cluster name is 1-64 characters of [A-Za-z0-9_.-], got {text!r}")
+    return text
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The flags: every worker's, ``--cluster``, ``--block-size`` and the prefill role's."""
     p = argparse.ArgumentParser(description="PrfaaS prefill worker")
     add_worker_flags(p, "prefill")
-    p.add_argument("--cluster", choices=["prfaas", "pd"], default="pd",
-                   help="prfaas: the remote PrfaaS cluster; pd: the local PD cluster's prefill (PD-P)")
+    p.add_argument("--cluster", type=_cluster_name, default="pd",
+                   help="prfaas: the remote PrfaaS cluster; pd: the local PD cluster's prefill (PD-P); any other name: "
+                        "a cluster of the router's --topology file")
     add_block_size_flag(p, "tokens per prefix-cache block (the gateway hashes prompts with PRFAAS_BLOCK_SIZE: keep them equal)")
     add_prefill_flags(p)
     return p

@@ -1,3 +1,3 @@
-from services.router.server import main
+from services.router.cli import main
 
 main()

@@ -108,6 +108,17 @@ class SetBandwidthArgs(msgspec.Struct):
     plentiful: bool
 
 
+class SetLinkArgs(msgspec.Struct):
+    """``set_link``: link ``src`` -> ``dst`` is ``up`` (or not) with ``headroom`` (0-1) of its capacity
+    free; ``threshold``: that pair's own ``t`` in tokens (None: the router's)."""
+
+    src: Cluster
+    dst: Cluster
+    up: bool = True
+    headroom: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    threshold: Tokens | None = None
+
+
 class SetThresholdArgs(msgspec.Struct):
     """``set_threshold``: the routing threshold ``t`` in tokens."""
 

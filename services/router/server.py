@@ -27,7 +27,6 @@ cache-affine workers; this shell only looks the hashes up in the index, counts a
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -38,13 +37,12 @@ from typing import Any
 
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
-from common.rpc.handshake import parse_addr
 from common.rpc.schema import NoArgs, takes
 from common.rpc.server import RpcServer
 from common.runtime import service
 from common.runtime.priority import class_of
 from proto.frames import ErrorCode
-from services.planner.messages import CLUSTERS
+from services.planner.topology import Topology, default_topology
 from services.router import placement
 from services.router.breaker import Breakers
 from services.router.kv_index import KvIndex
@@ -55,9 +53,12 @@ from services.router.messages import (
     PlaceArgs,
     ReleaseArgs,
     SetBandwidthArgs,
+    SetLinkArgs,
     SetThresholdArgs,
     StatsArgs,
 )
+from services.router.multi import place_multi
+from services.router.pairs import LinkState
 
 log = logging.getLogger("prfaas.router")
 
@@ -68,7 +69,7 @@ MAX_NODES = 1024  # workers whose prefix cache the index may hold
 # Who may call what, when peers authenticate (common.rpc.credentials); the rest is open to every role.
 ALLOW = {"place": {"gateway"}, "release": {"gateway"}, "prefill_done": {"gateway"}, "kv_events": {"worker"},
          "kv_resync": {"worker"},
-         "set_threshold": {"planner"}, "set_bandwidth": {"planner"}}
+         "set_threshold": {"planner"}, "set_bandwidth": {"planner"}, "set_link": {"planner", "operator"}}
 
 
 @dataclass
@@ -96,8 +97,12 @@ class Router:
     def __init__(self, planner_addr: str, threshold: int, name: str = "router", refresh: float = 0.5, release_after: float = 3600.0,
                  bandwidth_plentiful: bool = False, forget_after: float = 10.0,
                  prefill_fixed_tokens: dict[str, float] | None = None, breakers: Breakers | None = None,
-                 insecure: Any = None):
+                 insecure: Any = None, topology: Topology | None = None):
         self.threshold = threshold
+        self.topology = topology or default_topology()
+        self.links: dict[str, LinkState] = {}  # "src->dst" -> state set by set_link (absent: up, headroom 1)
+        self.pair_thresholds: dict[str, int] = {}  # "src->dst" -> t for that pair (absent: threshold)
+        self.pair_decisions: Counter[str] = Counter()  # "src->dst" -> placements
         self.refresh = refresh
         self.release_after = release_after
         self.bandwidth_plentiful = bandwidth_plentiful
@@ -127,7 +132,9 @@ class Router:
             handlers={"place": self.place, "release": self.release, "prefill_done": self.prefill_done,
                       "stats": self.stats, "health": self.health,
                       "set_threshold": self.set_threshold, "set_bandwidth": self.set_bandwidth, "kv_events": self.kv_events,
-                      "kv_resync": self.kv_resync},
+                      "kv_resync": self.kv_resync,
+                      # links are set by hand only where a --topology file names them
+                      **({} if self.topology.is_default else {"set_link": self.set_link})},
             allow=ALLOW, **({} if insecure is None else {"insecure": insecure}),
         )
         self._task: asyncio.Task | None = None
@@ -194,6 +201,12 @@ class Router:
         if node not in self.kv_epochs and node not in self._pending and len(self.kv_epochs) + len(self._pending) >= MAX_NODES:
             raise RpcError(ErrorCode.OVERLOADED, f"the KV index holds {MAX_NODES} nodes, its limit", retry_after=5)
 
+    def _check_cluster(self, method: str, cluster: str) -> None:
+        """``bad_request`` for a cluster the topology does not name, worded as the schema's own enum
+        check (the topology's clusters are the enum)."""
+        if cluster not in self.topology.clusters:
+            raise RpcError(ErrorCode.BAD_REQUEST, f"{method}: Invalid enum value {cluster!r} - at `$.cluster`")
+
     def _indexed(self, args: KvEventsArgs | KvResyncArgs) -> None:
         """The index now holds ``args.node``'s cache of ``args.epoch`` (hashed in ``block_size`` blocks)."""
         self.kv_epochs[args.node] = args.epoch
@@ -207,6 +220,7 @@ class Router:
         start at seq 1). A new epoch first drops the node's old cache: a restarted worker's seqs
         start at 1 again and must replace, not be skipped as re-deliveries."""
         node = args.node
+        self._check_cluster("kv_events", args.cluster)
         self._check_node(node)
         known = self.kv_epochs.get(node)
         if known is not None and known != args.epoch:
@@ -228,6 +242,7 @@ class Router:
         router restarted between parts) the partial snapshot is dropped and ``{resync: true}`` asks
         for a fresh one. A snapshot over ``MAX_SNAPSHOT_ENTRIES`` entries is dropped as ``bad_request``."""
         node, seq = args.node, args.seq
+        self._check_cluster("kv_resync", args.cluster)
         self._check_node(node)
         if args.part == 0:
             self._pending[node] = _PendingSnapshot(args.epoch, seq, args.cluster, args.role)
@@ -309,6 +324,7 @@ class Router:
             "decode_prefix_tokens": p.decode_prefix_tokens,
             "prefix_move": list(p.prefix_move) if p.prefix_move else None,
             "prefix_source": p.prefix_source,
+            **({"multi": True} if not self.topology.is_default else {}),
         }
 
     def _place(self, args: PlaceArgs, blocks: dict[str, int] | None) -> placement.Placement:
@@ -319,10 +335,19 @@ class Router:
         use = {"decode": bool(blocked), "prefill": bool(blocked)}
         while True:
             try:
+                exclude_decode = set(args.exclude_decode) | (blocked if use["decode"] else set())
+                exclude_prefill = set(args.exclude_prefill) | (blocked if use["prefill"] else set())
+                if not self.topology.is_default:
+                    p, choice = place_multi(
+                        self.topology, args.prompt_len, self.threshold, self.workers, self.inflight,
+                        exclude_decode=exclude_decode, exclude_prefill=exclude_prefill, block_size=args.block_size,
+                        prefix_blocks=blocks, prefill_work=self.leases.prefill_work, links=self.links,
+                        pair_thresholds=self.pair_thresholds)
+                    self.pair_decisions[f"{choice.prefill}->{choice.decode}"] += 1
+                    return p
                 return placement.place_request(
                     args.prompt_len, self.threshold, self.workers, self.inflight,
-                    exclude_decode=set(args.exclude_decode) | (blocked if use["decode"] else set()),
-                    exclude_prefill=set(args.exclude_prefill) | (blocked if use["prefill"] else set()),
+                    exclude_decode=exclude_decode, exclude_prefill=exclude_prefill,
                     block_size=args.block_size, prefix_blocks=blocks, bandwidth_plentiful=self.bandwidth_plentiful,
                     prefill_work=self.leases.prefill_work)
             except placement.NoWorker as e:
@@ -348,6 +373,22 @@ class Router:
         if old != v:
             log.info("bandwidth now counts as %s", "plentiful" if v else "scarce")
         return {"plentiful": v, "previous": old}
+
+    @takes(SetLinkArgs)
+    async def set_link(self, args: SetLinkArgs) -> dict[str, Any]:
+        """Set link ``src->dst``'s state as the placement sees it (``up``, ``headroom`` 0-1) and,
+        with ``threshold``, that pair's own ``t`` (tokens; None keeps the router's). ``bad_request``
+        for a link the topology does not have."""
+        lk = self.topology.link(args.src, args.dst)
+        if lk is None:
+            raise RpcError(ErrorCode.BAD_REQUEST, f"the topology has no link {args.src} -> {args.dst}")
+        old = self.links.get(lk.key, LinkState())
+        self.links[lk.key] = LinkState(args.up, args.headroom)
+        if args.threshold is not None:
+            self.pair_thresholds[lk.key] = args.threshold
+        if old != self.links[lk.key]:
+            log.info("link %s now %s, headroom %.2f", lk.key, "up" if args.up else "down", args.headroom)
+        return {"link": lk.key, "up": args.up, "headroom": args.headroom, "previous": {"up": old.up, "headroom": old.headroom}}
 
     @takes(SetThresholdArgs)
     async def set_threshold(self, args: SetThresholdArgs) -> dict[str, Any]:
@@ -390,6 +431,10 @@ class Router:
             "route_decisions": dict(self.decisions),
             "route_decisions_by_class": dict(self.class_decisions),
             "route_fallbacks": self.fallbacks,
+            "pair_decisions": dict(self.pair_decisions),
+            "topology": {"clusters": sorted(self.topology.clusters), "links": {k: {"up": s.up, "headroom": s.headroom}
+                         for k, s in ((lk.key, self.links.get(lk.key, LinkState())) for lk in self.topology.links.values())},
+                         "pair_thresholds": dict(self.pair_thresholds)},
             "threshold_tokens": self.threshold,
             "inflight": dict(self.inflight),
             "prefill_work": dict(self.leases.prefill_work),
@@ -397,7 +442,7 @@ class Router:
             "breakers": self.breakers.state(),
             "prefix": {
                 "requests": c["requests"], "prompt_tokens": c["prompt_tokens"],
-                "hit_tokens": {cluster: self.hit_tokens.get(cluster, 0) for cluster in CLUSTERS},
+                "hit_tokens": {cluster: self.hit_tokens.get(cluster, 0) for cluster in self.topology.clusters},
                 "decode_hit_tokens": c["decode_hit_tokens"], "moves": c["moves"], "guard_skips": c["guard_skips"],
                 "bandwidth_plentiful": self.bandwidth_plentiful,
             },
@@ -414,64 +459,3 @@ class Router:
         except (TimeoutError, RpcError, OSError):
             planner_ok = False
         return {"planner": planner_ok, "workers": self.workers}
-
-
-async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    planner_addr = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
-    router = Router(planner_addr, args.threshold, args.name, bandwidth_plentiful=args.bandwidth_plentiful,
-                    forget_after=args.forget_after, prefill_fixed_tokens=dict(args.prefill_fixed_tokens),
-                    insecure=args.insecure, breakers=Breakers(args.breaker_failures, args.breaker_cooldown))
-    host, port = parse_addr(service.require(args, "listen", "PRFAAS_ROUTER_ADDR"))
-    await router.server.start(host, port)
-    router.start()
-    print(f"READY router listening on {host}:{port} threshold={args.threshold} "
-          f"bandwidth={'plentiful' if args.bandwidth_plentiful else 'scarce'}", flush=True)
-    await stop.wait()
-    await router.close()
-
-
-def _cluster_tokens(text: str) -> tuple[str, float]:
-    """``CLUSTER=TOKENS`` (a known cluster, a finite number >= 0) for ``--prefill-fixed-tokens``."""
-    cluster, _, tokens = text.partition("=")
-    try:
-        value = float(tokens)
-    except ValueError:
-        value = float("nan")
-    if cluster not in CLUSTERS or not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected CLUSTER=TOKENS with CLUSTER one of {', '.join(CLUSTERS)} and "
-                                         f"TOKENS >= 0, got {text!r}")
-    return cluster, value
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description="PrfaaS router")
-    p.add_argument("--listen", default=service.env_default("PRFAAS_ROUTER_ADDR"))
-    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
-    p.add_argument("--threshold", type=int,
-                   default=int(service.env_default("PRFAAS_THRESHOLD_TOKENS", str(placement.DEFAULT_THRESHOLD_TOKENS))),
-                   help="t: incremental prefill tokens above which prefill goes to the PrfaaS cluster")
-    p.add_argument("--bandwidth-plentiful", action="store_true",
-                   default=service.env_default("PRFAAS_BANDWIDTH_PLENTIFUL", "0") not in ("0", "false", "no"),
-                   help="short-timescale rule for plentiful cross-cluster bandwidth: route on the longer cached prefix of "
-                        "either cluster and suggest moving it (default: scarce, each cluster judged on its own cache); "
-                        "from config until link signals drive it")
-    p.add_argument("--forget-after", type=float, default=10.0,
-                   help="seconds a worker must be reported dead before its prefix cache leaves the index")
-    p.add_argument("--prefill-fixed-tokens", type=_cluster_tokens, action="append", default=[], metavar="CLUSTER=TOKENS",
-                   help="the fixed cost of one prefill on CLUSTER's hardware in token-equivalents (the intercept over the "
-                        "slope of its prefill-time profile), added to each request's l in the queued work that picks the "
-                        "prefill worker; repeatable (default 0: work is the incremental tokens alone)")
-    p.add_argument("--breaker-failures", type=int, default=3,
-                   help="failures in a row that callers saw on a worker before its circuit breaker opens")
-    p.add_argument("--breaker-cooldown", type=float, default=5.0,
-                   help="seconds an open breaker keeps its worker out of placement before one probe request (doubling "
-                        "while probes fail, up to 60)")
-    p.add_argument("--name", default="router")
-    service.add_insecure_flag(p)
-    args = p.parse_args()
-    service.setup_logging("router")
-    service.run(lambda stop: amain(args, stop))
-
-
-if __name__ == "__main__":
-    main()
