@@ -219,7 +219,11 @@ class EmulatedCluster:
         a["router:remote"] = self.link.add("router", LOCAL, a["router"], client_side="prfaas")
         self.set_link(self.link_gbps)
         await self.link.start()
-        self.url = f"http://{a['gateway']}"
+        return await self._launch(timeout)
+
+    async def _launch(self, timeout: float) -> EmulatedCluster:
+        """Spawn every process once the links listen; wait until healthy; stop everything on failure."""
+        self.url = f"http://{self.addrs['gateway']}"
         try:
             await asyncio.to_thread(self._spawn_all)
             await self._wait_healthy(timeout)
@@ -260,6 +264,9 @@ class EmulatedCluster:
         self._clients.clear()
         await asyncio.to_thread(stop, *self.procs.values())
         self.procs.clear()
+        await self._close_links()
+
+    async def _close_links(self) -> None:
         await self.link.close()
 
     # ------------------------------------------------------------------ control and probes
