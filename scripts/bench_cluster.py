@@ -550,6 +550,13 @@ async def amain(args) -> int:
         lines = render_swing(sw, {})
         print("\n".join(lines))
         return 0
+    if args.scenario == "multi":
+        from common.lab import multi_bench
+        res, line = await multi_bench.run(out, args.quick, args.time_scale, SLO, args.multi_rate)
+        print("\n".join(multi_bench.render(res)))
+        print(f"multi: {time.monotonic() - t0:.0f} s; {out / 'multi.json'}, {out / 'multi.png'}")
+        print(line)
+        return 0
     if args.scenario in ("shift", "trace", "bursts"):
         res = await {"shift": shift, "trace": trace_replay, "bursts": bursts}[args.scenario](args, scales, out)
         (out / f"{args.scenario}.json").write_text(json.dumps(res, indent=1))
@@ -580,11 +587,13 @@ def main() -> int:
     p.add_argument("--window", type=float, default=None, help="emulated seconds of arrivals per rate point")
     p.add_argument("--swing-rate", type=float, default=1.3, help="req/s offered in the bandwidth swing")
     p.add_argument("--no-swing", action="store_true")
-    p.add_argument("--scenario", choices=["table6", "swing", "shift", "trace", "bursts"], default="table6",
+    p.add_argument("--scenario", choices=["table6", "swing", "shift", "trace", "bursts", "multi"], default="table6",
                    help="table6: the three configurations and the bandwidth swing (the acceptance line); swing: the swing "
                         "alone; shift: a traffic shift with and without the long loop; trace: the Mooncake conversation trace, "
                         "PrfaaS vs homogeneous; "
-                        "bursts: on/off arrivals, PrfaaS vs homogeneous")
+                        "bursts: on/off arrivals, PrfaaS vs homogeneous; multi: two PrfaaS clusters vs one, a link "
+                        "failure, and a low-priority flood (common/lab/multi_bench.py)")
+    p.add_argument("--multi-rate", type=float, default=2.0, help="req/s of the paper mix in the multi scenario")
     p.add_argument("--burst-rate", type=float, default=2.0, help="mean req/s of the on/off bursts")
     p.add_argument("--shift-rate-before", type=float, default=2.0, help="req/s of the paper mix before the shift")
     p.add_argument("--shift-rate-after", type=float, default=3.5, help="req/s of the short mix after it")

@@ -42,5 +42,7 @@ async def test_blackholing_one_prfaas_link_moves_long_requests_to_the_other(tmp_
         assert c.site_kv_bytes("pb") - used["pb"] >= 6 * 0.9 * per_request  # every one was served over pb
         st = await c.router_stats()
         assert st["topology"]["clusters"] == ["pa", "pb", "pd"]
+        # the planner's per-link loop saw pa's workers go silent and told the router the link is down
+        assert st["topology"]["links"]["pa->pd"]["up"] is False and st["topology"]["links"]["pb->pd"]["up"] is True
     finally:
         await c.stop()

@@ -184,3 +184,28 @@ def test_place_multi_picks_decode_then_pair_then_worker():
     assert (p.prefill["name"], p.incremental_len, p.l_prfaas, p.prefill_prefix_tokens) == ("b0", 800, 3200, 3200)
     with pytest.raises(NoWorker):
         place_multi(TOPO, 10, 1000, ws, {}, exclude_decode={"d0", "d1"})
+
+
+# ------------------------------------------------------------------------------ per-link loop
+
+
+def test_link_states_come_from_the_source_clusters_reports():
+    from services.planner.link_loop import changed, link_states
+
+    def w(cluster, alive=True, **links):
+        return {"role": "prefill", "cluster": cluster, "alive": alive, "stats": {"links": links}}
+
+    view = [w("pa", pd1={"goodput_window_bps": 30e9, "capacity_bps": 80e9}, pd2={"goodput_bps": 10e9}),
+            w("pb", alive=False, pd1={"goodput_window_bps": 20e9}),
+            {"role": "decode", "cluster": "pd", "alive": True, "stats": {}}]
+    s = link_states(TOPO, view)
+    # pa: 40 Gbit/s out of min(80 measured, 100 configured); pb: no alive worker, so down
+    assert s == {"pa->pd": (True, 0.5), "pb->pd": (False, 1.0)}
+    view[0]["stats"]["links"]["pd1"]["capacity_bps"] = None  # no measurement: the configured 100 Gbit/s
+    assert link_states(TOPO, view)["pa->pd"] == (True, 0.6)
+    view[0]["stats"]["links"]["pd1"]["goodput_window_bps"] = 300e9  # over the cap: no headroom, never negative
+    assert link_states(TOPO, view)["pa->pd"] == (True, 0.0)
+    old = {"pa->pd": (True, 0.5), "pb->pd": (False, 1.0)}
+    assert changed(old, {"pa->pd": (True, 0.53), "pb->pd": (True, 1.0)}) == {"pb->pd": (True, 1.0)}
+    assert changed(old, {"pa->pd": (True, 0.44), "pb->pd": (False, 1.0)}) == {"pa->pd": (True, 0.44)}
+    assert changed({}, old) == old

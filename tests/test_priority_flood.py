@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.lab.emulated_cluster import EmulatedCluster, Shape
-from common.lab.priority_load import FloodPlan, flood_ratio, pool_bytes_for
+from common.lab.priority_load import FloodPlan, flood_cluster, flood_ratio
 from common.model.emulated import Scales
 
 pytestmark = pytest.mark.timeout(240)
@@ -18,8 +17,7 @@ SCALES = Scales(time_scale=5, token_scale=32, byte_scale=1.5e-4, output_scale=8)
 
 async def test_a_low_priority_flood_leaves_the_high_class_ttft(tmp_path):
     plan = FloodPlan()
-    c = EmulatedCluster(Shape("1/1/1", 1, 1, 1), SCALES, threshold=1000, log_dir=tmp_path,
-                        decode_pool_bytes=pool_bytes_for("h20_table6_fit", SCALES, plan))
+    c = flood_cluster(SCALES, tmp_path, plan)
     await c.start(timeout=90)
     try:
         r = await flood_ratio(c, plan)

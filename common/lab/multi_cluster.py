@@ -42,6 +42,10 @@ class Site:
     n: int
     profile: str = "h200_table5"
     link_gbps: float = 100.0
+    profiles: tuple[str, ...] = ()  # per instance, when the site mixes hardware (else ``profile`` for all)
+
+    def profile_of(self, k: int) -> str:
+        return self.profiles[k] if self.profiles else self.profile
 
 
 @dataclass
@@ -55,9 +59,12 @@ class MultiCluster(EmulatedCluster):
 
     def topology(self) -> dict[str, Any]:
         """The topology file's object: every site, ``pd``, and a link from each site into ``pd``."""
-        pd_speed = EmulatedProfile.from_file(self.pd_profile).t_prefill(32_768)
-        clusters = [{"name": s.name, "kind": "prfaas", "profile": s.profile,
-                     "speed": pd_speed / EmulatedProfile.from_file(s.profile).t_prefill(32_768)} for s in self.sites]
+        pd_t = EmulatedProfile.from_file(self.pd_profile).t_prefill(32_768)
+
+        def speed(s: Site) -> float:  # mean prefill speed of its instances relative to the PD hardware, at 32K tokens
+            return sum(pd_t / EmulatedProfile.from_file(s.profile_of(k)).t_prefill(32_768) for k in range(s.n)) / s.n
+
+        clusters = [{"name": s.name, "kind": "prfaas", "profile": s.profile_of(0), "speed": speed(s)} for s in self.sites]
         return {"clusters": [*clusters, {"name": "pd", "kind": "pd", "profile": self.pd_profile}],
                 "links": [{"src": s.name, "dst": "pd", "gbps": s.link_gbps} for s in self.sites]}
 
@@ -68,8 +75,9 @@ class MultiCluster(EmulatedCluster):
         a, py = self.addrs, [sys.executable, "-m"]
         topo = str(Path(self.log_dir) / "topology.json")
         cmds = super().commands()  # planner, router, gateway and host-pd; n_prfaas must be 0 (no host-prfaas)
-        cmds["planner"] += ["--topology", topo]
-        fixed = {s.name: EmulatedProfile.from_file(s.profile).prefill_fixed_tokens() / self.scales.token_scale for s in self.sites}
+        cmds["planner"] += ["--topology", topo, *([] if "--router" in cmds["planner"] else ["--router", a["router"]]),
+                            "--loop-interval", repr(1.0 / self.scales.time_scale)]
+        fixed = {s.name: EmulatedProfile.from_file(s.profile_of(0)).prefill_fixed_tokens() / self.scales.token_scale for s in self.sites}
         cmds["router"] += ["--topology", topo, *(f for n, v in fixed.items() for f in ("--prefill-fixed-tokens", f"{n}={v!r}"))]
         pd_host = cmds["host-pd"]
         out, spec = [], []
@@ -87,10 +95,10 @@ class MultiCluster(EmulatedCluster):
                   "--report-interval", "0.25"]
         for s in self.sites:
             specs: list[str] = []
-            for n in self._workers(s):
+            for k, n in enumerate(self._workers(s)):
                 specs += ["--", "prefill", "--name", n, "--cluster", s.name, "--listen", a[n], "--advertise", a[f"rpc:{n}"],
                           "--planner", a[f"planner:{s.name}"], "--router", a[f"router:{s.name}"],
-                          "--emulated-profile", s.profile, *common]
+                          "--emulated-profile", s.profile_of(k), *common]
             cmds[f"host-{s.name}"] = py + ["common.lab.emulated_host", *specs[1:]]
         return cmds
 

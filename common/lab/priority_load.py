@@ -11,7 +11,8 @@ its TTFT: it goes ahead of the queue and swaps a low row out (``services/decode/
 
 The flood starts ``lead_s`` emulated seconds before the high traffic, so that low rows are decoding
 (and can be swapped out) when it starts; arrivals and lengths of the high traffic are the same in both
-runs, only the prompts' contents differ (no prefix-cache hit across runs). Seconds are emulated
+runs, only the prompts' contents differ (no prefix-cache hit across runs); one request of each kind
+warms the connections up first. Seconds are emulated
 (unscaled); lengths unscaled tokens.
 """
 
@@ -59,6 +60,16 @@ def pool_bytes_for(profile: str, scales: Scales, plan: FloodPlan, block_size: in
     return n * page
 
 
+def flood_cluster(scales: Scales, log_dir, plan: FloodPlan = FloodPlan()) -> EmulatedCluster:
+    """The deployment :func:`flood_ratio` runs on (not started): 1 PrfaaS / 1 PD-P / 1 PD-D, threshold
+    1000 carried tokens (the high prompts local, the low ones remote), the decode pool of
+    :func:`pool_bytes_for`."""
+    from common.lab.emulated_cluster import Shape
+
+    return EmulatedCluster(Shape("1/1/1", 1, 1, 1), scales, threshold=1000, log_dir=log_dir,
+                           decode_pool_bytes=pool_bytes_for("h20_table6_fit", scales, plan))
+
+
 async def _highs(c: EmulatedCluster, plan: FloodPlan, seed: int, start_s: float) -> list[Outcome]:
     arr = [start_s + k * plan.high_gap_s for k in range(plan.n_high)]
     prompts = [prompt_tokens(c.carried(plan.high_len), seed * 1000 + k) for k in range(plan.n_high)]
@@ -79,6 +90,9 @@ async def flood_ratio(c: EmulatedCluster, plan: FloodPlan = FloodPlan(), seed: i
     workers' preemptions during the flood (from their ``stats``)."""
     slo = Slo()
     window = plan.n_high * plan.high_gap_s
+    for length, prio, k in ((plan.high_len, HIGH, 0), (plan.low_len, LOW, 1)):  # warm both routes' connections up
+        await drive(c.url, c.scales, [0.0], [prompt_tokens(c.carried(length), seed * 1000 + 900 + k)], [length], 1,
+                    c.pd_hw.t_prefill, priorities=[prio])
     alone = await _highs(c, plan, seed, 0.0)
     decoders = [n for n in c.addrs if n.startswith("pd-") and ":" not in n]
     before = {n: (await c.client(n).call("stats", {}, timeout=5.0)).get("preemptions") or 0 for n in decoders}

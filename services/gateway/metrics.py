@@ -167,6 +167,9 @@ def route_families(stats: dict[str, Any]) -> list[Metric]:
                 ["priority_class", "route"],
                 [(tuple(k.split("/", 1)), v) for k, v in sorted((stats.get("route_decisions_by_class") or {}).items())
                  if "/" in k]),
+        _family("counter", "prfaas_route_pair_decisions_total",
+                "Router placements by (prefill cluster -> decode cluster) pair, with a --topology of several clusters.",
+                ["pair"], [((k,), v) for k, v in sorted((stats.get("pair_decisions") or {}).items())]),
         _single("counter", "prfaas_route_fallbacks_total", "", stats["route_fallbacks"]),
         _single("gauge", "prfaas_route_threshold_tokens", "", stats["threshold_tokens"]),
         *prefix_families(stats),

@@ -28,6 +28,7 @@ from common.rpc.schema import NoArgs, takes
 from common.rpc.server import RpcServer
 from common.runtime import service
 from proto.frames import ErrorCode
+from services.planner import link_loop
 from services.planner.long_loop import LongConfig, LongLoop
 from services.planner.messages import BadStats, MoveWorkerArgs, RegisterArgs, ReportArgs, ViewArgs
 from services.planner.registry import RegistrationError, RegistryFull, WorkerRegistry
@@ -68,6 +69,8 @@ class Planner:
         self._relearned_at = -math.inf
         self.loop_errors = 0
         self._task: asyncio.Task | None = None
+        self._link_task: asyncio.Task | None = None
+        self.link_states: dict[str, tuple[bool, float]] = {}  # "src->dst" -> (up, headroom) last sent to the router
         self.server = RpcServer(
             "planner", name,
             handlers={"register": self.register, "report": self.report, "view": self.view, "health": self.health,
@@ -79,9 +82,28 @@ class Planner:
         """Start the scheduling loops if a controller was given."""
         if self.controller is not None:
             self._task = asyncio.create_task(self._loop(), name="planner-loops")
+        if self.router is not None and not self.topology.is_default:
+            self._link_task = asyncio.create_task(self._link_loop(), name="planner-link-loop")
+
+    async def _link_loop(self) -> None:
+        """Every ``loop_interval``: each link's state from the reports (:func:`link_loop.link_states`),
+        the changed ones sent to the router's ``set_link``."""
+        while True:
+            await asyncio.sleep(self.loop_interval)
+            states = link_loop.link_states(self.topology, self.registry.view(time.monotonic()))
+            for key, (up, headroom) in link_loop.changed(self.link_states, states).items():
+                src, dst = key.split("->")
+                try:
+                    await self.router.call("set_link", {"src": src, "dst": dst, "up": up, "headroom": headroom}, timeout=2.0)
+                except (RpcError, TimeoutError, OSError):
+                    self.loop_errors += 1
+                    continue
+                log.info("link %s: %s, headroom %.2f", key, "up" if up else "down", headroom)
+                self.link_states[key] = (up, headroom)
 
     async def close(self) -> None:
         await service.stop_task(self._task)
+        await service.stop_task(self._link_task)
         await self.mover.close()
         await self.server.close()
         await self.workers.close()
@@ -149,8 +171,10 @@ class Planner:
         for w in workers:
             key = f"{w['role']}/{w['cluster']}"
             by[key] = by.get(key, 0) + int(w["alive"])
+        links = {} if self.topology.is_default else {"links": {k: {"up": up, "headroom": h} for k, (up, h) in
+                                                               sorted(self.link_states.items())}}
         return {"alive": by, "loop": self.controller.state() if self.controller is not None else None,
-                "roles": self.mover.state(), "loop_errors": self.loop_errors}
+                "roles": self.mover.state(), "loop_errors": self.loop_errors, **links}
 
     @takes(RegisterArgs)
     async def register(self, args: RegisterArgs) -> dict[str, Any]:
@@ -202,12 +226,14 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         topology = load_topology(args.topology)
     except TopologyError as e:
         raise SystemExit(f"planner: --topology: {e}") from None
+    if not topology.is_default and args.router:  # the per-link loop sets the router's link states
+        router = RpcClient(args.router, service="planner", name=args.name)
     if args.profile:
         from services.planner import throughput as tm
         from services.planner.control import Controller, load_profile
 
         profile = load_profile(args.profile)
-        router = RpcClient(service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service="planner", name=args.name)
+        router = router or RpcClient(service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service="planner", name=args.name)
         lengths = profile["lengths"]
         dist = tm.TruncatedLogNormal(mu=args.length_mu if args.length_mu is not None else math.log(max(lengths) / 4),
                                      sigma=args.length_sigma,
