@@ -205,7 +205,8 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         controller = Controller(profile, dist, args.link_gbps, args.l_out, router,
                                 prfaas_profile=load_profile(args.prfaas_profile) if args.prfaas_profile else None,
                                 short_options={"min_interval_s": args.short_min_interval,
-                                               "reverse_interval_s": args.short_reverse_interval})
+                                               "reverse_interval_s": args.short_reverse_interval,
+                                               "standing_backlog_s": args.short_standing_backlog})
         if args.long_loop == "on":
             long_cfg = LongConfig(period_s=args.long_period, hold_s=args.long_hold, cooldown_s=args.long_cooldown)
             mover = RoleMover(LongLoop(long_cfg), controller.base, dist, lambda addr: planner.workers.get(addr),
@@ -253,6 +254,9 @@ def main() -> None:
                    help="seconds between two threshold changes of the short-timescale loop")
     p.add_argument("--short-reverse-interval", type=float, default=30.0,
                    help="seconds before the short-timescale loop may reverse the direction of its last change")
+    p.add_argument("--short-standing-backlog", type=float, default=2.0,
+                   help="seconds a PrfaaS link's send queue must stay non-empty before a standing RTT queue counts as "
+                        "congestion at low utilisation (the link's capacity fell below its stale estimate)")
     p.add_argument("--long-loop", choices=["on", "off"], default="on",
                    help="with --profile: move switchable PD workers between prefill and decode when eq. 8 is out of balance")
     p.add_argument("--workload-refresh", type=float, default=30.0,
