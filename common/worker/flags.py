@@ -8,6 +8,7 @@ import argparse
 import os
 
 from common.model.backend import BACKENDS
+from common.obs.http import add_metrics_flags
 from common.runtime import service
 
 
@@ -42,6 +43,7 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
                    help="torch intra-op threads: a count (0 = torch's default), or 'shared': every compute call "
                         "leases the machine's free cores (common/model/cores.py), so the busy worker gets them all")
     p.add_argument("--report-interval", type=float, default=0.5, help="seconds between load reports to the planner")
+    add_metrics_flags(p, f"PRFAAS_{role.upper()}_METRICS_PORT")
     add_tls_flags(p)
     service.add_insecure_flag(p)
 

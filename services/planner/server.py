@@ -21,6 +21,8 @@ import math
 import time
 from typing import Any
 
+from common.obs.families import planner_families
+from common.obs.http import add_metrics_flags, start_metrics
 from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.rpc.handshake import parse_addr
@@ -216,9 +218,15 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_PLANNER_ADDR"))
     await planner.server.start(host, port)
     planner.start()
+
+    async def families() -> list:
+        return planner_families(await planner.status(NoArgs()))
+    metrics = await start_metrics(args, "planner", families)
     print(f"READY planner listening on {host}:{port} loop={'on' if controller else 'off'} "
           f"long_loop={'on' if mover else 'off'}", flush=True)
     await stop.wait()
+    if metrics is not None:
+        await metrics.close()
     await planner.close()
     if router is not None:
         await router.close()
@@ -228,6 +236,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description="PrfaaS planner")
     p.add_argument("--listen", default=service.env_default("PRFAAS_PLANNER_ADDR"))
     p.add_argument("--name", default="planner")
+    add_metrics_flags(p, "PRFAAS_PLANNER_METRICS_PORT")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds without a report before a worker leaves the view")
     p.add_argument("--forget-after", type=float, default=300.0,
                    help="seconds without a report before a worker is forgotten (it registers again when it comes back)")

@@ -36,6 +36,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.obs.families import route_families
+from common.obs.http import add_metrics_flags, start_metrics
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from common.rpc.handshake import parse_addr
@@ -419,9 +421,18 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_ROUTER_ADDR"))
     await router.server.start(host, port)
     router.start()
+
+    async def families() -> list:
+        return route_families(await router.stats(StatsArgs()))
+
+    async def health() -> tuple[bool, dict[str, Any]]:
+        return True, {"workers_alive": sum(1 for w in router.workers if w.get("alive"))}
+    metrics = await start_metrics(args, "router", families, health)
     print(f"READY router listening on {host}:{port} threshold={args.threshold} "
           f"bandwidth={'plentiful' if args.bandwidth_plentiful else 'scarce'}", flush=True)
     await stop.wait()
+    if metrics is not None:
+        await metrics.close()
     await router.close()
 
 
@@ -462,6 +473,7 @@ def main() -> None:
                    help="seconds an open breaker keeps its worker out of placement before one probe request (doubling "
                         "while probes fail, up to 60)")
     p.add_argument("--name", default="router")
+    add_metrics_flags(p, "PRFAAS_ROUTER_METRICS_PORT")
     service.add_insecure_flag(p)
     args = p.parse_args()
     service.setup_logging("router")
