@@ -54,8 +54,9 @@ def route_families(stats: dict[str, Any]) -> list[Metric]:
         _family("counter", "prfaas_route_decisions_total",
                 "Router placements by route (remote = PrfaaS cluster, local = PD-P).", ["route"],
                 [((route,), decisions.get(route, 0)) for route in sorted({"remote", "local", *decisions})]),
-        _single("counter", "prfaas_route_fallbacks_total", "", stats["route_fallbacks"]),
-        _single("gauge", "prfaas_route_threshold_tokens", "", stats["threshold_tokens"]),
+        _single("counter", "prfaas_route_fallbacks_total", "Placements that fell back from the chosen route (no alive worker there).",
+                stats["route_fallbacks"]),
+        _single("gauge", "prfaas_route_threshold_tokens", "Routing threshold t in force at the router, tokens.", stats["threshold_tokens"]),
         _single("gauge", "prfaas_route_bandwidth_plentiful",
                 "1 when the router applies the plentiful-bandwidth rule (the regime in force), 0 when scarce.",
                 int(bool((stats.get("prefix") or {}).get("bandwidth_plentiful")))),
@@ -123,13 +124,20 @@ DECODE_METRICS = (  # (stats key of a decode worker, Prometheus name suffix, typ
 )
 
 
-def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
+# Per-service names of the decode gauges whose relayed names break Prometheus conventions (a unit
+# abbreviated, ``_total`` on a gauge); the gateway's relayed view keeps the old names.
+CONVENTIONAL_DECODE_NAMES = {"kv_blocks_total": "kv_blocks_capacity", "step_time_s": "step_seconds",
+                             "first_step_after_kv_s": "first_step_after_kv_seconds"}
+
+
+def worker_families(workers: list[dict[str, Any]], conventional: bool = False) -> list[Metric]:
     """KV link congestion signals and worker load, from the planner's view of every worker
-    (``view["workers"]``: name, role, cluster, alive, stats)."""
+    (``view["workers"]``: name, role, cluster, alive, stats). ``conventional``: name the decode
+    gauges of :data:`CONVENTIONAL_DECODE_NAMES` by their new names (a worker's own ``/metrics``)."""
     stats = [(w, w.get("stats") or {}) for w in workers]
     links = [({"worker": w["name"], "peer": peer}, snap)
              for w, s in stats for peer, snap in sorted((s.get("links") or {}).items())]
-    families = link_metric_families("prfaas_kv_link", links)
+    families = link_metric_families("prfaas_kv_link", links, bytes_per_second=conventional)
     families.append(_family("gauge", "prfaas_worker_alive", "1 if the worker reported within its deadline.",
                             ["worker", "role", "cluster"],
                             [((w["name"], w["role"], w["cluster"]), int(w["alive"])) for w in workers]))
@@ -137,7 +145,8 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
                          [((w["name"],), s.get(key) or 0) for w, s in stats])
                  for key, help_text in WORKER_LOAD_METRICS]
     decoders = [(w, s) for w, s in stats if w["role"] == "decode"]
-    families += [_family(kind, f"prfaas_decode_{suffix}", help_text, ["worker"],
+    rename = CONVENTIONAL_DECODE_NAMES if conventional else {}
+    families += [_family(kind, f"prfaas_decode_{rename.get(suffix, suffix)}", help_text, ["worker"],
                          [((w["name"],), s.get(key) or 0) for w, s in decoders])
                  for key, suffix, kind, help_text in DECODE_METRICS]
     return families + worker_prefix_families(workers)
@@ -145,7 +154,8 @@ def worker_families(workers: list[dict[str, Any]]) -> list[Metric]:
 
 def own_worker_families(name: str, role: str, cluster: str, stats: dict[str, Any]) -> list[Metric]:
     """:func:`worker_families` of one worker from its own load report ``stats`` (it is alive: it answers)."""
-    return worker_families([{"name": name, "role": role, "cluster": cluster, "alive": True, "stats": stats}])
+    return worker_families([{"name": name, "role": role, "cluster": cluster, "alive": True, "stats": stats}],
+                           conventional=True)
 
 
 WORKER_PREFIX_METRICS = (  # (key of a worker's stats["prefix_cache"], Prometheus name suffix, type, help)
@@ -190,9 +200,11 @@ def planner_families(status: dict[str, Any]) -> list[Metric]:
     ]
     if loop is not None:
         families += [
-            _single("gauge", "prfaas_planner_threshold_tokens", "", round(loop["t"])),
-            _single("gauge", "prfaas_planner_anchor_tokens", "", round(loop["anchor_t"])),
-            _single("gauge", "prfaas_planner_bandwidth_plentiful", "", int(bool(loop["plentiful"]))),
+            _single("gauge", "prfaas_planner_threshold_tokens", "Threshold t the short-timescale loop chose, tokens.", round(loop["t"])),
+            _single("gauge", "prfaas_planner_anchor_tokens", "The short loop's anchor threshold (from the throughput model), tokens.",
+                    round(loop["anchor_t"])),
+            _single("gauge", "prfaas_planner_bandwidth_plentiful", "1 when the short loop judges cross-cluster bandwidth plentiful.",
+                    int(bool(loop["plentiful"]))),
             _family("counter", "prfaas_planner_decisions_total", "Short-loop decisions by kind.", ["kind"],
                     [((k,), v) for k, v in sorted(loop["decisions"].items())]),
             _family("counter", "prfaas_planner_suppressed_total", "Changes held back by the rate limits.", ["why"],
@@ -213,5 +225,5 @@ def planner_families(status: dict[str, Any]) -> list[Metric]:
                 [((k,), moves.get(k, 0)) for k in ROLE_CHANGE_KINDS]),
         _family("counter", "prfaas_planner_long_decisions_total", "Long-loop decisions by kind.", ["kind"],
                 [((k,), v) for k, v in sorted((long.get("decisions") or {}).items())]),
-        _single("counter", "prfaas_planner_loop_errors_total", "", status.get("loop_errors", 0)),
+        _single("counter", "prfaas_planner_loop_errors_total", "Planner loop ticks that failed.", status.get("loop_errors", 0)),
     ]

@@ -227,6 +227,7 @@ class Gateway:
                 return resp
         except OpenAIError as e:
             status = e.status
+            trace.error = f"{e.code or e.type}: {e.message}"
             headers = {"Retry-After": "1"} if e.status in (429, 503) else None
             return _error_response(e, headers)
         except ConnectionResetError:

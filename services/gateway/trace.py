@@ -31,6 +31,7 @@ class RequestTrace:
     gaps: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     generated: bool = False  # parsed as a generation request (the histograms count only those)
+    error: str | None = None  # the error answered (code: message), for the log line
     _last: dict[int, float] = field(default_factory=dict)
 
     def placed(self, route: str) -> None:
@@ -64,7 +65,7 @@ class RequestTrace:
         ttft_text = "-" if ttft is None else f"{ttft:.3f}s"
         return (f"request {self.request_id} {self.endpoint} status={status} route={self.route} finish={finish} "
                 f"prompt_tokens={self.prompt_tokens} output_tokens={self.output_tokens} ttft={ttft_text} "
-                f"duration={e2e:.3f}s")
+                f"duration={e2e:.3f}s" + (f" error={self.error!r}" if self.error else ""))
 
 
 @dataclass
