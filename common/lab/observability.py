@@ -28,6 +28,10 @@ SERVICES = ("gateway", "router", "planner", "prefill_remote", "prefill_local", "
 DASHBOARD = ROOT / "deploy" / "grafana" / "prfaas-dashboard.json"
 THRESHOLD = 64  # tokens: the tiny models' byte tokenizer makes a 200-character prompt go remote
 
+# Dashboard expressions that have a value only on a link whose sender stayed backlogged for two
+# sample intervals (the passive capacity estimate, common/transfer/link_stats.py): loopback never is.
+NEEDS_BACKLOG = ("sum by (worker, peer) (prfaas_kv_link_capacity_bytes_per_second) * 8",)
+
 # The PromQL the acceptance asks for, each with a check of its value: (name, expression, lowest, highest).
 CHECKS = (
     ("ttft_p90_seconds", 'histogram_quantile(0.9, sum by (le) (rate(prfaas_time_to_first_token_seconds_bucket[1m])))',
