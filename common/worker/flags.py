@@ -28,6 +28,9 @@ def threads_flag(value: str) -> int | str:
 def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     """Flags every worker takes, each defaulting from the environment."""
     p.add_argument("--listen", help="host:port for RPC")
+    p.add_argument("--advertise", default=service.env_default(f"PRFAAS_{role.upper()}_ADVERTISE"),
+                   help=f"host:port peers should dial for this worker's RPCs (a pod's DNS name, a proxy or NAT address; env "
+                        f"PRFAAS_{role.upper()}_ADVERTISE); default --listen")
     p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
     p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"),
                    help="host:port of the router, where the worker publishes its prefix-cache events (unset: not published)")
@@ -57,8 +60,6 @@ def add_prefill_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-
     """Flags of the prefill role (PrfaaS cluster or PD-P): RPC advertise address, KV sending, chunked
     prefill, prefix cache. ``stall_flag`` names the send-side stall deadline (the PD worker, which also
     takes the decode role's receive-side one, renames it); its value is ``args.kv_send_stall_timeout``."""
-    p.add_argument("--advertise", default=service.env_default("PRFAAS_PREFILL_ADVERTISE"),
-                   help="host:port decode workers should dial for prefill RPCs (e.g. a proxy or NAT address); default --listen")
     p.add_argument("--kv-connections", type=int, default=int(service.env_default("PRFAAS_KV_CONNECTIONS", "4")),
                    help="TCP connections per decode peer; chunks are striped across them")
     p.add_argument("--kv-chunk-bytes", type=int, default=4 << 20, help="most KV bytes per frame")

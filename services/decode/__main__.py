@@ -25,7 +25,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
     await serve_worker(
         args, stop, backend, worker, role="decode", cluster="pd", addrs=addrs,
-        info={"addr": addrs.listen, "kv_addr": worker.kv_addr},
+        info={"addr": args.advertise or addrs.listen, "kv_addr": worker.kv_addr},
         ready=f"decode {args.name} listening on {addrs.listen} kv={addrs.kv_listen}",
         stream_handlers={"generate": worker.generate}, start=start, closers=[receiver.close, worker.close])
 
