@@ -21,6 +21,13 @@ def env_default(var: str, fallback: str | None = None) -> str | None:
     return value if value not in (None, "") else fallback
 
 
+def parser(command: str, description: str) -> argparse.ArgumentParser:
+    """The flag parser of ``prfaas <command>`` (the usage line names that command whichever way the
+    service was started); every flag's help shows its default."""
+    return argparse.ArgumentParser(prog=f"prfaas {command}", description=description,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
 def require(args: argparse.Namespace, attr: str, var: str) -> str:
     """Return ``args.<attr>``; exit with a clear message naming the flag and ``var`` if it is unset."""
     value = getattr(args, attr)

@@ -328,6 +328,8 @@ class DecodeWorker:
             hashes = block_hashes(input_ids, self.store.block_size) if self.prefix_cache is not None else []
             seqs = await self._admit(req_id, input_ids, hashes, n)  # 1. pre-allocate (every branch's table)
             queued_s = time.monotonic() - arrived
+            log.info("admitted %d prompt tokens after %.3fs queued (%d cached here); route=%s prefill on %s",
+                     len(input_ids), queued_s, seqs[0].cached_tokens, args.route or "local", prefill_addr)
             for r, seq in zip(reqs, seqs):
                 r.seq, r.admitted_at, r.no_early = seq, time.monotonic(), n > 1  # a branch forks from a landed prompt
             req.prompt_hashes = hashes

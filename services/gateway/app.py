@@ -87,24 +87,26 @@ async def _json_http_errors(request: web.Request, handler):
 
 
 REQUEST_ID_HEADER = "X-Request-Id"
+CLIENT_ID_KEY = web.RequestKey("client_request_id", str)  # the client's X-Request-Id ("" when absent)
+ID_KEY = web.RequestKey("request_id", str)  # the request's id, sent back as X-Request-Id
 
 
 @web.middleware
 async def _request_id_middleware(request: web.Request, handler):
     """``X-Request-Id``: the client's (checked: 1-128 characters of ``[A-Za-z0-9._:/@+=-]``, else 400) or
-    one made here, kept as ``request["request_id"]`` (the generation handlers make theirs ``cmpl-<hex>``
+    one made here, kept as ``request[ID_KEY]`` (the generation handlers make theirs ``cmpl-<hex>``
     / ``chatcmpl-<hex>``), bound to the log context and returned on the response."""
     given = request.headers.get(REQUEST_ID_HEADER)
     if given is not None and not valid_request_id(given):
         err = OpenAIError(f"{REQUEST_ID_HEADER} must be 1-128 characters of letters, digits and ._:/@+=-", status=400,
                           param=REQUEST_ID_HEADER, code="invalid_request_id")
         return _error_response(err)
-    request["client_request_id"] = given
-    request["request_id"] = given or f"req-{uuid.uuid4().hex}"
-    REQUEST_ID.set(request["request_id"])
+    request[CLIENT_ID_KEY] = given or ""
+    request[ID_KEY] = given or f"req-{uuid.uuid4().hex}"
+    REQUEST_ID.set(request[ID_KEY])
     resp = await handler(request)
     if not resp.prepared:
-        resp.headers[REQUEST_ID_HEADER] = request["request_id"]
+        resp.headers[REQUEST_ID_HEADER] = request[ID_KEY]
     return resp
 
 
@@ -136,9 +138,9 @@ class Gateway:
         self.bodies = BodyBudget(self.limits.body_budget_bytes)
         self._parsers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateway-parse")
         self.large_parses = 0  # bodies over PARSE_INLINE_BYTES in (or waiting for) a parser thread
-        self.router = RpcClient(router_addr, service="gateway", name=name, connect_timeout=2.0)
-        self.planner = RpcClient(planner_addr, service="gateway", name=name, connect_timeout=2.0)
-        self.decoders = ClientPool(service="gateway", name=name, connect_timeout=5.0)
+        self.router = RpcClient(router_addr, service="gateway", name=name, connect_timeout=2.0, peer="router")
+        self.planner = RpcClient(planner_addr, service="gateway", name=name, connect_timeout=2.0, peer="planner")
+        self.decoders = ClientPool(service="gateway", name=name, connect_timeout=5.0, peer="decode worker")
         self.stats = GatewayMetrics(active=lambda: self.dispatch.active, inflight=lambda: self.dispatch.inflight,
                                     retry_reasons=RETRY_REASONS)
         self.dispatch = Dispatcher(self.router, self.decoders, self.stats, request_timeout=request_timeout,
@@ -205,8 +207,8 @@ class Gateway:
         """One generation request: its id (the client's ``X-Request-Id`` or ``cmpl-<hex>`` /
         ``chatcmpl-<hex>``) is the id every service sees; one log line when it ends, whatever the status."""
         status = 200
-        rid = request.get("client_request_id") or f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        request["request_id"] = rid
+        rid = request.get(CLIENT_ID_KEY) or f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        request[ID_KEY] = rid
         REQUEST_ID.set(rid)
         trace = RequestTrace(rid, endpoint, time.monotonic())
         owned = False
@@ -378,14 +380,21 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     await runner.cleanup()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description="PrfaaS OpenAI-compatible gateway")
-    p.add_argument("--host", default=service.env_default("PRFAAS_GATEWAY_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(service.env_default("PRFAAS_GATEWAY_PORT", "8000")))
-    p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"))
-    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
-    p.add_argument("--model", default=service.env_default("PRFAAS_MODEL"))
-    p.add_argument("--served-model-name", default=service.env_default("PRFAAS_SERVED_MODEL_NAME"))
+def make_parser() -> argparse.ArgumentParser:
+    """``prfaas gateway``'s flags, each defaulting from the environment where ``.env`` sets it."""
+    p = service.parser("gateway", "PrfaaS OpenAI-compatible gateway")
+    p.add_argument("--host", default=service.env_default("PRFAAS_GATEWAY_HOST", "127.0.0.1"),
+                   help="HTTP address to bind (env PRFAAS_GATEWAY_HOST)")
+    p.add_argument("--port", type=int, default=int(service.env_default("PRFAAS_GATEWAY_PORT", "8000")),
+                   help="HTTP port of the OpenAI API, /health and /metrics (env PRFAAS_GATEWAY_PORT)")
+    p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"), help="router host:port (env PRFAAS_ROUTER_ADDR)")
+    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"),
+                   help="planner host:port (env PRFAAS_PLANNER_ADDR)")
+    p.add_argument("--model", default=service.env_default("PRFAAS_MODEL"),
+                   help="the served model, for its tokenizer and chat template: smollm2-135m, tiny-hybrid (unset), "
+                        "tiny-dense, emulated or a checkpoint directory (env PRFAAS_MODEL)")
+    p.add_argument("--served-model-name", default=service.env_default("PRFAAS_SERVED_MODEL_NAME"),
+                   help="the model id clients send (env PRFAAS_SERVED_MODEL_NAME; default: the model's own)")
     p.add_argument("--max-inflight", type=int, default=int(service.env_default("PRFAAS_MAX_INFLIGHT", "256")),
                    help="requests in flight at once; more are answered 429 with Retry-After at once")
     p.add_argument("--request-timeout", type=float, default=600.0,
@@ -404,7 +413,11 @@ def main() -> None:
     p.add_argument("--log-stats-interval", type=float, default=float(service.env_default("PRFAAS_LOG_STATS_INTERVAL", "10")),
                    help="seconds between the throughput log lines (0: none; env PRFAAS_LOG_STATS_INTERVAL)")
     add_metrics_flags(p, "PRFAAS_GATEWAY_METRICS_PORT")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = make_parser().parse_args()
     service.setup_logging("gateway")
     prometheus_client.disable_created_metrics()  # /metrics shows each counter's *_total only, no *_created series
     service.run(lambda stop: amain(args, stop))

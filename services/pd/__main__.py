@@ -37,7 +37,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
 def make_parser() -> argparse.ArgumentParser:
     """The flags: every worker's, ``--role``, and the prefill and decode roles' (the two KV stall
     deadlines renamed ``--kv-send-stall-timeout`` and ``--kv-receive-stall-timeout``)."""
-    p = argparse.ArgumentParser(description="PrfaaS PD-cluster worker: the prefill (PD-P) or decode (PD-D) role, "
+    p = service.parser("pd", "PrfaaS PD-cluster worker: the prefill (PD-P) or decode (PD-D) role, "
                                             "switched by the planner")
     add_worker_flags(p, "pd")
     p.add_argument("--role", choices=ROLES, default=service.env_default("PRFAAS_PD_ROLE", "prefill"),

@@ -100,7 +100,7 @@ class PrefillWorker:
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_pulled_tokens = 0
-        self._peers = ClientPool(service="prefill", name=name, connect_timeout=5.0)
+        self._peers = ClientPool(service="prefill", name=name, connect_timeout=5.0, peer="prefill worker")
         self.block_size = block_size
         self.prefix: PrefillPrefix | None = None
         if prefix_cache_bytes > 0:
@@ -394,6 +394,8 @@ class PrefillWorker:
             timings["acked_at"] = time.monotonic()
             self.prefix_hit_tokens += hit.tokens
             self.hist.compute.labels(self.cluster).observe(timings["prefill_s"])
+            log.info("prefilled %d tokens (%d from the prefix cache, %d already at the receiver) in %.3fs; KVCache to %s",
+                     n_in, hit.tokens, kv_from, timings["prefill_s"], link.addr)
             self.hist.hit.labels(self.cluster).observe(hit.tokens)
             if self.prefix is not None:
                 self.prefix.store_prompt(hit, final_kv, checkpoints)

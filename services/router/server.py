@@ -103,7 +103,7 @@ class Router:
         self.release_after = release_after
         self.bandwidth_plentiful = bandwidth_plentiful
         self.forget_after = forget_after
-        self.planner = RpcClient(planner_addr, service="router", name=name, connect_timeout=2.0)
+        self.planner = RpcClient(planner_addr, service="router", name=name, connect_timeout=2.0, peer="planner")
         self.workers: list[dict[str, Any]] = []
         self.view_at = 0.0
         self.leases = Leases()
@@ -449,10 +449,12 @@ def _cluster_tokens(text: str) -> tuple[str, float]:
     return cluster, value
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description="PrfaaS router")
-    p.add_argument("--listen", default=service.env_default("PRFAAS_ROUTER_ADDR"))
-    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
+def make_parser() -> argparse.ArgumentParser:
+    """``prfaas router``'s flags, each defaulting from the environment where ``.env`` sets it."""
+    p = service.parser("router", "PrfaaS router: places each request on a prefill and a decode worker")
+    p.add_argument("--listen", default=service.env_default("PRFAAS_ROUTER_ADDR"), help="host:port for RPC (env PRFAAS_ROUTER_ADDR)")
+    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"),
+                   help="planner host:port (env PRFAAS_PLANNER_ADDR)")
     p.add_argument("--threshold", type=int,
                    default=int(service.env_default("PRFAAS_THRESHOLD_TOKENS", str(placement.DEFAULT_THRESHOLD_TOKENS))),
                    help="t: incremental prefill tokens above which prefill goes to the PrfaaS cluster")
@@ -472,10 +474,14 @@ def main() -> None:
     p.add_argument("--breaker-cooldown", type=float, default=5.0,
                    help="seconds an open breaker keeps its worker out of placement before one probe request (doubling "
                         "while probes fail, up to 60)")
-    p.add_argument("--name", default="router")
+    p.add_argument("--name", default="router", help="this router's name in logs and handshakes")
     add_metrics_flags(p, "PRFAAS_ROUTER_METRICS_PORT")
     service.add_insecure_flag(p)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = make_parser().parse_args()
     service.setup_logging("router")
     service.run(lambda stop: amain(args, stop))
 
