@@ -39,6 +39,8 @@ async def test_request_id_is_taken_made_checked_and_logged(caplog):
         assert r.status == 400 and err["param"] == "X-Request-Id" and err["code"] == "invalid_request_id"
         r = await client.get("/v1/models", headers={"X-Request-Id": "m-1"})
         assert r.status == 200 and r.headers["X-Request-Id"] == "m-1"
+        r = await client.get("/v1/nothing", headers={"X-Request-Id": "n-404"})
+        assert r.status == 404
         r = await client.post("/v1/completions", data=b"{", headers={"X-Request-Id": "c-7"})
         assert r.status == 400 and r.headers["X-Request-Id"] == "c-7"
     lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("request ")]
@@ -46,6 +48,7 @@ async def test_request_id_is_taken_made_checked_and_logged(caplog):
                for line in lines), lines
     assert any(line.startswith(f"request {made} completions status=503") for line in lines), lines
     assert any(line.startswith("request c-7 completions status=400") and "error=" in line for line in lines), lines
+    assert "request n-404 GET /v1/nothing status=404" in lines, lines
     hist = gw.stats.registry.get_sample_value("prfaas_e2e_request_latency_seconds_count",
                                               {"route": "none", "finish_reason": "error"})
     assert hist == 2  # the two requests that got past parsing

@@ -87,6 +87,7 @@ async def _json_http_errors(request: web.Request, handler):
 
 
 REQUEST_ID_HEADER = "X-Request-Id"
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 CLIENT_ID_KEY = web.RequestKey("client_request_id", str)  # the client's X-Request-Id ("" when absent)
 ID_KEY = web.RequestKey("request_id", str)  # the request's id, sent back as X-Request-Id
 
@@ -104,9 +105,16 @@ async def _request_id_middleware(request: web.Request, handler):
     request[CLIENT_ID_KEY] = given or ""
     request[ID_KEY] = given or f"req-{uuid.uuid4().hex}"
     REQUEST_ID.set(request[ID_KEY])
-    resp = await handler(request)
+    try:
+        resp = await handler(request)
+    except web.HTTPException as e:  # an unknown path or method: answered by _json_http_errors, logged here
+        if e.status >= 400:
+            log.info("request %s %s %s status=%d", request[ID_KEY], request.method, request.path, e.status)
+        raise
     if not resp.prepared:
         resp.headers[REQUEST_ID_HEADER] = request[ID_KEY]
+    if resp.status >= 400 and request.path not in GENERATION_PATHS:  # the generation handlers log every answer
+        log.info("request %s %s %s status=%d", request[ID_KEY], request.method, request.path, resp.status)
     return resp
 
 
