@@ -48,6 +48,7 @@ def main() -> int:
     print(f"answers by HTTP status: {dict(sorted(report.statuses.items()))}")
     for name, value in report.checks.items():
         print(f"{name} = {value}")
+    print(f"/health by service: {report.health}")
     for service, complaints in report.promtool.items():
         print(f"promtool {service}: {'clean' if not complaints else complaints}")
     empty = [e for e, ok in report.dashboard.items() if not ok]

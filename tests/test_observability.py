@@ -27,6 +27,7 @@ def test_prometheus_scrapes_every_service_and_the_dashboard_has_data(tmp_path):
         assert "[obs-0-ok] " in obs.cluster.log(service), service
     assert "request obs-0-ok completions status=200 route=remote" in obs.cluster.log("gateway")
     assert report.scraped == {s: True for s in SERVICES}, report.scraped
+    assert report.health == {s: 200 for s in SERVICES}, report.health
     assert report.statuses.get(200, 0) >= 18 and report.statuses.get(400) == 2, report.statuses  # one bad request per round
     assert set(report.checks) == {name for name, *_ in CHECKS}
     assert not report.failed_checks(), report.checks

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,7 @@ class Report:
     promtool: dict[str, str] = field(default_factory=dict)  # service -> complaints ("" when clean)
     dashboard: dict[str, bool] = field(default_factory=dict)  # expression -> returned a number
     statuses: dict[int, int] = field(default_factory=dict)  # HTTP status -> count, over the load
+    health: dict[str, int] = field(default_factory=dict)  # service -> HTTP status of its metrics port's /health
 
     @property
     def promtool_ok(self) -> bool:
@@ -148,6 +150,11 @@ def run_check(obs: Observed, requests: int = 24) -> Report:
     for service, addr in obs.metrics.items():
         with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
             _, report.promtool[service] = promtool_check(r.read())
+        try:
+            with urllib.request.urlopen(f"http://{addr}/health", timeout=10) as r:
+                report.health[service] = r.status
+        except urllib.error.HTTPError as e:
+            report.health[service] = e.code
     for expr in dashboard_exprs():
         report.dashboard[expr] = has_value(obs.prometheus.query(expr))
     return report
