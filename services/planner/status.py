@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+from pathlib import Path
 
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError, Unavailable
@@ -65,6 +67,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
+    from services.cli import load_env_file  # `python -m services.planner.status` reads .env as `prfaas status` does
+
+    load_env_file(Path(os.environ.get("PRFAAS_ENV_FILE") or ".env"))
     p = make_parser()
     args = p.parse_args()
     if not args.planner:
