@@ -176,3 +176,36 @@ def test_flags_default_from_the_env_file(monkeypatch):
             parsers[command] = importlib.import_module(SUBCOMMANDS[command][0]).make_parser().parse_args([])
         value = getattr(parsers[command], dest)
         assert str(value) == os.environ[var], (command, dest, var)
+
+
+async def test_metrics_listener_serves_registries_families_and_health():
+    import aiohttp
+    from prometheus_client import Counter
+
+    from common.obs.families import route_families
+    from common.obs.http import MetricsHttp
+
+    reg = CollectorRegistry()
+    Counter("prfaas_demo_total", "A demo counter.", registry=reg).inc(3)
+    ready = [False]
+
+    async def families():
+        return route_families({"route_decisions": {"remote": 2}, "route_fallbacks": 0, "threshold_tokens": 64})
+
+    async def health():
+        return ready[0], {"why": "warming up" if not ready[0] else "ok"}
+    m = MetricsHttp("router", families, health, registries=[reg])
+    port = await m.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                text = await r.text()
+            assert 'prfaas_demo_total 3.0' in text and 'prfaas_route_decisions_total{route="remote"} 2.0' in text
+            assert "prfaas_route_threshold_tokens 64.0" in text
+            async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                assert r.status == 503 and (await r.json())["status"] == "unavailable"
+            ready[0] = True
+            async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                assert r.status == 200 and (await r.json()) == {"service": "router", "status": "ok", "why": "ok"}
+    finally:
+        await m.close()

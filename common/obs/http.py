@@ -79,7 +79,7 @@ class MetricsHttp:
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - aiohttp keeps the bound socket there
+        self.port = self.runner.addresses[0][1]
         log.info("%s: /metrics and /health on http://%s:%d", self.name, host, self.port)
         return self.port
 
