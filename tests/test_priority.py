@@ -195,7 +195,7 @@ def test_overload_sheds_the_low_class_first_and_ttft_is_counted_per_class():
     assert sample_value(text, "prfaas_slo_ttft_total", priority_class="high", met="true") == 1
     assert sample_value(text, "prfaas_slo_ttft_total", priority_class="high", met="false") == 1
     assert sample_value(text, "prfaas_slo_ttft_total", priority_class="low", met="true") == 1  # low's SLO: 10 s
-    assert sample_value(text, "prfaas_ttft_seconds_count", priority_class="high") == 2
+    assert sample_value(text, "prfaas_priority_ttft_seconds_count", priority_class="high") == 2
     assert sample_value(text, "prfaas_slo_ttft_target_seconds", priority_class="high") == 0.5
     assert sample_value(text, "prfaas_gateway_rejected_by_class_total", priority_class="low") == 1
     assert sample_value(text, "prfaas_gateway_rejected_by_class_total", priority_class="high") == 0

@@ -41,7 +41,7 @@ from common.rpc.errors import RpcError, Unavailable
 from common.rpc.handshake import parse_addr
 from common.runtime.backoff import Backoff
 from common.transfer.connection import LinkConnection, wait_cleared, wait_set_or_dead
-from common.transfer.link_stats import LinkStats
+from common.transfer.link_stats import LinkStats, windows_from_env
 from common.transfer.outbound import Transfer, TransferRefused
 from common.transfer.ranges import DEFAULT_CHUNK_BYTES, Range, split_ranges
 from common.transfer.tcp_info import read_tcp_info
@@ -83,7 +83,7 @@ class KvLink:
         self.ssl = ssl
         self.conns: dict[int, LinkConnection] = {}
         self.transfers: dict[str, Transfer] = {}
-        self.stats = LinkStats()
+        self.stats = LinkStats(**windows_from_env())
         self._ids = itertools.count()
         self._inflight = 0
         self._room = asyncio.Event()

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -32,6 +33,7 @@ from common.runtime.priority import admission_limit, class_of
 from proto.frames import ErrorCode
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai.request import GenerateRequest, OpenAIError
+from services.gateway.trace import RequestTrace
 
 log = logging.getLogger("prfaas.gateway")
 
@@ -147,8 +149,9 @@ class Dispatcher:
                               f"priority class may use {limit} of the gateway's {self.max_inflight}; retry after the "
                               "Retry-After header's seconds", type="rate_limit_error", param=None, code="overloaded")
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        """Yield decode stream items for ``req``; places it first and releases it at the end.
+    async def generate(self, req: GenerateRequest, trace: RequestTrace | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Yield decode stream items for ``req``; places it first and releases it at the end. ``trace``
+        (when given) is told the route of each placement and each item yielded.
 
         Failures the client should see only as a delay are retried, at most ``max_retries`` times
         in all, while the request's deadline (``request_timeout`` s) allows:
@@ -196,6 +199,8 @@ class Dispatcher:
             if len(input_ids) != hashed_len:
                 hashes, hashed_len = await self._block_hashes(input_ids), len(input_ids)
             placement = await self.place(req, excluded_decode, refusal, hashes, excluded_prefill, input_ids, deadline)
+            if trace is not None:
+                trace.placed(str(placement.get("route") or "none"))
             started = False
             outcome: str | None = None  # what this attempt says of its workers (see attempt_outcome)
             self.active += 1
@@ -231,6 +236,8 @@ class Dispatcher:
                             generated[index] += item["token_ids"]
                             if item["finish_reason"] is not None:
                                 finished.add(index)
+                            if trace is not None:
+                                trace.item(index, len(item["token_ids"]), item["finish_reason"], time.monotonic())
                             yield item
                             if all(i in finished for i in range(first, first + count)):
                                 break  # final: an error after it (e.g. a hand-off racing the stream's end) changes nothing

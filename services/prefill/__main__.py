@@ -7,6 +7,7 @@ import asyncio
 import re
 
 from common.rpc.schema import NoArgs, takes
+from common.runtime import service
 from common.worker.bring_up import load_worker, serve_worker, worker_main
 from common.worker.flags import (
     add_block_size_flag,
@@ -41,7 +42,7 @@ def _cluster_name(text: str) -> str:
 
 def make_parser() -> argparse.ArgumentParser:
     """The flags: every worker's, ``--cluster``, ``--block-size`` and the prefill role's."""
-    p = argparse.ArgumentParser(description="PrfaaS prefill worker")
+    p = service.parser("prefill", "PrfaaS prefill worker")
     add_worker_flags(p, "prefill")
     p.add_argument("--cluster", type=_cluster_name, default="pd",
                    help="prfaas: the remote PrfaaS cluster; pd: the local PD cluster's prefill (PD-P); any other name: "

@@ -1,3 +1,3 @@
-from services.router.cli import main
+from services.router.server import main
 
 main()

@@ -1,16 +1,20 @@
-"""``python -m services.router``: the router's flags and its process (the service is :mod:`services.router.server`)."""
+"""The router's process: its flags (``make_parser``) and ``main`` (the service is :mod:`services.router.server`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import Any
 
+from common.obs.families import route_families
+from common.obs.http import add_metrics_flags, start_metrics
 from common.rpc.handshake import parse_addr
 from common.runtime import service
 from services.planner.messages import CLUSTERS
 from services.planner.topology import NAME_RE, TopologyError, load_topology
 from services.router import placement
 from services.router.breaker import Breakers
+from services.router.messages import StatsArgs
 from services.router.server import Router
 
 
@@ -26,9 +30,18 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_ROUTER_ADDR"))
     await router.server.start(host, port)
     router.start()
+
+    async def families() -> list:
+        return route_families(await router.stats(StatsArgs()))
+
+    async def health() -> tuple[bool, dict[str, Any]]:
+        return True, {"workers_alive": sum(1 for w in router.workers if w.get("alive"))}
+    metrics = await start_metrics(args, "router", families, health)
     print(f"READY router listening on {host}:{port} threshold={args.threshold} "
           f"bandwidth={'plentiful' if args.bandwidth_plentiful else 'scarce'}", flush=True)
     await stop.wait()
+    if metrics is not None:
+        await metrics.close()
     await router.close()
 
 
@@ -38,10 +51,12 @@ def _cluster_tokens(text: str) -> tuple[str, float]:
                                 f"CLUSTER=TOKENS with CLUSTER a cluster name (e.g. {', '.join(CLUSTERS)}) and TOKENS >= 0")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description="PrfaaS router")
-    p.add_argument("--listen", default=service.env_default("PRFAAS_ROUTER_ADDR"))
-    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
+def make_parser() -> argparse.ArgumentParser:
+    """``prfaas router``'s flags, each defaulting from the environment where ``.env`` sets it."""
+    p = service.parser("router", "PrfaaS router: places each request on a prefill and a decode worker")
+    p.add_argument("--listen", default=service.env_default("PRFAAS_ROUTER_ADDR"), help="host:port for RPC (env PRFAAS_ROUTER_ADDR)")
+    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"),
+                   help="planner host:port (env PRFAAS_PLANNER_ADDR)")
     p.add_argument("--threshold", type=int,
                    default=int(service.env_default("PRFAAS_THRESHOLD_TOKENS", str(placement.DEFAULT_THRESHOLD_TOKENS))),
                    help="t: incremental prefill tokens above which prefill goes to the PrfaaS cluster")
@@ -62,11 +77,16 @@ def main() -> None:
                    help="seconds an open breaker keeps its worker out of placement before one probe request (doubling "
                         "while probes fail, up to 60)")
     p.add_argument("--topology", default=service.env_default("PRFAAS_TOPOLOGY", ""),
-                   help="JSON file of named clusters and links (services/planner/topology.py); default: the two "
-                        "clusters prfaas -> pd")
-    p.add_argument("--name", default="router")
+                   help="JSON file of named clusters and links (services/planner/topology.py; env PRFAAS_TOPOLOGY); "
+                        "default: the two clusters prfaas -> pd")
+    p.add_argument("--name", default="router", help="this router's name in logs and handshakes")
+    add_metrics_flags(p, "PRFAAS_ROUTER_METRICS_PORT")
     service.add_insecure_flag(p)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = make_parser().parse_args()
     service.setup_logging("router")
     service.run(lambda stop: amain(args, stop))
 

@@ -107,7 +107,7 @@ class Router:
         self.release_after = release_after
         self.bandwidth_plentiful = bandwidth_plentiful
         self.forget_after = forget_after
-        self.planner = RpcClient(planner_addr, service="router", name=name, connect_timeout=2.0)
+        self.planner = RpcClient(planner_addr, service="router", name=name, connect_timeout=2.0, peer="planner")
         self.workers: list[dict[str, Any]] = []
         self.view_at = 0.0
         self.leases = Leases()
@@ -459,3 +459,17 @@ class Router:
         except (TimeoutError, RpcError, OSError):
             planner_ok = False
         return {"planner": planner_ok, "workers": self.workers}
+
+
+def make_parser():
+    """``prfaas router``'s flags (:func:`services.router.cli.make_parser`)."""
+    from services.router.cli import make_parser as build
+
+    return build()
+
+
+def main() -> None:
+    """Run the router process (:func:`services.router.cli.main`)."""
+    from services.router.cli import main as run
+
+    run()
