@@ -593,7 +593,7 @@ def main() -> int:
                         "PrfaaS vs homogeneous; "
                         "bursts: on/off arrivals, PrfaaS vs homogeneous; multi: two PrfaaS clusters vs one, a link "
                         "failure, and a low-priority flood (common/lab/multi_bench.py)")
-    p.add_argument("--multi-rate", type=float, default=2.0, help="req/s of the paper mix in the multi scenario")
+    p.add_argument("--multi-rate", type=float, default=3.5, help="req/s of the paper mix in the multi scenario")
     p.add_argument("--burst-rate", type=float, default=2.0, help="mean req/s of the on/off bursts")
     p.add_argument("--shift-rate-before", type=float, default=2.0, help="req/s of the paper mix before the shift")
     p.add_argument("--shift-rate-after", type=float, default=3.5, help="req/s of the short mix after it")
