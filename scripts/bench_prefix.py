@@ -242,8 +242,9 @@ def plot(reqs: list[Request], on: dict, off: dict, path: Path) -> str:
     for j, (name, m) in enumerate((("cache on", on), ("cache off", off))):
         a3.bar([i + (j - 0.5) * 0.4 for i in x], [m["cross_bytes"] / 2**20, m["decode_rx_bytes"] / 2**20], 0.4, label=name)
     a3.set_xticks(list(x), ["PrfaaS -> PD", "into decode, all"])
-    a3.set(ylabel="KV MiB", title="KVCache bytes moved")
-    a3.legend(fontsize=8)
+    top = max(m[k] for m in (on, off) for k in ("cross_bytes", "decode_rx_bytes")) / 2**20
+    a3.set(ylabel="KV MiB", title="KVCache bytes moved", ylim=(0, 1.25 * top or 1))
+    a3.legend(fontsize=8, ncols=2, loc="upper center")
     for a in (a1, a2, a3):
         a.grid(alpha=0.3)
     return save(fig, path)
