@@ -46,6 +46,7 @@ from common.lab.cluster import free_port
 from common.lab.overlap import overlap
 from common.lab.plots import progress, pyplot, run_dir, save, save_json
 from common.lab.procs import spawn, stop, wait_line
+from common.rpc.auth import ENV_SECRET
 
 MiB = 1 << 20
 WARMUP = 2  # runs before the measured ones, for the engine and the baselines alike
@@ -75,7 +76,9 @@ async def engine_recv(listen: str, ctl: str) -> None:
     from common.rpc.server import RpcServer
     from common.transfer.receiver import KvReceiver
 
-    rx = KvReceiver("bench-rx", {"model_id": "bench"}, LAYERS, budget_bytes=2 << 30)
+    # credentials from the environment, as the services take them: the shaped section's lab sets a
+    # shared secret, without which a listener on its (non-loopback) address refuses to start
+    rx = KvReceiver("bench-rx", {"model_id": "bench"}, LAYERS, budget_bytes=2 << 30, secret=ENV_SECRET)
 
     async def expect(args):
         rx.expect(args["req_id"], int(args["nbytes"]))
@@ -126,7 +129,8 @@ class _EngineSender:
         if self.data is None or self.data[3] != nbytes:
             self.data = (*make_layers(nbytes), nbytes)
         self.link = KvLink(self.target, name="bench-tx", fingerprint={"model_id": "bench"}, connections=conns,
-                           chunk_bytes=chunk or DEFAULT_CHUNK_BYTES, max_inflight_bytes=64 * MiB, connect_timeout=20)
+                           chunk_bytes=chunk or DEFAULT_CHUNK_BYTES, max_inflight_bytes=64 * MiB, connect_timeout=20,
+                           secret=ENV_SECRET)
         await self.link.ensure_connected()
         self.key = key
         for _ in range(WARMUP):  # connections, buffer pool, TCP windows
