@@ -520,6 +520,8 @@ def plot(loop: list[dict], shaped_rows: list[dict], path: Path) -> str:
     if loop:
         a1.set_xticks(sorted({r["conns"] for r in loop}), [str(c) for c in sorted({r["conns"] for r in loop})])
         a1.legend(fontsize=8)
+    else:
+        a1.text(0.5, 0.5, "loopback skipped", ha="center", va="center", transform=a1.transAxes)
     if shaped_rows:
         names = [f"{r['rate_bps'] / 1e6:.0f} Mb/s x {r['conns']}" for r in shaped_rows]
         x = range(len(shaped_rows))
@@ -527,7 +529,8 @@ def plot(loop: list[dict], shaped_rows: list[dict], path: Path) -> str:
         a2.bar([i + 0.2 for i in x], [r["raw"] / r["rate_bps"] for r in shaped_rows], 0.4, label="raw sockets")
         a2.set_xticks(list(x), names)
         a2.axhline(1.0, color="k", lw=0.8)
-        a2.legend(fontsize=8)
+        a2.set_ylim(0, 1.2)
+        a2.legend(fontsize=8, ncols=2, loc="upper center")
     else:
         a2.text(0.5, 0.5, "shaped link skipped\n(needs root and ip netns)", ha="center", va="center", transform=a2.transAxes)
     a2.set(ylabel="goodput / tbf rate", title="shaped link (tc tbf)")
