@@ -519,6 +519,7 @@ def plot(loop: list[dict], shaped_rows: list[dict], path: Path) -> str:
     a1.set(xscale="log", xlabel="connections", ylabel="goodput (Gbit/s, median)", title="loopback goodput")
     if loop:
         a1.set_xticks(sorted({r["conns"] for r in loop}), [str(c) for c in sorted({r["conns"] for r in loop})])
+        a1.minorticks_off()
         a1.legend(fontsize=8)
     else:
         a1.text(0.5, 0.5, "loopback skipped", ha="center", va="center", transform=a1.transAxes)
