@@ -145,7 +145,8 @@ async def serve_worker(args: argparse.Namespace, stop: asyncio.Event, backend: B
     if start is not None:
         await start()
     agent = PlannerAgent(addrs.planner, {"name": args.name, "role": role, "cluster": cluster, **info,
-                                         "fingerprint": backend.loaded.fingerprint}, report, args.report_interval)
+                                         "fingerprint": backend.loaded.fingerprint}, report, args.report_interval,
+                         on_reply=worker.wire.on_planner_reply if hasattr(worker, "wire") else None)
     agent.start()
     own = [publisher.close] if publisher is not None else []
     await serve_until_stopped(stop, ready_line(ready, backend), [*own, agent.close, server.close, *closers])
