@@ -32,6 +32,7 @@ from services.planner.long_loop import LongConfig, LongLoop
 from services.planner.messages import BadStats, MoveWorkerArgs, RegisterArgs, ReportArgs, ViewArgs
 from services.planner.registry import RegistrationError, RegistryFull, WorkerRegistry
 from services.planner.roles import RoleMover
+from services.planner.wire_codecs import CodecPlanner
 
 log = logging.getLogger("prfaas.planner")
 
@@ -64,6 +65,7 @@ class Planner:
         self.workload_samples = workload_samples
         self._relearned_at = -math.inf
         self.loop_errors = 0
+        self.codecs = CodecPlanner()  # KV wire codec per link, for prefill workers in --kv-wire-codec auto
         self._task: asyncio.Task | None = None
         self.server = RpcServer(
             "planner", name,
@@ -73,9 +75,8 @@ class Planner:
         )
 
     def start(self) -> None:
-        """Start the scheduling loops if a controller was given."""
-        if self.controller is not None:
-            self._task = asyncio.create_task(self._loop(), name="planner-loops")
+        """Start the loops: the KV codec choice always; the scheduling loops if a controller was given."""
+        self._task = asyncio.create_task(self._loop(), name="planner-loops")
 
     async def close(self) -> None:
         await service.stop_task(self._task)
@@ -88,6 +89,13 @@ class Planner:
             await asyncio.sleep(self.loop_interval)
             now = time.monotonic()
             view = self.registry.view(now)
+            try:
+                self.codecs.tick(now, view, self.controller.link_gbps_used if self.controller is not None else None)
+            except Exception:
+                self.loop_errors += 1
+                log.exception("KV codec tick failed")
+            if self.controller is None:
+                continue
             try:
                 await self.controller.tick(now, view)
             except Exception:  # the router may be down or restarting: log, count, go on
@@ -147,7 +155,7 @@ class Planner:
             key = f"{w['role']}/{w['cluster']}"
             by[key] = by.get(key, 0) + int(w["alive"])
         return {"alive": by, "loop": self.controller.state() if self.controller is not None else None,
-                "roles": self.mover.state(), "loop_errors": self.loop_errors}
+                "roles": self.mover.state(), "loop_errors": self.loop_errors, "kv_codecs": self.codecs.state()}
 
     @takes(RegisterArgs)
     async def register(self, args: RegisterArgs) -> dict[str, Any]:
@@ -165,7 +173,8 @@ class Planner:
     async def report(self, args: ReportArgs) -> dict[str, Any]:
         """A worker's load report; ``bad_request`` with ``reregister`` for a worker the planner does
         not know (e.g. after a planner restart); ``bad_request`` (``quarantined``) for a report that
-        fails its checks: the worker leaves the routing view until it reports well again."""
+        fails its checks: the worker leaves the routing view until it reports well again. The answer
+        carries ``kv_codecs`` (link address -> codec) for a worker whose links the codec loop tracks."""
         try:
             self.registry.report(args.name, args.stats or {}, time.monotonic())
         except BadStats as e:
@@ -173,7 +182,8 @@ class Planner:
             raise RpcError(ErrorCode.BAD_REQUEST, f"report: {e}", quarantined=True) from None
         except RegistrationError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e), reregister=True) from None
-        return {"ok": True}
+        codecs = self.codecs.codecs_for(args.name)
+        return {"ok": True, "kv_codecs": codecs} if codecs else {"ok": True}
 
     @takes(ViewArgs)
     async def view(self, args: ViewArgs) -> dict[str, Any]:
