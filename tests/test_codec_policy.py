@@ -4,6 +4,8 @@ per-link ladders (``services/planner/wire_codecs.py``), the prefill worker's cho
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from common.transfer.codec_policy import CodecLadder, CodecRate, LadderConfig, guard, usable
@@ -112,3 +114,35 @@ def test_kv_wire_bytes_sums_prfaas_links():
             {"name": "b", "role": "prefill", "cluster": "pd", "alive": True,
              "stats": {"links": {"x:1": {"kv_raw_bytes": 9e9, "kv_wire_bytes": 1.0}}}}]
     assert kv_wire_bytes(view) == (400.0, 100.0)
+
+
+async def test_planner_answers_reports_with_the_links_codecs():
+    """A prefill worker in auto mode learns its link's codec from the answer to its load report."""
+    import time
+
+    from common.control.planner_agent import PlannerAgent
+    from common.lab.cluster import free_port
+    from services.planner.server import Planner
+
+    port = free_port()
+    planner = Planner(dead_after=3.0, loop_interval=0.05)
+    planner.codecs = CodecPlanner(LadderConfig(up_ticks=1))
+    await planner.server.start("127.0.0.1", port)
+    planner.start()
+    wire = WireCodec("auto", row=64)
+    busy = auto_worker()["stats"]
+    agent = PlannerAgent(f"127.0.0.1:{port}", {"name": "p0", "role": "prefill", "cluster": "prfaas", "addr": "127.0.0.1:1"},
+                         lambda: {**busy, "kv_codec": {**busy["kv_codec"], "rates": wire.stats()["rates"]}}, interval=0.05,
+                         on_reply=wire.on_planner_reply)
+    agent.start()
+    try:
+        end = time.monotonic() + 5
+        while wire.planned.get("10.0.0.2:9") != "lossless":
+            assert time.monotonic() < end, "the planner's codec never reached the worker"
+            await asyncio.sleep(0.02)
+        assert wire.for_link("10.0.0.2:9", 0.1) == "lossless"
+        status = await planner.status({})
+        assert status["kv_codecs"]["decisions"] == {"lossless": 1}
+    finally:
+        await agent.close()
+        await planner.close()
