@@ -80,7 +80,8 @@ class PrefillWorker:
         self.name = name
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.kv_stream = kv_stream
-        kv = next((spec["k"] for spec in backend.state_specs if "k" in spec), ("float32", [1, 1, -1, 64]))
+        specs = getattr(backend, "state_specs", None) or [] if kv_wire_codec != "none" else []
+        kv = next((spec["k"] for spec in specs if "k" in spec), ("float32", [1, 1, -1, 64]))
         self.wire = WireCodec(kv_wire_codec, kv_wire_lossy_ok, dtype=kv[0], row=int(kv[1][3]))  # raises ValueError
         self.link_options = {**link_options, "meter": self.wire.meter}
         self.fingerprint = backend.loaded.fingerprint
