@@ -158,10 +158,12 @@ def main() -> None:
     bar.close()
 
     print("\n== Codec ratio and speed (whole KVCache of one prompt, one core) ==")
-    print(f"{'model':<14}{'codec':<10}{'ratio':>7}{'encode Gbps':>13}{'decode Gbps':>13}")
+    print(f"{'model':<14}{'codec':<10}{'ratio':>7}{'encode Gbps':>13}{'decode Gbps':>13}{'encode GB/s':>13}"
+          f"{'encode / 100 Mbit/s link':>26}")
     for spec, m in result["models"].items():
         for c, r in m["rates"].items():
-            print(f"{spec:<14}{c:<10}{r['ratio']:>7.2f}{r['encode_gbps']:>13.2f}{r['decode_gbps']:>13.2f}")
+            print(f"{spec:<14}{c:<10}{r['ratio']:>7.2f}{r['encode_gbps']:>13.2f}{r['decode_gbps']:>13.2f}"
+                  f"{r['encode_gbps'] / 8:>13.2f}{r['encode_gbps'] / 0.1:>26.0f}")
     print("smollm2-135m K/V as bf16: " + ", ".join(f"{c} {r:.2f}" for c, r in result["bf16_ratios"].items()))
     print("\n== Quality against the exact path (64 positions; teacher-forced agreement, free-running identical) ==")
     print(f"{'model':<14}{'codec':<7}{'prompts':>8}{'agree':>8}{'identical':>10}{'mean KL':>11}{'worst KL':>10}{'worst prompt':>13}")

@@ -5,6 +5,11 @@ payloads land straight in their transfer's memory, and :func:`check_done`, the c
 ``KV_DONE`` header. Every number of a KV header is read with :mod:`proto.values`; a bad one fails
 only its own transfer (``KV_ABORT``), never the connection other transfers use.
 
+A coded ``KV_LAYER`` (``codec``, ``raw``; ``proto/PROTOCOL.md`` 7.10) is read into a staging buffer
+of its payload's size (bounded by ``raw``, which must fit the layer) and decoded on the event loop,
+once whole, straight into the transfer's destination pieces (the request's KV blocks); only then are
+its ``raw`` bytes committed, so a layer is ready exactly when every chunk of it has been decoded.
+
 Ownership: the :class:`~common.transfer.receiver.KvReceiver` owns its connections (its
 ``connections`` set) and the reservations their frames land in; a connection owns only its
 buffers and its handshake timer.
