@@ -19,7 +19,8 @@ the ratios on the real model's KVCache (float32, as served), fp8's teacher-force
 on the real model, TTFT with ``none`` over TTFT with ``fp8`` at 100 Mbit/s, and the slowest codec's
 encode rate (Gbit/s, one core, real model).
 
-Usage: python scripts/bench_codec.py [--quick]   (--quick: fewer prompts and a shorter TTFT prompt, ~6 min)
+Usage: python scripts/bench_codec.py [--quick] [--prompts N]
+(--quick: 24/16 prompts and a 3000-token TTFT prompt, ~6 min; without: 200 prompts per model, 6000 tokens)
 """
 
 from __future__ import annotations
@@ -124,10 +125,13 @@ def lambda_per_codec(ratios: dict[str, float], *, n_prfaas: int = 4, n_pd: int =
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--prompts", type=int, default=None, help="quality prompts per model (default 24/16 with --quick, else 200)")
     args = p.parse_args()
     torch.set_num_threads(1)
     quick = args.quick
     n_tiny, n_real = (24, 16) if quick else (200, 200)
+    if args.prompts:
+        n_tiny = n_real = args.prompts
     result: dict = {"quick": quick, "models": {}}
 
     # 1 + 2: ratio, speed, quality per model
