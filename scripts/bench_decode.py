@@ -26,8 +26,10 @@ The last line is ``decode_ratio=<x> concat_speedup=<y>``, both at batch 8, conte
 - decode_ratio: worker tokens/s / static-cache loop tokens/s (target: >= 0.85);
 - concat_speedup: worker tokens/s / naive concatenating loop tokens/s.
 
-Usage: python scripts/bench_decode.py [--quick] [--model tiny-hybrid|tiny-dense|PATH] [--threads N]
+Usage: python scripts/bench_decode.py [--quick] [--model tiny-hybrid|tiny-dense|PATH] [--threads N] [--out DIR]
 (``--quick``: batch 8 x 4096 and batch 1 x 512 only, under 3 minutes on 2 cores; the full run does all six.)
+It writes ``decode.png`` (tokens/s and peak memory per config and method) and ``decode.json`` (the
+figures behind the table) under ``--out`` (default ``runs/bench_decode``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ import sys
 import time
 import zlib
 from pathlib import Path
+
+from common.lab.plots import progress, pyplot, run_dir, save, save_json
 
 MiB = 1 << 20
 WARMUP = 3  # steps before the measured ones, for every method alike
@@ -293,8 +297,9 @@ class Role:
                 self.p.wait()
 
 
-def measure(args, batch: int, ctx: int, rounds: int) -> dict[str, list[dict]]:
-    """``rounds`` runs of every method, interleaved (worker, static, naive, worker, ...); one process each."""
+def measure(args, batch: int, ctx: int, rounds: int, bar) -> dict[str, list[dict]]:
+    """``rounds`` runs of every method, interleaved (worker, static, naive, worker, ...); one process each.
+    ``bar`` (a progress bar) advances by one per run."""
     roles = [Role(args, m, batch, ctx) for m in METHODS]
     try:
         for r in roles:
@@ -303,6 +308,7 @@ def measure(args, batch: int, ctx: int, rounds: int) -> dict[str, list[dict]]:
         for _ in range(rounds):
             for m, r in zip(METHODS, roles):
                 runs[m].append(r.round())
+                bar.update()
         return runs
     finally:
         for r in roles:
@@ -331,6 +337,33 @@ def mib(n: float) -> str:
     return f"{n / MiB:.1f}"
 
 
+def plot(rows: dict, path: Path) -> str:
+    """``decode.png``: each method's tokens/s over the static loop's per config, labelled with its
+    tokens/s, and the 0.85 target of the worker (left); peak RSS over the model's, with the worker
+    pool's pages in use (right)."""
+    plt = pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    names = [f"{b} x {c}" for b, c in rows]
+    x = range(len(rows))
+    w = 0.8 / len(METHODS)
+    for j, m in enumerate(METHODS):
+        at = [i + (j - 1) * w for i in x]
+        bars = a1.bar(at, [r[m]["tok_s"] / r["static"]["tok_s"] for r in rows.values()], w, label=m)
+        a1.bar_label(bars, [f"{r[m]['tok_s']:.0f}" for r in rows.values()], fontsize=7)
+        a2.bar(at, [r[m]["rss_delta"] / MiB for r in rows.values()], w, label=f"{m} RSS")
+    a2.scatter([i - w for i in x], [r["worker"]["pool_peak_bytes"] / MiB for r in rows.values()], marker="_", s=400,
+               color="k", zorder=3, label="worker pool used")
+    a1.axhline(0.85, color="k", ls="--", lw=1, label="target worker / static")
+    a1.set(ylabel="tokens/s / static loop's (labels: tokens/s)", title="decode tokens/s, fastest run")
+    a2.set(ylabel="MiB over RSS after model load", title="peak memory")
+    for a in (a1, a2):
+        a.set_xticks(list(x), names)
+        a.set_xlabel("batch x context tokens")
+        a.grid(alpha=0.3, axis="y")
+        a.legend(fontsize=8)
+    return save(fig, path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="batch 8 x 4096 and batch 1 x 512 only; under 3 minutes")
@@ -341,6 +374,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8, help="measured runs of each method per config, interleaved, "
                    "after one warm-up run (default 8)")
     p.add_argument("--block-size", type=int, default=16, help="the worker's KV block size in tokens (default 16)")
+    p.add_argument("--out", default=None, help="folder for decode.png and decode.json (default runs/bench_decode)")
     p.add_argument("--role", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--ctx", type=int, help=argparse.SUPPRESS)
@@ -367,9 +401,11 @@ def main() -> None:
           "contexts are synthetic KVCache (random normal, the model's exact shapes, the same for every method): "
           "decode cost does not depend on the values.")
     rows = {}
-    for batch, ctx in configs:
-        runs = measure(args, batch, ctx, args.rounds + 1)
-        rows[(batch, ctx)] = {m: combine(batch, rs) for m, rs in runs.items()}
+    with progress(len(configs) * (args.rounds + 1) * len(METHODS), "decode runs") as bar:
+        for batch, ctx in configs:
+            bar.set_postfix_str(f"batch {batch} x {ctx}")
+            runs = measure(args, batch, ctx, args.rounds + 1, bar)
+            rows[(batch, ctx)] = {m: combine(batch, rs) for m, rs in runs.items()}
     print("\n== Decode tokens/s: worker = DecodeWorker batch loop over its paged pool; static = plain loop over a "
           "preallocated StaticCache; naive = plain loop over a DynamicCache, concatenating every step ==")
     print(f"{'batch x ctx':>12} {'worker':>9} {'static':>9} {'naive':>9} {'ratio':>6} {'speed-up':>8} "
@@ -397,6 +433,13 @@ def main() -> None:
     head = rows.get(HEADLINE)
     ratio = head["worker"]["tok_s"] / head["static"]["tok_s"] if head else math.nan
     speedup = head["worker"]["tok_s"] / head["naive"]["tok_s"] if head else math.nan
+    out = run_dir("bench_decode", args.out)
+    keep = ("tok_s", "cold_tok_s", "step_s", "rss_delta", "pool_peak_bytes", "pool_freed")
+    save_json({"model": args.model, "threads": args.threads, "steps": args.steps, "warmup": args.warmup,
+               "rounds": args.rounds, "rows": [{"batch": b, "ctx": c, **{m: {k: r[m][k] for k in keep if k in r[m]}
+                                                                         for m in METHODS}}
+                                               for (b, c), r in rows.items()]}, out / "decode.json")
+    print(f"\nwrote {out / 'decode.json'} and {plot(rows, out / 'decode.png')}")
     print(f"\n(total {time.monotonic() - t0:.0f} s)")
     print(f"decode_ratio={ratio:.3f} concat_speedup={speedup:.3f}")
 

@@ -7,7 +7,10 @@ streaming, layer-only streaming and the send after the whole prefill, each measu
 
 The last line is ``overlap_ratio=<x>``: chunked TTFT / max(prefill, transfer), both measured in this run.
 
-Usage: python scripts/bench_overlap.py [--quick]
+It writes ``overlap.png`` (TTFT by mode against the bounds) and ``overlap.json`` under ``--out``
+(default ``runs/bench_overlap``).
+
+Usage: python scripts/bench_overlap.py [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from __future__ import annotations
 import argparse
 
 from common.lab.overlap import overlap
+from common.lab.plots import run_dir
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true", help="a 6000-token prompt, 2 repetitions per mode (default 8000, 3)")
+    p.add_argument("--out", default=None, help="folder for overlap.png and overlap.json (default runs/bench_overlap)")
     args = p.parse_args()
-    print(f"overlap_ratio={overlap(args.quick):.3f}")
+    print(f"overlap_ratio={overlap(args.quick, run_dir('bench_overlap', args.out)):.3f}")
 
 
 if __name__ == "__main__":

@@ -42,8 +42,10 @@ The last line is ``hit_rate=<x> ideal_hit_rate=<x> ttft_ratio=<y> cross_bytes_ra
 prefill-side hit rate with the cache on, the ideal rate of the same requests, and cache on / cache off
 for mean TTFT and for cross-cluster bytes.
 
-Usage: python scripts/bench_prefix.py [--quick] [--model tiny-hybrid|tiny-dense|PATH] [--requests N]
+Usage: python scripts/bench_prefix.py [--quick] [--model tiny-hybrid|tiny-dense|PATH] [--requests N] [--out DIR]
 (``--quick``: 150 requests, under 3 minutes on 2 cores; default 600.)
+It writes ``prefix.png`` (TTFT CDF cache on and off, hit rates against the ideal, KV bytes moved) and
+``prefix.json`` (both runs' counters and per-request TTFTs) under ``--out`` (default ``runs/bench_prefix``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ import aiohttp
 
 from common.lab.cluster import Cluster
 from common.lab.completions import stream_once
+from common.lab.plots import progress, pyplot, run_dir, save, save_json
 from common.lab.trace import (
     BLOCK,
     SCALE,
@@ -90,8 +93,10 @@ async def stream_ttft(session: aiohttp.ClientSession, url: str, model: str, prom
     return first
 
 
-async def replay(session: aiohttp.ClientSession, url: str, model: str, reqs: list[Request], concurrency: int) -> list[float]:
+async def replay(session: aiohttp.ClientSession, url: str, model: str, reqs: list[Request], concurrency: int,
+                 bar) -> list[float]:
     """Send ``reqs`` in order, at most ``concurrency`` in flight, each after its ``deps`` finished; TTFTs.
+    ``bar`` (a progress bar) advances by one per finished request.
 
     Invariant: request ``i`` is sent only once every request it depends on has finished and a slot is
     free; requests are sent in replay order (a waiting one holds back those after it)."""
@@ -105,6 +110,7 @@ async def replay(session: aiohttp.ClientSession, url: str, model: str, reqs: lis
         finally:
             slots.release()
             done[i].set()
+            bar.update()
 
     tasks = []
     try:
@@ -163,7 +169,8 @@ async def measure(args: argparse.Namespace, reqs: list[Request], threshold: int,
             if before["caches"] != (list(SERVICES[:3]) if cache else []):
                 raise SystemExit(f"PRFAAS_PREFIX_CACHE={env['PRFAAS_PREFIX_CACHE']} not honoured: prefix caches on {before['caches']}")
             t0 = time.monotonic()
-            ttft = await replay(s, cluster.url, model, reqs, args.concurrency)
+            with progress(len(reqs), f"replay, cache {'on' if cache else 'off'}", unit="req") as bar:
+                ttft = await replay(s, cluster.url, model, reqs, args.concurrency, bar)
             wall = time.monotonic() - t0
             after = await counters(cluster)
     finally:
@@ -217,6 +224,32 @@ def table(reqs: list[Request], on: dict, off: dict) -> None:
         print(f"{label:<38}{a:>12{fmt}}{b:>12{fmt}}{r:>10}")
 
 
+def plot(reqs: list[Request], on: dict, off: dict, path: Path) -> str:
+    """``prefix.png``: TTFT CDF with the cache on and off (ms, log scale); hit rates with the cache on
+    against the ideal; KV MiB across clusters and into decode, on and off."""
+    plt = pyplot()
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4.3), gridspec_kw={"width_ratios": [1.4, 1, 1]})
+    for name, m in (("cache on", on), ("cache off", off)):
+        t = sorted(x * 1000 for x in m["ttft"])
+        a1.plot(t, [(i + 1) / len(t) for i in range(len(t))], label=f"{name} (mean {statistics.mean(t):.0f} ms)")
+    a1.set(xscale="log", xlabel="TTFT (ms)", ylabel="CDF", title=f"TTFT, {len(reqs)} trace requests")
+    a1.legend(fontsize=8)
+    hits = [("ideal", ideal_rate(reqs)), ("prefill", ratio(on["prefill_hit"], on["prefill_prompt"])),
+            ("decode transfer", ratio(on["decode_hit"], on["decode_prompt"]))]
+    a2.bar([h for h, _ in hits], [v for _, v in hits], color=["tab:gray", "C0", "C2"])
+    a2.set(ylabel="hit rate (tokens)", title="prefix-cache hit rate, cache on", ylim=(0, 1))
+    x = range(2)
+    for j, (name, m) in enumerate((("cache on", on), ("cache off", off))):
+        a3.bar([i + (j - 0.5) * 0.4 for i in x], [m["cross_bytes"] / 2**20, m["decode_rx_bytes"] / 2**20], 0.4, label=name)
+    a3.set_xticks(list(x), ["PrfaaS -> PD", "into decode, all"])
+    top = max(m[k] for m in (on, off) for k in ("cross_bytes", "decode_rx_bytes")) / 2**20
+    a3.set(ylabel="KV MiB", title="KVCache bytes moved", ylim=(0, 1.25 * top or 1))
+    a3.legend(fontsize=8, ncols=2, loc="upper center")
+    for a in (a1, a2, a3):
+        a.grid(alpha=0.3)
+    return save(fig, path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"{QUICK_REQUESTS} requests; under 3 minutes on 2 cores")
@@ -229,6 +262,7 @@ def main() -> None:
     p.add_argument("--max-output", type=int, default=8, help="cap on a scaled output, tokens (default 8)")
     p.add_argument("--seed", type=int, default=0, help="picks the conversations and the block tokens (default 0)")
     p.add_argument("--log-dir", type=Path, help="keep the services' logs here (default: a temporary directory)")
+    p.add_argument("--out", default=None, help="folder for prefix.png and prefix.json (default runs/bench_prefix)")
     args = p.parse_args()
     if args.quick:
         args.requests = QUICK_REQUESTS
@@ -267,6 +301,10 @@ def main() -> None:
           "tokens;\nideal = infinite cache over the same requests, from the hash ids (leading run seen before, capped at "
           "len - 1).\nTTFT at the client, from sending to the first token chunk; cross-cluster KV = bytes_sent of the "
           "PrfaaS prefill worker's links.")
+    out = run_dir("bench_prefix", args.out)
+    js = save_json({"model": args.model, "requests": len(reqs), "concurrency": args.concurrency, "threshold": threshold,
+                    "ideal_hit_rate": ideal_rate(reqs), "on": on, "off": off}, out / "prefix.json")
+    print(f"\nwrote {js} and {plot(reqs, on, off, out / 'prefix.png')}")
     print(f"\n(total {time.monotonic() - t0:.0f} s)")
     print(f"hit_rate={hit:.3f} ideal_hit_rate={ideal_rate(reqs):.3f} "
           f"ttft_ratio={ratio(statistics.mean(on['ttft']), statistics.mean(off['ttft'])):.3f} "

@@ -16,7 +16,11 @@ The last line is ``loopback_ratio=<x> shaped_ratio=<y> overlap_ratio=<z>``:
 - shaped_ratio: engine goodput / the tbf rate at 1 Gbit/s (``nan`` without root);
 - overlap_ratio: pipelined TTFT / max(prefill, transfer).
 
-Usage: python scripts/bench_transfer.py [--quick]
+It writes ``transfer.png`` (goodput against connections on loopback; goodput / rate on the shaped
+link), ``transfer.json`` and, from the overlap section, ``overlap.png`` and ``overlap.json`` under
+``--out`` (default ``runs/bench_transfer``).
+
+Usage: python scripts/bench_transfer.py [--quick] [--skip SECTIONS] [--out DIR]
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from pathlib import Path
 from common.lab import netlab
 from common.lab.cluster import free_port
 from common.lab.overlap import overlap
+from common.lab.plots import progress, pyplot, run_dir, save, save_json
 from common.lab.procs import spawn, stop, wait_line
+from common.rpc.auth import ENV_SECRET
 
 MiB = 1 << 20
 WARMUP = 2  # runs before the measured ones, for the engine and the baselines alike
@@ -70,7 +76,9 @@ async def engine_recv(listen: str, ctl: str) -> None:
     from common.rpc.server import RpcServer
     from common.transfer.receiver import KvReceiver
 
-    rx = KvReceiver("bench-rx", {"model_id": "bench"}, LAYERS, budget_bytes=2 << 30)
+    # credentials from the environment, as the services take them: the shaped section's lab sets a
+    # shared secret, without which a listener on its (non-loopback) address refuses to start
+    rx = KvReceiver("bench-rx", {"model_id": "bench"}, LAYERS, budget_bytes=2 << 30, secret=ENV_SECRET)
 
     async def expect(args):
         rx.expect(args["req_id"], int(args["nbytes"]))
@@ -121,7 +129,8 @@ class _EngineSender:
         if self.data is None or self.data[3] != nbytes:
             self.data = (*make_layers(nbytes), nbytes)
         self.link = KvLink(self.target, name="bench-tx", fingerprint={"model_id": "bench"}, connections=conns,
-                           chunk_bytes=chunk or DEFAULT_CHUNK_BYTES, max_inflight_bytes=64 * MiB, connect_timeout=20)
+                           chunk_bytes=chunk or DEFAULT_CHUNK_BYTES, max_inflight_bytes=64 * MiB, connect_timeout=20,
+                           secret=ENV_SECRET)
         await self.link.ensure_connected()
         self.key = key
         for _ in range(WARMUP):  # connections, buffer pool, TCP windows
@@ -399,13 +408,16 @@ def interleaved(configs: list[tuple[int, int]], reps: int) -> dict[tuple[int, in
             return int(total) * 8 / float(dt)
 
         out = {}
-        for nbytes, conns in configs:
-            e_bps, r_bps = [], []
-            for r in range(reps):
-                order = ((eng, e_bps), (raw, r_bps)) if r % 2 == 0 else ((raw, r_bps), (eng, e_bps))
-                for p, acc in order:
-                    acc.append(once(p, nbytes, conns))
-            out[(nbytes, conns)] = {"engine": statistics.median(e_bps), "raw": statistics.median(r_bps),
+        with progress(len(configs) * reps * 2, "loopback", unit="xfer") as bar:
+            for nbytes, conns in configs:
+                bar.set_postfix_str(f"{nbytes // MiB} MiB x {conns}")
+                e_bps, r_bps = [], []
+                for r in range(reps):
+                    order = ((eng, e_bps), (raw, r_bps)) if r % 2 == 0 else ((raw, r_bps), (eng, e_bps))
+                    for p, acc in order:
+                        acc.append(once(p, nbytes, conns))
+                        bar.update()
+                out[(nbytes, conns)] = {"engine": statistics.median(e_bps), "raw": statistics.median(r_bps),
                                     "ratio": statistics.median(e / r for e, r in zip(e_bps, r_bps))}
         for p in (eng, raw):
             p.stdin.write("END\n")
@@ -415,7 +427,8 @@ def interleaved(configs: list[tuple[int, int]], reps: int) -> dict[tuple[int, in
         stop(*procs)
 
 
-def loopback(quick: bool) -> float:
+def loopback(quick: bool) -> tuple[float, list[dict]]:
+    """Section 1: prints its table; returns the headline ratio and the table's rows (bits/s)."""
     reps = 10 if quick else 20
     sizes = [16 * MiB, 256 * MiB]
     conns_list = [1, 2, 4, 8]
@@ -426,13 +439,15 @@ def loopback(quick: bool) -> float:
     print("\n== Loopback goodput (Gbit/s; medians; one sending and one receiving process each; engine and raw")
     print("   transfers interleaved; ratio = median of the per-repetition engine/raw ratios) ==")
     print(f"{'size':>8} {'conns':>5} {'engine':>8} {'raw':>8} {'ratio':>6} {'iperf3':>8} {'pickle+HTTP':>12}")
+    rows = []
     for (nbytes, conns), r in res.items():
         ip = iperf3("127.0.0.1", nbytes, conns) if not quick or conns == 4 else None
         nv = next((n["goodput_bps"] for n in naive if n["bytes"] == nbytes), None) if conns == 1 else None
         print(f"{nbytes // MiB:>6}Mi {conns:>5} {gbps(r['engine']):>8} {gbps(r['raw']):>8} {r['ratio']:>6.2f} {gbps(ip):>8} {gbps(nv):>12}")
+        rows.append({"bytes": nbytes, "conns": conns, **r, "iperf3": ip, "naive": nv})
     if shutil.which("iperf3") is None:
         print("(iperf3 is not installed: its column is empty)")
-    return res[(256 * MiB, 4)]["ratio"]
+    return res[(256 * MiB, 4)]["ratio"], rows
 
 
 def copies() -> None:
@@ -453,30 +468,76 @@ def copies() -> None:
           "event loop's C write buffer (bytes the kernel did not take at once) and the kernel's own copy per side.")
 
 
-def shaped(quick: bool) -> float:
+def shaped(quick: bool) -> tuple[float, list[dict]]:
+    """Section 2: prints its table; returns engine goodput / rate at 1 Gbit/s, 4 connections (``nan``
+    where namespaces are unavailable) and the table's rows (bits/s)."""
     ok, why = netlab.netns_available()
     if not ok:
         print(f"\n== Shaped link: skipped ({why}) ==")
-        return float("nan")
+        return float("nan"), []
     reps = 1 if quick else 3
     print("\n== Shaped link (two namespaces, veth, tc tbf; goodput / shaped rate) ==")
     print(f"{'rate':>10} {'conns':>5} {'engine':>10} {'raw':>10} {'engine/rate':>11} {'raw/rate':>9}")
     ratio_1g = float("nan")
-    for rate, nbytes in ((1_000_000_000, 64 * MiB), (100_000_000, 16 * MiB)):
-        with netlab.TwoDatacenters(prefix="prfaas-bench") as lab:
-            lab.shape(rate)
-            recv_addr, ctl = f"{lab.addr('local')}:7401", f"{lab.addr('local')}:7402"
-            plan = [{"bytes": nbytes, "conns": c, "reps": reps} for c in (4, 1)]
-            engine = run_pair(["--role", "engine-recv", "--listen", recv_addr, "--ctl", ctl],
-                              ["--role", "engine-send", "--target", recv_addr, "--ctl", ctl], plan, lab)
-            raw_addr = f"{lab.addr('local')}:7403"
-            raw = run_pair(["--role", "raw-recv", "--listen", raw_addr], ["--role", "raw-send", "--target", raw_addr], plan, lab)
-        for e, r in zip(engine, raw):
-            print(f"{rate / 1e6:>7.0f}Mb/s {e['conns']:>5} {e['goodput_bps'] / 1e6:>8.1f}Mb {r['goodput_bps'] / 1e6:>8.1f}Mb "
-                  f"{e['goodput_bps'] / rate:>11.3f} {r['goodput_bps'] / rate:>9.3f}")
-            if rate == 1_000_000_000 and e["conns"] == 4:
-                ratio_1g = e["goodput_bps"] / rate
-    return ratio_1g
+    rows = []
+    links = ((1_000_000_000, 64 * MiB), (100_000_000, 16 * MiB))
+    with progress(2 * len(links), "shaped", unit="pair") as bar:
+        for rate, nbytes in links:
+            with netlab.TwoDatacenters(prefix="prfaas-bench") as lab:
+                lab.shape(rate)
+                recv_addr, ctl = f"{lab.addr('local')}:7401", f"{lab.addr('local')}:7402"
+                plan = [{"bytes": nbytes, "conns": c, "reps": reps} for c in (4, 1)]
+                engine = run_pair(["--role", "engine-recv", "--listen", recv_addr, "--ctl", ctl],
+                                  ["--role", "engine-send", "--target", recv_addr, "--ctl", ctl], plan, lab)
+                bar.update()
+                raw_addr = f"{lab.addr('local')}:7403"
+                raw = run_pair(["--role", "raw-recv", "--listen", raw_addr], ["--role", "raw-send", "--target", raw_addr],
+                               plan, lab)
+                bar.update()
+            rows += [{"rate_bps": rate, "bytes": nbytes, "conns": e["conns"], "engine": e["goodput_bps"],
+                      "raw": r["goodput_bps"]} for e, r in zip(engine, raw)]
+    for row in rows:
+        e, r, rate = row["engine"], row["raw"], row["rate_bps"]
+        print(f"{rate / 1e6:>7.0f}Mb/s {row['conns']:>5} {e / 1e6:>8.1f}Mb {r / 1e6:>8.1f}Mb {e / rate:>11.3f} {r / rate:>9.3f}")
+        if rate == 1_000_000_000 and row["conns"] == 4:
+            ratio_1g = e / rate
+    return ratio_1g, rows
+
+
+def plot(loop: list[dict], shaped_rows: list[dict], path: Path) -> str:
+    """``transfer.png``: loopback goodput (Gbit/s) against connections, engine and raw sockets per size,
+    pickle+HTTP at one connection (left); shaped-link goodput / tbf rate per rate and connections (right)."""
+    plt = pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for i, nbytes in enumerate(sorted({r["bytes"] for r in loop})):
+        rs = [r for r in loop if r["bytes"] == nbytes]
+        cs = [r["conns"] for r in rs]
+        a1.plot(cs, [r["engine"] / 1e9 for r in rs], "o-", color=f"C{i}", label=f"engine, {nbytes // MiB} MiB")
+        a1.plot(cs, [r["raw"] / 1e9 for r in rs], "s--", color=f"C{i}", label=f"raw sockets, {nbytes // MiB} MiB")
+        a1.plot([r["conns"] for r in rs if r["naive"]], [r["naive"] / 1e9 for r in rs if r["naive"]], "x",
+                color=f"C{i}", ms=10, label=f"pickle+HTTP, {nbytes // MiB} MiB")
+    a1.set(xscale="log", xlabel="connections", ylabel="goodput (Gbit/s, median)", title="loopback goodput")
+    if loop:
+        a1.set_xticks(sorted({r["conns"] for r in loop}), [str(c) for c in sorted({r["conns"] for r in loop})])
+        a1.minorticks_off()
+        a1.legend(fontsize=8)
+    else:
+        a1.text(0.5, 0.5, "loopback skipped", ha="center", va="center", transform=a1.transAxes)
+    if shaped_rows:
+        names = [f"{r['rate_bps'] / 1e6:.0f} Mb/s x {r['conns']}" for r in shaped_rows]
+        x = range(len(shaped_rows))
+        a2.bar([i - 0.2 for i in x], [r["engine"] / r["rate_bps"] for r in shaped_rows], 0.4, label="engine")
+        a2.bar([i + 0.2 for i in x], [r["raw"] / r["rate_bps"] for r in shaped_rows], 0.4, label="raw sockets")
+        a2.set_xticks(list(x), names)
+        a2.axhline(1.0, color="k", lw=0.8)
+        a2.set_ylim(0, 1.2)
+        a2.legend(fontsize=8, ncols=2, loc="upper center")
+    else:
+        a2.text(0.5, 0.5, "shaped link skipped\n(needs root and ip netns)", ha="center", va="center", transform=a2.transAxes)
+    a2.set(ylabel="goodput / tbf rate", title="shaped link (tc tbf)")
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+    return save(fig, path)
 
 
 def main() -> None:
@@ -487,7 +548,8 @@ def main() -> None:
     p.add_argument("--ctl", help=argparse.SUPPRESS)
     p.add_argument("--target", help=argparse.SUPPRESS)
     p.add_argument("--plan", help=argparse.SUPPRESS)
-    p.add_argument("--skip", default="", help="comma-separated sections to skip: loopback,shaped,overlap")
+    p.add_argument("--skip", default="", help="comma-separated sections to skip: loopback,copies,shaped,overlap")
+    p.add_argument("--out", default=None, help="folder for the PNG and JSON files (default runs/bench_transfer)")
     args = p.parse_args()
     if args.role:
         import uvloop
@@ -508,13 +570,17 @@ def main() -> None:
     skip = set(args.skip.split(",")) - {""}
     t0 = time.monotonic()
     print(f"machine: {os.cpu_count()} cores; python {sys.version.split()[0]}")
-    lo = loopback(args.quick) if "loopback" not in skip else float("nan")
+    out = run_dir("bench_transfer", args.out)
+    lo, loop_rows = loopback(args.quick) if "loopback" not in skip else (float("nan"), [])
     if "copies" not in skip:
         copies()
-    sh = shaped(args.quick) if "shaped" not in skip else float("nan")
+    sh, shaped_rows = shaped(args.quick) if "shaped" not in skip else (float("nan"), [])
+    if loop_rows or shaped_rows:
+        js = save_json({"quick": args.quick, "loopback": loop_rows, "shaped": shaped_rows}, out / "transfer.json")
+        print(f"\nwrote {js} and {plot(loop_rows, shaped_rows, out / 'transfer.png')}")
     ov = float("nan")
     if "overlap" not in skip:
-        ov = overlap(args.quick)
+        ov = overlap(args.quick, out)
     print(f"\n(total {time.monotonic() - t0:.0f} s)")
     print(f"loopback_ratio={lo:.3f} shaped_ratio={sh:.3f} overlap_ratio={ov:.3f}")
 

@@ -1,7 +1,9 @@
 """Reproduce the paper's Table 6 from the throughput model (services/planner/throughput.py).
 
-Usage: python scripts/reproduce_table6.py [--write-h20]
+Usage: python scripts/reproduce_table6.py [--write-h20] [--out runs/reproduce_table6]
 
+It writes ``table6.png`` under ``--out``: Lambda_max of the three configurations, model beside paper,
+and the PrfaaS-PD Lambda_max over the routing threshold t with its bottleneck stages.
 ``--write-h20`` also writes the fitted H20 profile, with a decode section, to
 ``services/planner/profiles/h20_table6_fit.json`` (the emulated backend's H20; shipped).
 
@@ -31,6 +33,7 @@ The last line printed is machine-readable:
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -38,6 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.lab.plots import pyplot, run_dir, save
 from services.planner import throughput as tm
 
 PROFILE = Path(tm.__file__).resolve().parent / "profiles" / "h200_table5.json"
@@ -198,15 +202,50 @@ def h20_emulated(cs: CaseStudy) -> dict:
     }
 
 
+def plot(cs: CaseStudy, path: Path) -> str:
+    """``table6.png``: Lambda_max model vs paper per configuration, and PrfaaS-PD Lambda_max(t) (eq. 6)
+    at the optimizer's split, with each stage's bound, the model's t* and the paper's t marked."""
+    plt = pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 1.6]})
+    keys = ("prfaas", "homog", "naive")
+    model = (cs.prfaas.evaluation.lambda_max, cs.homog.evaluation.lambda_max, cs.naive.lambda_max)
+    x = range(len(keys))
+    a1.bar([i - 0.2 for i in x], model, 0.4, label="model")
+    a1.bar([i + 0.2 for i in x], [PAPER[k]["lambda"] for k in keys], 0.4, label="paper")
+    a1.set_xticks(list(x), ["PrfaaS-PD", "Homog PD", "Naive het"])
+    a1.set(ylabel="Lambda_max (req/s)", title="Table 6: throughput bound")
+    a1.legend()
+    op = cs.prfaas
+    dep = tm.Deployment(op.n_prfaas, op.n_p, op.n_d, load_h200(), cs.h20, cs.h20, LINK_GBPS, L_OUT)
+    ts = [WORKLOAD.lo * (WORKLOAD.hi / WORKLOAD.lo) ** (i / 300) for i in range(301)]
+    evs = [tm.evaluate(dep, WORKLOAD, t) for t in ts]
+    a2.plot(ts, [e.lambda_max for e in evs], "k-", lw=2, label="Lambda_max")
+    for stage in tm.STAGES:
+        a2.plot(ts, [e.bounds[stage] for e in evs], "--", lw=1, label=f"bound: {stage}")
+    a2.axvline(op.evaluation.t, color="tab:purple", lw=1, label=f"model t* = {op.evaluation.t:.0f}")
+    a2.axvline(PAPER["prfaas"]["t"], color="tab:gray", lw=1, ls=":", label=f"paper t = {PAPER['prfaas']['t']}")
+    a2.set(xscale="log", xlabel="threshold t (tokens)", ylabel="req/s", ylim=(0, 2 * op.evaluation.lambda_max),
+           title=f"PrfaaS-PD {op.n_prfaas}/{op.n_p}/{op.n_d}: Lambda_max over t")
+    a2.legend(fontsize=8)
+    for a in (a1, a2):
+        a.grid(alpha=0.3)
+    return save(fig, path)
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--write-h20", action="store_true", help=f"also write {H20_PROFILE.name} (the emulated H20)")
+    ap.add_argument("--out", default=None, help="folder for table6.png (default runs/reproduce_table6)")
+    args = ap.parse_args()
     t0 = time.perf_counter()
     cs = case_study()
-    if "--write-h20" in sys.argv:
+    if args.write_h20:
         H20_PROFILE.write_text(json.dumps(h20_emulated(cs), indent=2) + "\n")
         print(f"wrote {H20_PROFILE}")
     lines = render(cs)
     print("\n".join(lines[:-1]))
     print(f"(solved in {time.perf_counter() - t0:.2f} s)")
+    print(f"wrote {plot(cs, run_dir('reproduce_table6', args.out) / 'table6.png')}")
     print(lines[-1])
     return 0
 

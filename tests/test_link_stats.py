@@ -981,3 +981,26 @@ def test_backlogged_seconds_run_from_when_the_queue_last_filled():
     ls.bytes_queued = 10
     clk.t += 0.25
     assert ls.snapshot()["backlogged_s"] == pytest.approx(0.25)
+
+
+def test_windows_from_env_scales_the_time_windows_not_the_sampling_window():
+    from common.transfer.link_stats import windows_from_env
+
+    assert windows_from_env({}) == {}
+    w = windows_from_env({"PRFAAS_LINK_STATS_TIME_SCALE": "5"})
+    assert w == {"half_life_s": 1.0, "capacity_window_s": 6.0}
+    assert windows_from_env({"PRFAAS_LINK_STATS_TIME_SCALE": "100"})["capacity_window_s"] == 1.0
+    LinkStats(**w)  # accepted by the constructor
+    for bad in ("0", "-1", "nan", "inf", "fast"):
+        with pytest.raises(ValueError, match="PRFAAS_LINK_STATS_TIME_SCALE"):
+            windows_from_env({"PRFAAS_LINK_STATS_TIME_SCALE": bad})
+
+
+def test_a_scaled_capacity_window_forgets_the_old_capacity_sooner():
+    """After the capacity drops, the estimate keeps the old peak for the capacity window only."""
+    from common.transfer.link_stats import windows_from_env
+
+    for scale, stale_after_20s in (("1", True), ("5", False)):
+        s = LinkStats(clock=lambda: 0.0, **windows_from_env({"PRFAAS_LINK_STATS_TIME_SCALE": scale}))
+        s._capacity.update(2e9, 0.0)  # a backlogged sample at 2 GB/s at t = 0
+        assert (s.capacity_bytes_per_s(20.0) == 2e9) is stale_after_20s

@@ -336,6 +336,25 @@ def test_a_standing_queue_is_congestion_even_when_utilisation_reads_low(model):
     assert loop.t >= model(CFG.link_gbps * 0.26 * CFG.util_target) * 0.98
     with pytest.raises(ValueError):
         ShortConfig(rtt_excess_min_ms=10.0, rtt_excess_standing_ms=5.0)
+    with pytest.raises(ValueError):
+        ShortConfig(rtt_standing_alone_ms=40.0)
+
+
+def test_a_floor_of_seconds_is_congestion_with_the_engine_queue_empty(model):
+    """Socket and proxy buffers can hold the standing queue after the engine wrote its bytes (the
+    emulated swing: floor 0.1-4.7 s, backlog 0 at every sample): a floor past rtt_standing_alone_ms
+    is congestion on its own; just below it, without a backlog, it is not."""
+    loop = ShortLoop(CFG, model)
+    t0 = loop.t
+    below = ShortSignals(egress_util=0.08, rtt_inflation=2000.0, rtt_excess_ms=400.0,
+                         rtt_standing_ms=CFG.rtt_standing_alone_ms - 1, backlog_s=0.0)
+    assert changes(run(loop, [below] * 20)) == [] and loop.t == t0
+    trace = run(loop, [replace(below, rtt_standing_ms=2000.0)] * 40, start=20)
+    assert changes(trace) and loop.t > t0 and "congestion" in changes(trace)[0][1].reason
+    # the model at the bound this episode saw is where it stops: no wind-up while the queue stands
+    anchor = model(CFG.link_gbps * 0.08 * CFG.util_target)  # 8 Gbps bounds the model's optimum
+    assert anchor > t0 * 1.3 and loop.t == pytest.approx(anchor, rel=0.03)
+    assert changes(run(loop, [replace(below, rtt_standing_ms=2000.0)] * 200, start=60)) == []
 
 
 def test_a_draining_queue_does_not_wind_the_threshold_up(model):

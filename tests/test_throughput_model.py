@@ -66,9 +66,11 @@ def test_h20_fit_reproduces_its_two_inputs(cs):
     assert a > 0 and b > 0
 
 
-def test_script_last_line(cs):
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce_table6.py")],
+def test_script_last_line(cs, tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "reproduce_table6.py"), "--out", str(tmp_path)],
                          capture_output=True, text=True, check=True, timeout=60).stdout
+    png = tmp_path / "table6.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in out
     last = out.strip().splitlines()[-1]
     fields = dict(kv.split("=") for kv in last.split(" "))
     assert list(fields) == ["lambda_prfaas", "lambda_homog", "lambda_naive", "t", "np", "nd", "p"]

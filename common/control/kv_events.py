@@ -84,7 +84,7 @@ class KvEventPublisher:
         self.interval = interval
         self.heartbeat = heartbeat
         self.epoch = epoch or secrets.token_hex(8)
-        self.client = RpcClient(router_addr, service=role, name=node, connect_timeout=2.0)
+        self.client = RpcClient(router_addr, service=role, name=node, connect_timeout=2.0, peer="router")
         self.acked = 0
         self.batches = 0  # kv_events calls answered
         self.events_sent = 0  # events confirmed by the router (re-sends not counted twice)

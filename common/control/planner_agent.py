@@ -37,7 +37,7 @@ class PlannerAgent:
         self.on_reply = on_reply
         self.stats = stats
         self.interval = interval
-        self.client = RpcClient(planner_addr, service=info["role"], name=info["name"], connect_timeout=2.0)
+        self.client = RpcClient(planner_addr, service=info["role"], name=info["name"], connect_timeout=2.0, peer="planner")
         self.registered = False
         self._lock = asyncio.Lock()  # one call to the planner at a time (loop, report_now, update)
         self._task: asyncio.Task | None = None

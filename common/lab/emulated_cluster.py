@@ -159,7 +159,8 @@ class EmulatedCluster:
             "--l-out", str(self.max_tokens), "--length-mu", repr(w.mu - math.log(s.token_scale)),
             "--length-sigma", repr(w.sigma), "--length-lo", repr(w.lo / s.token_scale), "--length-hi", repr(w.hi / s.token_scale),
             "--loop-interval", repr(1.0 / s.time_scale), "--short-min-interval", repr(10.0 / s.time_scale),
-            "--short-reverse-interval", repr(30.0 / s.time_scale), "--workload-refresh", repr(30.0 / s.time_scale),
+            "--short-reverse-interval", repr(30.0 / s.time_scale),
+            "--short-standing-backlog", repr(2.0 / s.time_scale), "--workload-refresh", repr(30.0 / s.time_scale),
             "--long-loop", "on" if self.long_loop else "off",
             "--long-period", repr(self.long_period_s / s.time_scale), "--long-hold", repr(self.long_hold_s / s.time_scale),
             "--long-cooldown", repr(self.long_cooldown_s / s.time_scale), "--drain-timeout", repr(60.0 / s.time_scale),
@@ -229,7 +230,8 @@ class EmulatedCluster:
         return self
 
     def _spawn_all(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.scales.env())
+        # the KV links' measurement windows (capacity, RTT floor, goodput) are emulated seconds too
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.scales.env(), PRFAAS_LINK_STATS_TIME_SCALE=repr(self.scales.time_scale))
         env.pop("PRFAAS_MODEL", None)
         for name, cmd in self.commands().items():
             with open(self.log_dir / f"{name}.log", "wb") as log:

@@ -258,6 +258,7 @@ class TwoDatacenters:
         self.veth = dict(_VETH)
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []
+        self._secret_set = False  # up() put a fresh PRFAAS_SHARED_SECRET in os.environ; down() removes it
         self.shaping: dict[str, Any] | None = None
         self.needs_userspace_proxy: list[str] = []
 
@@ -289,6 +290,12 @@ class TwoDatacenters:
         except BaseException:
             self.down()
             raise
+        if not (os.environ.get("PRFAAS_SHARED_SECRET") or os.environ.get("PRFAAS_SHARED_SECRET_FILE")
+                or os.environ.get("PRFAAS_CREDENTIALS_FILE")):
+            # services bound to the lab's (non-loopback) addresses refuse to run without a secret, and
+            # every process started from here on (in the lab or beside it) inherits this one
+            os.environ["PRFAAS_SHARED_SECRET"] = uuid.uuid4().hex
+            self._secret_set = True
         return self
 
     def down(self) -> None:
@@ -311,6 +318,9 @@ class TwoDatacenters:
         for ns in self._created:
             _delete_ns(ns)
         self._created.clear()
+        if self._secret_set:
+            os.environ.pop("PRFAAS_SHARED_SECRET", None)
+            self._secret_set = False
 
     def __enter__(self) -> TwoDatacenters:
         return self.up()

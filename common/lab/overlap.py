@@ -11,7 +11,8 @@ one-pass prefill and transfer the time the non-pipelined send took, both measure
 
 The link is two network namespaces with ``tc`` tbf when root and ``ip netns`` are available, and a
 userspace rate-capped proxy on loopback otherwise. :func:`overlap` runs it all (used by
-``scripts/bench_overlap.py`` and ``scripts/bench_transfer.py``); the client and proxy roles it starts
+``scripts/bench_overlap.py`` and ``scripts/bench_transfer.py``), with a progress bar over its stages on
+stderr and, given a folder, ``overlap.png`` (TTFT by mode against the bounds) and ``overlap.json``; the client and proxy roles it starts
 are this module run as ``python -m common.lab.overlap --role client|proxy ...``.
 
 Ownership: a :class:`Site` owns the processes it starts and the lab it makes; leaving its ``with``
@@ -29,9 +30,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from common.lab import netlab
 from common.lab.cluster import free_port
+from common.lab.plots import progress, pyplot, save, save_json
 from common.lab.procs import spawn, stop, wait_line
 
 MODEL = "tiny-hybrid"
@@ -137,8 +140,36 @@ def run_client(site: Site, prompt_len: int, reps: int) -> list[dict]:
         stop(p)
 
 
-def overlap(quick: bool) -> float:
-    """Run the three modes; print a table; return the overlap ratio (see the module docstring)."""
+MODES = ("chunked", "layer", "after")
+
+
+def plot(results: dict[str, list[dict]], prefill: float, transfer: float, title: str, path: Path) -> str:
+    """``overlap.png``: each mode's TTFT (median bar, every repetition a dot) against the prefill
+    compute time, the non-pipelined transfer time and their max (left); the transfer's tail after
+    the last computed layer, per mode (right). Seconds throughout."""
+    plt = pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for i, mode in enumerate(MODES):
+        rs = results[mode]
+        for ax, key in ((a1, "ttft_s"), (a2, "transfer_tail_s")):
+            ax.bar(i, statistics.median(r[key] for r in rs), 0.6, color=f"C{i}")
+            ax.plot([i] * len(rs), [r[key] for r in rs], "k.", ms=6)
+    a1.axhline(prefill, color="tab:green", ls="--", label=f"prefill compute {prefill:.2f} s")
+    a1.axhline(transfer, color="tab:red", ls="--", label=f"transfer alone {transfer:.2f} s")
+    a1.axhline(max(prefill, transfer), color="k", lw=1, label="max(prefill, transfer)")
+    a1.set(ylabel="TTFT (s)", title="TTFT by KV streaming mode")
+    a1.legend(fontsize=8)
+    a2.set(ylabel="seconds after the last layer was computed", title="transfer tail after compute")
+    for ax in (a1, a2):
+        ax.set_xticks(range(len(MODES)), MODES)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=10)
+    return save(fig, path)
+
+
+def overlap(quick: bool, out: Path | None = None) -> float:
+    """Run the three modes; print a table; return the overlap ratio (see the module docstring).
+    With ``out`` (a folder), also write ``overlap.png`` and ``overlap.json`` there and print their paths."""
     prompt_len = 6000 if quick else 8000
     reps = 2 if quick else 3
     os.environ.setdefault("PRFAAS_THREADS", "1")
@@ -155,30 +186,40 @@ def overlap(quick: bool) -> float:
         site.shape(10e9 if site.lab is None else 10_000_000_000)
         results: dict[str, list[dict]] = {}
         rate = None
-        for mode, flags in (("layer", ["--kv-stream", "layer"]), ("after", ["--kv-stream", "after"]),
-                            ("chunked", ["--kv-stream", "layer", "--prefill-chunk-tokens", "512"])):
-            pre = site.start("prfaas", ["services.prefill", "--name", f"prefill-{mode}", "--cluster", "prfaas",
-                                        "--listen", site.prefill, *common, *flags])
-            if rate is None:  # calibrate on an unshaped link: the compute time and the KV size
-                cal = run_client(site, prompt_len, 2)
-                prefill_s = statistics.median(r["prefill_s"] for r in cal)
-                kv_bytes = cal[-1]["kv_bytes"]
-                rate = kv_bytes * 8 / prefill_s / 0.95  # TCP payload is ~95% of the tbf rate
-                site.shape(rate)
-            results[mode] = run_client(site, prompt_len, reps)
-            stop(pre)
-            site.procs.remove(pre)
+        with progress(1 + len(MODES), "overlap", unit="stage") as bar:
+            for mode, flags in (("layer", ["--kv-stream", "layer"]), ("after", ["--kv-stream", "after"]),
+                                ("chunked", ["--kv-stream", "layer", "--prefill-chunk-tokens", "512"])):
+                pre = site.start("prfaas", ["services.prefill", "--name", f"prefill-{mode}", "--cluster", "prfaas",
+                                            "--listen", site.prefill, *common, *flags])
+                if rate is None:  # calibrate on an unshaped link: the compute time and the KV size
+                    bar.set_postfix_str("calibrate")
+                    cal = run_client(site, prompt_len, 2)
+                    bar.update()
+                    prefill_s = statistics.median(r["prefill_s"] for r in cal)
+                    kv_bytes = cal[-1]["kv_bytes"]
+                    rate = kv_bytes * 8 / prefill_s / 0.95  # TCP payload is ~95% of the tbf rate
+                    site.shape(rate)
+                bar.set_postfix_str(mode)
+                results[mode] = run_client(site, prompt_len, reps)
+                bar.update()
+                stop(pre)
+                site.procs.remove(pre)
     med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items()}
     prefill = med["layer"]["prefill_s"]
     transfer = med["after"]["transfer_tail_s"]
     bound = max(prefill, transfer)
-    print(f"\n== Overlap: {prompt_len}-token remote prefill on {MODEL}, KV {med['layer']['kv_bytes'] / 2**20:.1f} MiB, "
-          f"link {rate / 1e6:.1f} Mbit/s ({'tc tbf' if site.lab else 'userspace proxy'}) ==")
+    title = (f"Overlap: {prompt_len}-token remote prefill on {MODEL}, KV {med['layer']['kv_bytes'] / 2**20:.1f} MiB, "
+             f"link {rate / 1e6:.1f} Mbit/s ({'tc tbf' if site.lab else 'userspace proxy'})")
+    print(f"\n== {title} ==")
     print(f"prefill compute {prefill:.3f} s, transfer alone {transfer:.3f} s, max = {bound:.3f} s")
     print(f"{'mode':<9} {'TTFT s':>8} {'TTFT / max(prefill, transfer)':>30} {'prefill s':>10} {'tail after compute s':>21}")
-    for mode in ("chunked", "layer", "after"):
+    for mode in MODES:
         m = med[mode]
         print(f"{mode:<9} {m['ttft_s']:>8.3f} {m['ttft_s'] / bound:>30.3f} {m['prefill_s']:>10.3f} {m['transfer_tail_s']:>21.3f}")
+    if out is not None:
+        js = save_json({"prompt_len": prompt_len, "model": MODEL, "link_bps": rate, "shaper": "tbf" if site.lab else "proxy",
+                        "prefill_s": prefill, "transfer_s": transfer, "runs": results}, out / "overlap.json")
+        print(f"wrote {js} and {plot(results, prefill, transfer, title, out / 'overlap.png')}")
     return med["chunked"]["ttft_s"] / bound
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -185,6 +186,7 @@ class WanSystem:
     restarts: list[tuple[str, float]] = field(default_factory=list)  # (service, seconds to READY)
     _clients: dict[str, RpcClient] = field(default_factory=dict)
     _netem: bool = False
+    _saved_secret: tuple[bool, str | None] = (False, None)  # (set by start, the value before)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout: float = 180.0) -> WanSystem:
@@ -203,6 +205,12 @@ class WanSystem:
         router = self.link.add("router", edge, addrs["router"], client_side="prfaas")
         await self.link.start()
         env = {"PRFAAS_PREFIX_CACHE": "1" if self.prefix_cache else "0", **self.env}
+        if self.lab is not None and not (env.get("PRFAAS_SHARED_SECRET") or os.environ.get("PRFAAS_SHARED_SECRET")):
+            # the PrfaaS worker binds a namespace address, which needs a secret (never --insecure);
+            # this process's own probes and clients read it from the environment, restored by stop()
+            env["PRFAAS_SHARED_SECRET"] = secrets.token_hex(16)
+            self._saved_secret = (True, os.environ.get("PRFAAS_SHARED_SECRET"))
+            os.environ["PRFAAS_SHARED_SECRET"] = env["PRFAAS_SHARED_SECRET"]
         self.cluster = Cluster(
             model=self.model, threshold=self.threshold, env=env, log_dir=self.log_dir,
             decode_args=self.decode_args, second_decode_args=self.decode_args, preset_addrs=addrs,
@@ -214,11 +222,21 @@ class WanSystem:
             await asyncio.to_thread(self.cluster.start, timeout)
         except BaseException:
             await self.link.close()
+            self._restore_secret()
             raise
         self.stat_addrs = dict(self.cluster.addrs)  # direct addresses (the harness's probes skip the link)
         if self.lab is not None:
             self._netem = await asyncio.to_thread(netlab.netem_available)
         return self
+
+    def _restore_secret(self) -> None:
+        was_set, before = self._saved_secret
+        if was_set:
+            if before is None:
+                os.environ.pop("PRFAAS_SHARED_SECRET", None)
+            else:
+                os.environ["PRFAAS_SHARED_SECRET"] = before
+            self._saved_secret = (False, None)
 
     async def stop(self) -> None:
         """Stop every service and proxy, and the lab's shaping (idempotent)."""
@@ -228,6 +246,7 @@ class WanSystem:
         if self.cluster is not None:
             await asyncio.to_thread(self.cluster.stop)
         await self.link.close()
+        self._restore_secret()
         if self.lab is not None:
             with contextlib.suppress(netlab.NetlabError, OSError, subprocess.SubprocessError):
                 self.lab.clear_shaping()

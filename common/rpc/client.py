@@ -69,8 +69,10 @@ class RpcClient:
         ssl: Any = ENV_TLS,
         keepalive_s: float | None = None,
         max_header: int = DEFAULT_MAX_HEADER,
+        peer: str = "peer",
     ):
         self.addr = addr
+        self.peer = peer  # what is at ``addr`` (e.g. "planner", "decode worker"): errors name it, not the caller
         self.host, self.port = parse_addr(addr)
         self.service = service
         self.name = name
@@ -117,7 +119,7 @@ class RpcClient:
                     last = e
                 if not await backoff.sleep():
                     break
-            raise Unavailable(f"cannot reach {self.service} at {self.addr}: {last}")
+            raise Unavailable(f"cannot reach {self.peer} at {self.addr}: {last}")
 
     async def _dial(self, timeout: float) -> None:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port, ssl=self.ssl), timeout)
@@ -155,7 +157,7 @@ class RpcClient:
             if self._writer is writer:
                 self._writer = None
             writer.close()
-            err = Unavailable(f"{self.service} at {self.addr}: {reason}")
+            err = Unavailable(f"{self.peer} at {self.addr}: {reason}")
             for fut in self._pending.values():
                 if not fut.done():
                     fut.set_exception(err)
@@ -202,7 +204,7 @@ class RpcClient:
                            "frame limit; it was not sent")
         writer = self._writer
         if writer is None or writer.is_closing():
-            raise Unavailable(f"{self.service} at {self.addr}: not connected")
+            raise Unavailable(f"{self.peer} at {self.addr}: not connected")
         writer.write(data)
         await writer.drain()
 
@@ -221,7 +223,7 @@ class RpcClient:
             await self.connect(timeout)
             writer = self._writer
             if writer is None or writer.is_closing():
-                raise Unavailable(f"{self.service} at {self.addr}: not connected")
+                raise Unavailable(f"{self.peer} at {self.addr}: not connected")
             writer.writelines(parts)
             await writer.drain()
 

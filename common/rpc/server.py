@@ -37,6 +37,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from common.obs.logctx import bind_request_id
 from common.rpc.auth import ENV_SECRET, ENV_TLS, resolve_tls
 from common.rpc.errors import RpcError
 from common.rpc.handshake import HelloListener, hello_timeout_frame
@@ -346,6 +347,7 @@ class RpcServer:
         return data
 
     async def _run_call(self, conn: ServerConnection, call_id: Any, method: str, args: dict[str, Any]) -> None:
+        bind_request_id(args.get("req_id"))  # this call's task (and what it starts) logs with the request's id
         try:
             if method in self.handlers:
                 handler = self.handlers[method]

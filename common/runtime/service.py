@@ -21,6 +21,13 @@ def env_default(var: str, fallback: str | None = None) -> str | None:
     return value if value not in (None, "") else fallback
 
 
+def parser(command: str, description: str) -> argparse.ArgumentParser:
+    """The flag parser of ``prfaas <command>`` (the usage line names that command whichever way the
+    service was started); every flag's help shows its default."""
+    return argparse.ArgumentParser(prog=f"prfaas {command}", description=description,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
 def require(args: argparse.Namespace, attr: str, var: str) -> str:
     """Return ``args.<attr>``; exit with a clear message naming the flag and ``var`` if it is unset."""
     value = getattr(args, attr)
@@ -40,9 +47,19 @@ def add_insecure_flag(p: argparse.ArgumentParser) -> None:
 
 
 def setup_logging(name: str) -> logging.Logger:
-    """Line-oriented logs on stderr (honcho prefixes each line with the process name)."""
+    """Line-oriented logs on stderr (honcho prefixes each line with the process name), each line about
+    a request tagged with its id; ``PRFAAS_LOG_FORMAT=json`` writes one JSON object per line instead
+    (see :mod:`common.obs.logctx`; an unknown format exits naming the variable)."""
+    from common.obs.logctx import formatter
+
     level = env_default("PRFAAS_LOG_LEVEL", "INFO")
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        fmt = formatter(env_default("PRFAAS_LOG_FORMAT", "text"))
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    handler = logging.StreamHandler()
+    handler.setFormatter(fmt)
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     for noisy in ("transformers", "aiohttp.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     return logging.getLogger(f"prfaas.{name}")

@@ -65,7 +65,7 @@ def _link_labels(labels: Mapping[str, Any]) -> dict[str, str]:
 
 
 def link_metric_families(
-    prefix: str, links: Iterable[tuple[Mapping[str, Any], Mapping[str, Any] | LinkStats]]
+    prefix: str, links: Iterable[tuple[Mapping[str, Any], Mapping[str, Any] | LinkStats]], bytes_per_second: bool = False
 ) -> list[Metric]:
     """Link snapshots as Prometheus metric families, one sample per link in each.
 
@@ -78,6 +78,10 @@ def link_metric_families(
 
     Raises ValueError for an invalid metric prefix or label name (including reserved ``__`` names),
     judged by Prometheus' classic name rules, or two links with the same label set.
+
+    ``bytes_per_second``: goodput and capacity in the base unit Prometheus asks for (bytes/s, named
+    ``*_bytes_per_second``), as a service's own ``/metrics`` shows them; the gateway's relayed view
+    keeps bits/s.
     """
     if not isinstance(prefix, str) or not METRIC_NAME_RE.match(prefix):
         raise ValueError(f"invalid Prometheus metric prefix: {prefix!r}")
@@ -94,6 +98,8 @@ def link_metric_families(
         rows.append((lab, snap))
     families: list[Metric] = []
     for key, suffix, mtype, scale, help_text in _LINK_METRICS:
+        if bytes_per_second and suffix.endswith("_bits_per_second"):
+            suffix, scale, help_text = suffix.replace("_bits_", "_bytes_"), scale / 8, help_text.replace("bits/s", "bytes/s")
         name = f"{prefix}_{suffix}"
         family = (CounterMetricFamily if mtype == "counter" else GaugeMetricFamily)(name, help_text)
         sample_name = f"{family.name}_total" if mtype == "counter" else family.name

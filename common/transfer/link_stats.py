@@ -22,6 +22,7 @@ Nothing here does I/O besides ``getsockopt``; no method blocks or awaits.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -65,6 +66,30 @@ def _hashable(x: Any) -> Any:
 class _ConnBase:
     total_retrans: int
     bytes_acked: int | None
+
+
+TIME_SCALE_ENV = "PRFAAS_LINK_STATS_TIME_SCALE"
+
+
+def windows_from_env(environ: dict[str, str] | None = None) -> dict[str, float]:
+    """:class:`LinkStats` keyword arguments for a compressed clock: with ``$PRFAAS_LINK_STATS_TIME_SCALE``
+    = k (the emulated cluster sets it to its ``time_scale``), the goodput half-life (5 s) and the
+    capacity window (30 s) are divided by k, so that they span the same emulated seconds as on real
+    hardware (a 30 s capacity window at k = 5 would otherwise hold a stale capacity for 150 emulated
+    seconds after the link drops). The 1 s measurement window and the 3 s RTT-floor window are not
+    scaled: they count samples (one-second intervals, pings), and fewer would make them noise; the
+    capacity window never goes below the measurement window. Unset: ``{}`` (the defaults).
+    Raises ValueError if the variable is not a positive finite number."""
+    raw = (os.environ if environ is None else environ).get(TIME_SCALE_ENV)
+    if not raw:
+        return {}
+    try:
+        k = float(raw)
+    except ValueError:
+        k = math.nan
+    if not (math.isfinite(k) and k > 0):
+        raise ValueError(f"{TIME_SCALE_ENV} must be a positive finite number, got {raw!r}")
+    return {"half_life_s": 5.0 / k, "capacity_window_s": max(1.0, 30.0 / k)}
 
 
 class LinkStats:

@@ -42,6 +42,7 @@ class PagedAssembly(KvAssembly):
         self.first = asyncio.Event()  # KV_DONE (the first token) arrived, or the transfer failed
         self.on_change: Callable[[], None] | None = None
         self.progress_at = time.monotonic()
+        self.first_byte_at: float | None = None  # when the first KV byte was committed (monotonic seconds)
 
     def idle_s(self, now: float | None = None) -> float:
         """Seconds since the transfer last made progress (see the class docstring)."""
@@ -57,6 +58,8 @@ class PagedAssembly(KvAssembly):
         completed = super().commit(layer, offset, n, now)
         if self.bytes_received != before:
             self.progress_at = now or time.monotonic()
+            if self.first_byte_at is None:
+                self.first_byte_at = self.progress_at
         return completed
 
     def dest(self, layer: int, offset: int, n: int) -> list[memoryview]:

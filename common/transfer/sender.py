@@ -44,7 +44,7 @@ from common.runtime.backoff import Backoff
 from common.transfer import codecs
 from common.transfer.coded import CodecMeter, encode_chunk
 from common.transfer.connection import LinkConnection, wait_cleared, wait_set_or_dead
-from common.transfer.link_stats import LinkStats
+from common.transfer.link_stats import LinkStats, windows_from_env
 from common.transfer.outbound import Transfer, TransferRefused
 from common.transfer.ranges import DEFAULT_CHUNK_BYTES, Range, split_ranges
 from common.transfer.tcp_info import read_tcp_info
@@ -87,7 +87,7 @@ class KvLink:
         self.ssl = ssl
         self.conns: dict[int, LinkConnection] = {}
         self.transfers: dict[str, Transfer] = {}
-        self.stats = LinkStats()
+        self.stats = LinkStats(**windows_from_env())
         self.meter = meter or CodecMeter()  # encode rates and ratios (shared by a worker's links)
         self.codec_bytes: dict[str, list[int]] = {}  # admitted codec -> [raw bytes, wire bytes] sent
         self.codec = "none"  # the codec of the latest transfer (for /metrics)

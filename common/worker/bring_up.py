@@ -30,6 +30,8 @@ from common.control.planner_agent import PlannerAgent
 from common.model.backend import Backend, make_backend
 from common.model.cores import CoreShare
 from common.model.loader import load_model
+from common.obs.families import own_worker_families
+from common.obs.http import MetricsHttp, start_metrics
 from common.rpc.handshake import parse_addr
 from common.rpc.limits import ENV_INSECURE
 from common.rpc.server import RpcServer
@@ -148,8 +150,23 @@ async def serve_worker(args: argparse.Namespace, stop: asyncio.Event, backend: B
                                          "fingerprint": backend.loaded.fingerprint}, report, args.report_interval,
                          on_reply=worker.wire.on_planner_reply if hasattr(worker, "wire") else None)
     agent.start()
+    metrics = await start_worker_metrics(args, lambda: role, cluster, report)
     own = [publisher.close] if publisher is not None else []
+    own += [metrics.close] if metrics is not None else []
     await serve_until_stopped(stop, ready_line(ready, backend), [*own, agent.close, server.close, *closers])
+
+
+async def start_worker_metrics(args: argparse.Namespace, role: Callable[[], str], cluster: str,
+                               report: Callable[[], dict[str, Any]]) -> MetricsHttp | None:
+    """The worker's ``/metrics`` and ``/health`` on ``--metrics-port`` (None when it is 0): the process
+    registry (request histograms, process collectors) and the families of its own load report, under
+    its current ``role()``. Raises ``OSError`` when the port cannot be bound."""
+    async def families() -> list:
+        return own_worker_families(args.name, role(), cluster, report())
+
+    async def health() -> tuple[bool, dict[str, Any]]:
+        return True, {"name": args.name, "role": role(), "cluster": cluster}
+    return await start_metrics(args, f"{args.name}", families, health)
 
 
 def worker_main(parser: argparse.ArgumentParser, name: str,

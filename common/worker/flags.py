@@ -8,6 +8,7 @@ import argparse
 import os
 
 from common.model.backend import BACKENDS
+from common.obs.http import add_metrics_flags
 from common.runtime import service
 
 
@@ -26,15 +27,22 @@ def threads_flag(value: str) -> int | str:
 
 def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
     """Flags every worker takes, each defaulting from the environment."""
-    p.add_argument("--listen", help="host:port for RPC")
-    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
+    p.add_argument("--listen", default=service.env_default(f"PRFAAS_{role.upper()}_ADDR"),
+                   help=f"host:port for RPC (env PRFAAS_{role.upper()}_ADDR)")
+    p.add_argument("--advertise", default=service.env_default(f"PRFAAS_{role.upper()}_ADVERTISE"),
+                   help=f"host:port peers should dial for this worker's RPCs (a pod's DNS name, a proxy or NAT address; env "
+                        f"PRFAAS_{role.upper()}_ADVERTISE); default --listen")
+    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"),
+                   help="planner host:port, where the worker registers and reports its load (env PRFAAS_PLANNER_ADDR)")
     p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"),
                    help="host:port of the router, where the worker publishes its prefix-cache events (unset: not published)")
-    p.add_argument("--name", default=f"{role}-{os.getpid()}")
+    p.add_argument("--name", default=f"{role}-{os.getpid()}", help="this worker's name (unique in the system)")
     p.add_argument("--model", default=service.env_default("PRFAAS_MODEL"),
                    help="tiny-hybrid (default), tiny-dense, or a local Hugging Face checkpoint directory")
-    p.add_argument("--served-model-name", default=service.env_default("PRFAAS_SERVED_MODEL_NAME"))
-    p.add_argument("--backend", default=service.env_default("PRFAAS_BACKEND", "torch"), choices=sorted(BACKENDS))
+    p.add_argument("--served-model-name", default=service.env_default("PRFAAS_SERVED_MODEL_NAME"),
+                   help="the model id in the handshake fingerprint (env PRFAAS_SERVED_MODEL_NAME; default: the model's own)")
+    p.add_argument("--backend", default=service.env_default("PRFAAS_BACKEND", "torch"), choices=sorted(BACKENDS),
+                   help="torch runs the model; emulated replays a hardware profile (env PRFAAS_BACKEND)")
     p.add_argument("--emulated-profile", default=service.env_default("PRFAAS_EMU_PROFILE"),
                    help="--backend emulated: this instance's hardware profile (a JSON path, or a name in "
                         "services/planner/profiles, e.g. h200_table5); scales from PRFAAS_EMU_* (common/model/emulated.py)")
@@ -42,6 +50,7 @@ def add_worker_flags(p: argparse.ArgumentParser, role: str) -> None:
                    help="torch intra-op threads: a count (0 = torch's default), or 'shared': every compute call "
                         "leases the machine's free cores (common/model/cores.py), so the busy worker gets them all")
     p.add_argument("--report-interval", type=float, default=0.5, help="seconds between load reports to the planner")
+    add_metrics_flags(p, f"PRFAAS_{role.upper()}_METRICS_PORT")
     add_tls_flags(p)
     service.add_insecure_flag(p)
 
@@ -55,8 +64,6 @@ def add_prefill_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-
     """Flags of the prefill role (PrfaaS cluster or PD-P): RPC advertise address, KV sending, chunked
     prefill, prefix cache. ``stall_flag`` names the send-side stall deadline (the PD worker, which also
     takes the decode role's receive-side one, renames it); its value is ``args.kv_send_stall_timeout``."""
-    p.add_argument("--advertise", default=service.env_default("PRFAAS_PREFILL_ADVERTISE"),
-                   help="host:port decode workers should dial for prefill RPCs (e.g. a proxy or NAT address); default --listen")
     p.add_argument("--kv-connections", type=int, default=int(service.env_default("PRFAAS_KV_CONNECTIONS", "4")),
                    help="TCP connections per decode peer; chunks are striped across them")
     p.add_argument("--kv-chunk-bytes", type=int, default=4 << 20, help="most KV bytes per frame")
@@ -87,7 +94,8 @@ def add_decode_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-t
     """Flags of the decode role (PD-D): KV listener, KV block pool, admission queue, prefix cache.
     ``stall_flag`` names the receive-side stall deadline (renamed by the PD worker, see
     :func:`add_prefill_flags`); its value is ``args.kv_receive_stall_timeout``."""
-    p.add_argument("--kv-listen", help="host:port where prefill workers stream KVCache")
+    p.add_argument("--kv-listen", default=service.env_default(f"PRFAAS_{p.prog.split()[-1].upper()}_KV_ADDR"),
+                   help=f"host:port where prefill workers stream KVCache (env PRFAAS_{p.prog.split()[-1].upper()}_KV_ADDR)")
     p.add_argument("--kv-advertise", default=service.env_default("PRFAAS_DECODE_KV_ADVERTISE"),
                    help="host:port prefill workers should dial for KV (e.g. a proxy or NAT address); default --kv-listen")
     p.add_argument("--kv-advertise-remote", default=service.env_default("PRFAAS_DECODE_KV_ADVERTISE_REMOTE"),
@@ -112,9 +120,11 @@ def add_decode_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-t
 
 def add_tls_flags(p: argparse.ArgumentParser) -> None:
     """TLS for the cross-datacenter KV link (PEM files); off unless a certificate or CA is given."""
-    p.add_argument("--tls-cert", default=service.env_default("PRFAAS_TLS_CERT"))
-    p.add_argument("--tls-key", default=service.env_default("PRFAAS_TLS_KEY"))
-    p.add_argument("--tls-ca", default=service.env_default("PRFAAS_TLS_CA"))
+    p.add_argument("--tls-cert", default=service.env_default("PRFAAS_TLS_CERT"),
+                   help="PEM certificate of this worker's KV listener (env PRFAAS_TLS_CERT; unset: plain TCP)")
+    p.add_argument("--tls-key", default=service.env_default("PRFAAS_TLS_KEY"), help="PEM key of --tls-cert (env PRFAAS_TLS_KEY)")
+    p.add_argument("--tls-ca", default=service.env_default("PRFAAS_TLS_CA"),
+                   help="PEM CA that KV listeners' certificates must chain to (env PRFAAS_TLS_CA; unset: plain TCP)")
 
 
 def tls_server_context(args: argparse.Namespace):

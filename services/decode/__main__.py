@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from common.rpc.handshake import parse_addr
+from common.runtime import service
 from common.worker.bring_up import load_worker, serve_worker, worker_main
 from common.worker.flags import (
     add_block_size_flag,
@@ -25,14 +26,14 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
 
     await serve_worker(
         args, stop, backend, worker, role="decode", cluster="pd", addrs=addrs,
-        info={"addr": addrs.listen, "kv_addr": worker.kv_addr},
+        info={"addr": args.advertise or addrs.listen, "kv_addr": worker.kv_addr},
         ready=f"decode {args.name} listening on {addrs.listen} kv={addrs.kv_listen}",
         stream_handlers={"generate": worker.generate}, start=start, closers=[receiver.close, worker.close])
 
 
 def make_parser() -> argparse.ArgumentParser:
     """The flags: every worker's, ``--block-size`` and the decode role's."""
-    p = argparse.ArgumentParser(description="PrfaaS decode worker (PD-D)")
+    p = service.parser("decode", "PrfaaS decode worker (PD-D)")
     add_worker_flags(p, "decode")
     add_block_size_flag(p, "tokens per KV block")
     add_decode_flags(p)

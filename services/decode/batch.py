@@ -225,6 +225,6 @@ class BatchLoop:
             if len(r.generated) == r.replayed + 1 and r.asm is not None:
                 last = max((x for x in r.asm.layer_done_at if x is not None), default=None)
                 if last is not None:
-                    self.first_step_after_kv_s = max(0.0, now - last)
+                    self.first_step_after_kv_s = r.first_step_after_kv_s = max(0.0, now - last)
             if not r.done:
                 r.push(tok.token, tok.logprobs)

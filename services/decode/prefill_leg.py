@@ -41,7 +41,7 @@ class PrefillLeg:
         self.name = name
         self.prefill_timeout = prefill_timeout
         self.kv_stall_timeout = kv_stall_timeout
-        self._clients = ClientPool(service="decode", name=name, connect_timeout=self.PREFILL_CONNECT_S)
+        self._clients = ClientPool(service="decode", name=name, connect_timeout=self.PREFILL_CONNECT_S, peer="prefill worker")
         self.prefill_failures = 0  # requests failed as prefill_failed
         self.kv_stalls = 0  # transfers failed by the stall deadline
         self.stall_probes = 0  # health probes sent to the prefill worker of a transfer without progress

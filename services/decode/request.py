@@ -59,6 +59,7 @@ class DecodeRequest:
         self.generated: list[int] = []
         self.replayed = 0  # leading tokens of ``generated`` streamed by an earlier attempt (resume)
         self.finish_reason: str | None = None
+        self.first_step_after_kv_s: float | None = None  # last KV byte -> end of its first decode step (batch loop)
         self.cancelled = False
         self.seq: PagedSeq | None = None
         self.asm: PagedAssembly | None = None

@@ -64,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import time
 from typing import Any
 
@@ -75,6 +76,7 @@ from common.model.backend import Backend
 from common.model.logits import TokenLogprob
 from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, check_wire_sampling, shifted_seed
+from common.obs.histograms import DecodeHistograms, process_histograms
 from common.rpc.errors import RpcError
 from common.rpc.handshake import parse_addr
 from common.rpc.schema import takes
@@ -131,6 +133,7 @@ class DecodeWorker:
         self.completed = 0
         self.refused = 0
         self.resumed = 0  # generate calls with ``resume``
+        self.hist = process_histograms(DecodeHistograms)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -319,10 +322,14 @@ class DecodeWorker:
         self.transferring.add(req_id)
         leg: PrefillCall | None = None
         asm: PagedAssembly | None = None
+        arrived, queued_s = time.monotonic(), None
         try:
             # hashed once: the admission's prefix lookup and, after the transfer, the prefix cache's insert
             hashes = block_hashes(input_ids, self.store.block_size) if self.prefix_cache is not None else []
             seqs = await self._admit(req_id, input_ids, hashes, n)  # 1. pre-allocate (every branch's table)
+            queued_s = time.monotonic() - arrived
+            log.info("admitted %d prompt tokens after %.3fs queued (%d cached here); route=%s prefill on %s",
+                     len(input_ids), queued_s, seqs[0].cached_tokens, args.route or "local", prefill_addr)
             for r, seq in zip(reqs, seqs):
                 r.seq, r.admitted_at, r.no_early = seq, time.monotonic(), n > 1  # a branch forks from a landed prompt
             req.prompt_hashes = hashes
@@ -405,6 +412,21 @@ class DecodeWorker:
                 await leg.settle()
             if all(r.finish_reason is not None for r in reqs):
                 self.completed += 1
+            self._observe(args.route or "local", req, asm, queued_s, arrived, sys.exc_info()[1])
+
+    def _observe(self, route: str, req: DecodeRequest, asm: PagedAssembly | None, queued_s: float | None, arrived: float,
+                 error: BaseException | None) -> None:
+        """The request's histograms (:class:`common.obs.histograms.DecodeHistograms`), once it has ended:
+        time queued for KV blocks (until admitted, or until it ended unadmitted), KV transfer time and
+        bytes (a transfer that completed and moved bytes), last KV byte to its first decode step."""
+        finish = req.finish_reason or ("abort" if isinstance(error, (GeneratorExit, asyncio.CancelledError)) else "error")
+        self.hist.queued.labels(route, finish).observe(queued_s if queued_s is not None else time.monotonic() - arrived)
+        if asm is not None and asm.complete and asm.error is None and asm.first_byte_at is not None and asm.bytes_received:
+            landed = max((x for x in asm.layer_done_at if x is not None), default=asm.first_byte_at)
+            self.hist.transfer.labels(route).observe(max(0.0, landed - asm.first_byte_at))
+            self.hist.transfer_bytes.labels(route).observe(asm.bytes_received)
+        if req.first_step_after_kv_s is not None:
+            self.hist.first_step.labels(route).observe(req.first_step_after_kv_s)
 
 
 def _refusal(r: Refuse) -> RpcError:

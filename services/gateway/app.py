@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,6 +40,8 @@ import prometheus_client
 from aiohttp import web
 
 from common.model.loader import load_model_info
+from common.obs.http import add_metrics_flags, start_metrics
+from common.obs.logctx import REQUEST_ID, valid_request_id
 from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
@@ -52,6 +56,7 @@ from services.gateway.openai.completions import parse_completion
 from services.gateway.openai.logprobs import TokenText
 from services.gateway.openai.request import GenerateRequest, ModelContext, OpenAIError
 from services.gateway.openai.tokenize import detokenize, tokenize
+from services.gateway.trace import RequestTrace, Throughput
 
 log = logging.getLogger("prfaas.gateway")
 
@@ -79,6 +84,38 @@ async def _json_http_errors(request: web.Request, handler):
         err = OpenAIError(status=e.status, message=f"{e.reason}: {request.method} {request.path}", type=etype, param=None,
                           code=None)
         return _error_response(err)
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+CLIENT_ID_KEY = web.RequestKey("client_request_id", str)  # the client's X-Request-Id ("" when absent)
+ID_KEY = web.RequestKey("request_id", str)  # the request's id, sent back as X-Request-Id
+
+
+@web.middleware
+async def _request_id_middleware(request: web.Request, handler):
+    """``X-Request-Id``: the client's (checked: 1-128 characters of ``[A-Za-z0-9._:/@+=-]``, else 400) or
+    one made here, kept as ``request[ID_KEY]`` (the generation handlers make theirs ``cmpl-<hex>``
+    / ``chatcmpl-<hex>``), bound to the log context and returned on the response."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given is not None and not valid_request_id(given):
+        err = OpenAIError(f"{REQUEST_ID_HEADER} must be 1-128 characters of letters, digits and ._:/@+=-", status=400,
+                          param=REQUEST_ID_HEADER, code="invalid_request_id")
+        return _error_response(err)
+    request[CLIENT_ID_KEY] = given or ""
+    request[ID_KEY] = given or f"req-{uuid.uuid4().hex}"
+    REQUEST_ID.set(request[ID_KEY])
+    try:
+        resp = await handler(request)
+    except web.HTTPException as e:  # an unknown path or method: answered by _json_http_errors, logged here
+        if e.status >= 400:
+            log.info("request %s %s %s status=%d", request[ID_KEY], request.method, request.path, e.status)
+        raise
+    if not resp.prepared:
+        resp.headers[REQUEST_ID_HEADER] = request[ID_KEY]
+    if resp.status >= 400 and request.path not in GENERATION_PATHS:  # the generation handlers log every answer
+        log.info("request %s %s %s status=%d", request[ID_KEY], request.method, request.path, resp.status)
+    return resp
 
 
 def _api_key_middleware(keys: ApiKeys):
@@ -109,16 +146,17 @@ class Gateway:
         self.bodies = BodyBudget(self.limits.body_budget_bytes)
         self._parsers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateway-parse")
         self.large_parses = 0  # bodies over PARSE_INLINE_BYTES in (or waiting for) a parser thread
-        self.router = RpcClient(router_addr, service="gateway", name=name, connect_timeout=2.0)
-        self.planner = RpcClient(planner_addr, service="gateway", name=name, connect_timeout=2.0)
-        self.decoders = ClientPool(service="gateway", name=name, connect_timeout=5.0)
+        self.router = RpcClient(router_addr, service="gateway", name=name, connect_timeout=2.0, peer="router")
+        self.planner = RpcClient(planner_addr, service="gateway", name=name, connect_timeout=2.0, peer="planner")
+        self.decoders = ClientPool(service="gateway", name=name, connect_timeout=5.0, peer="decode worker")
         self.stats = GatewayMetrics(active=lambda: self.dispatch.active, inflight=lambda: self.dispatch.inflight,
                                     retry_reasons=RETRY_REASONS)
         self.dispatch = Dispatcher(self.router, self.decoders, self.stats, request_timeout=request_timeout,
                                    block_size=block_size, max_inflight=max_inflight, place_retry_s=place_retry_s)
         self.max_body = ctx.max_prompt_bytes + (64 << 10)
         self.app = web.Application(client_max_size=self.max_body,
-                                   middlewares=[_json_http_errors, _api_key_middleware(ApiKeys(api_keys))])
+                                   middlewares=[_json_http_errors, _request_id_middleware,
+                                                _api_key_middleware(ApiKeys(api_keys))])
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -130,6 +168,8 @@ class Gateway:
             web.get("/metrics", self.metrics),
         ])
         self.app.on_cleanup.append(self._cleanup)
+        self.throughput = Throughput(time.monotonic())
+        self.live_ids: set[str] = set()  # request ids in flight here: a client's X-Request-Id must be unique among them
 
     async def _cleanup(self, _app: web.Application) -> None:
         await self.dispatch.close()
@@ -172,17 +212,32 @@ class Gateway:
         return await self._handle(request, "chat", parse_chat)
 
     async def _handle(self, request: web.Request, endpoint: str, parse) -> web.StreamResponse:
+        """One generation request: its id (the client's ``X-Request-Id`` or ``cmpl-<hex>`` /
+        ``chatcmpl-<hex>``) is the id every service sees; one log line when it ends, whatever the status."""
         status = 200
+        rid = request.get(CLIENT_ID_KEY) or f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        request[ID_KEY] = rid
+        REQUEST_ID.set(rid)
+        trace = RequestTrace(rid, endpoint, time.monotonic())
+        owned = False
         try:
+            if rid in self.live_ids:
+                raise OpenAIError(f"{REQUEST_ID_HEADER} {rid} is already in flight at this gateway", status=400,
+                                  param=REQUEST_ID_HEADER, code="duplicate_request_id")
+            self.live_ids.add(rid)
+            owned = True
             body = await read_body(request, self.bodies, self.limits.body_timeout_s, self.max_body)
             with self.dispatch.admission():
                 req = await self._parse(parse, body)
+                req.request_id = rid
+                trace.generated, trace.prompt_tokens = True, len(req.prompt_ids)
                 check_wire_size(req, "prompt" if endpoint == "completions" else "messages")
-                resp = await (self._stream(request, req) if req.stream else self._unary(req))
+                resp = await (self._stream(request, req, trace) if req.stream else self._unary(req, trace))
                 status = resp.status
                 return resp
         except OpenAIError as e:
             status = e.status
+            trace.error = f"{e.code or e.type}: {e.message}"
             headers = {"Retry-After": "1"} if e.status in (429, 503) else None
             return _error_response(e, headers)
         except ConnectionResetError:
@@ -193,7 +248,19 @@ class Gateway:
             status = 499  # client closed the connection
             raise
         finally:
+            if owned:
+                self.live_ids.discard(rid)
             self.stats.count_request(endpoint, status)
+            log.info("%s", trace.close(status, time.monotonic(), self.stats.hist))
+            self.throughput.add(trace, status)
+
+    async def log_throughput(self, interval_s: float) -> None:
+        """Every ``interval_s`` seconds, the throughput line (when anything ran); until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            line = self.throughput.line(time.monotonic(), self.dispatch.inflight)
+            if line is not None:
+                log.info("%s", line)
 
     async def _parse(self, parse, body: bytes) -> Any:
         """``parse(body, ctx)``: on the loop for a small body; in a parser thread for a large one
@@ -210,19 +277,20 @@ class Gateway:
         finally:
             self.large_parses -= 1
 
-    async def _unary(self, req: GenerateRequest) -> web.Response:
+    async def _unary(self, req: GenerateRequest, trace: RequestTrace | None = None) -> web.Response:
         choices = Choices(req, self.token_text)
-        async for item in self.dispatch.generate(req):
+        async for item in self.dispatch.generate(req, trace):
             choices.add(item)
         return _json(choices.body())
 
-    async def _stream(self, request: web.Request, req: GenerateRequest) -> web.StreamResponse:
-        gen = self.dispatch.generate(req)
+    async def _stream(self, request: web.Request, req: GenerateRequest, trace: RequestTrace | None = None) -> web.StreamResponse:
+        gen = self.dispatch.generate(req, trace)
         try:
             first = await gen.__anext__()  # errors before the first token are still plain HTTP errors
         except StopAsyncIteration:
             first = None
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           REQUEST_ID_HEADER: req.request_id})
 
         async def write(data: bytes) -> None:  # a client that stops reading is cut off, and frees its slot
             try:
@@ -305,21 +373,36 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None, keepalive_timeout=limits.header_timeout_s)
     await runner.setup()
     server = await serve_http(runner, args.host, args.port, limits)
+    async def health() -> tuple[bool, dict[str, Any]]:
+        resp = await gw.health(None)
+        return resp.status == 200, orjson.loads(resp.body)
+    metrics = await start_metrics(args, "gateway", health=health, registries=[gw.stats.registry, prometheus_client.REGISTRY])
+    ticker = asyncio.create_task(gw.log_throughput(args.log_stats_interval)) if args.log_stats_interval > 0 else None
     print(f"READY gateway on http://{args.host}:{args.port} serving {ctx.model_id}"
           f"{f' ({len(keys)} API keys)' if keys else ''}", flush=True)
     await stop.wait()
+    await service.stop_task(ticker)
+    if metrics is not None:
+        await metrics.close()
     server.close()
     await runner.cleanup()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description="PrfaaS OpenAI-compatible gateway")
-    p.add_argument("--host", default=service.env_default("PRFAAS_GATEWAY_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(service.env_default("PRFAAS_GATEWAY_PORT", "8000")))
-    p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"))
-    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
-    p.add_argument("--model", default=service.env_default("PRFAAS_MODEL"))
-    p.add_argument("--served-model-name", default=service.env_default("PRFAAS_SERVED_MODEL_NAME"))
+def make_parser() -> argparse.ArgumentParser:
+    """``prfaas gateway``'s flags, each defaulting from the environment where ``.env`` sets it."""
+    p = service.parser("gateway", "PrfaaS OpenAI-compatible gateway")
+    p.add_argument("--host", default=service.env_default("PRFAAS_GATEWAY_HOST", "127.0.0.1"),
+                   help="HTTP address to bind (env PRFAAS_GATEWAY_HOST)")
+    p.add_argument("--port", type=int, default=int(service.env_default("PRFAAS_GATEWAY_PORT", "8000")),
+                   help="HTTP port of the OpenAI API, /health and /metrics (env PRFAAS_GATEWAY_PORT)")
+    p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"), help="router host:port (env PRFAAS_ROUTER_ADDR)")
+    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"),
+                   help="planner host:port (env PRFAAS_PLANNER_ADDR)")
+    p.add_argument("--model", default=service.env_default("PRFAAS_MODEL"),
+                   help="the served model, for its tokenizer and chat template: smollm2-135m, tiny-hybrid (unset), "
+                        "tiny-dense, emulated or a checkpoint directory (env PRFAAS_MODEL)")
+    p.add_argument("--served-model-name", default=service.env_default("PRFAAS_SERVED_MODEL_NAME"),
+                   help="the model id clients send (env PRFAAS_SERVED_MODEL_NAME; default: the model's own)")
     p.add_argument("--max-inflight", type=int, default=int(service.env_default("PRFAAS_MAX_INFLIGHT", "256")),
                    help="requests in flight at once; more are answered 429 with Retry-After at once")
     p.add_argument("--request-timeout", type=float, default=600.0,
@@ -335,7 +418,14 @@ def main() -> None:
                         "PRFAAS_API_KEY, comma-separated; none: no key needed). /health and /metrics stay open")
     p.add_argument("--place-retry-s", type=float, default=15.0,
                    help="seconds to keep asking an unreachable router (or one with no alive worker) for a placement")
-    args = p.parse_args()
+    p.add_argument("--log-stats-interval", type=float, default=float(service.env_default("PRFAAS_LOG_STATS_INTERVAL", "10")),
+                   help="seconds between the throughput log lines (0: none; env PRFAAS_LOG_STATS_INTERVAL)")
+    add_metrics_flags(p, "PRFAAS_GATEWAY_METRICS_PORT")
+    return p
+
+
+def main() -> None:
+    args = make_parser().parse_args()
     service.setup_logging("gateway")
     prometheus_client.disable_created_metrics()  # /metrics shows each counter's *_total only, no *_created series
     service.run(lambda stop: amain(args, stop))

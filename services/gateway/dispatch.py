@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ from common.runtime.backoff import Backoff
 from proto.frames import ErrorCode
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openai.request import GenerateRequest, OpenAIError
+from services.gateway.trace import RequestTrace
 
 log = logging.getLogger("prfaas.gateway")
 
@@ -133,8 +135,9 @@ class Dispatcher:
         finally:
             self.inflight -= 1
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        """Yield decode stream items for ``req``; places it first and releases it at the end.
+    async def generate(self, req: GenerateRequest, trace: RequestTrace | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Yield decode stream items for ``req``; places it first and releases it at the end. ``trace``
+        (when given) is told the route of each placement and each item yielded.
 
         Failures the client should see only as a delay are retried, at most ``max_retries`` times
         in all, while the request's deadline (``request_timeout`` s) allows:
@@ -181,6 +184,8 @@ class Dispatcher:
             if len(input_ids) != hashed_len:
                 hashes, hashed_len = await self._block_hashes(input_ids), len(input_ids)
             placement = await self.place(req, excluded_decode, refusal, hashes, excluded_prefill, input_ids, deadline)
+            if trace is not None:
+                trace.placed(str(placement.get("route") or "none"))
             started = False
             outcome: str | None = None  # what this attempt says of its workers (see attempt_outcome)
             self.active += 1
@@ -209,6 +214,8 @@ class Dispatcher:
                             generated[index] += item["token_ids"]
                             if item["finish_reason"] is not None:
                                 finished.add(index)
+                            if trace is not None:
+                                trace.item(index, len(item["token_ids"]), item["finish_reason"], time.monotonic())
                             yield item
                             if all(i in finished for i in range(first, first + count)):
                                 break  # final: an error after it (e.g. a hand-off racing the stream's end) changes nothing

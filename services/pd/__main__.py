@@ -11,6 +11,7 @@ from common.worker.bring_up import (
     load_worker,
     ready_line,
     serve_until_stopped,
+    start_worker_metrics,
     worker_main,
 )
 from common.worker.flags import (
@@ -27,14 +28,16 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     addrs, backend = await load_worker(args, "PRFAAS_PD_ADDR", "PRFAAS_PD_KV_ADDR")
     worker = PdWorker(backend, args, addrs.listen, addrs.kv_listen, addrs.planner)
     await worker.start()
+    metrics = await start_worker_metrics(args, lambda: worker.role, "pd", worker.stats)
+    closers = ([metrics.close] if metrics is not None else []) + [worker.close]
     await serve_until_stopped(stop, ready_line(f"pd {args.name} role={worker.role} listening on {addrs.listen} "
-                                               f"kv={addrs.kv_listen}", backend), [worker.close])
+                                               f"kv={addrs.kv_listen}", backend), closers)
 
 
 def make_parser() -> argparse.ArgumentParser:
     """The flags: every worker's, ``--role``, and the prefill and decode roles' (the two KV stall
     deadlines renamed ``--kv-send-stall-timeout`` and ``--kv-receive-stall-timeout``)."""
-    p = argparse.ArgumentParser(description="PrfaaS PD-cluster worker: the prefill (PD-P) or decode (PD-D) role, "
+    p = service.parser("pd", "PrfaaS PD-cluster worker: the prefill (PD-P) or decode (PD-D) role, "
                                             "switched by the planner")
     add_worker_flags(p, "pd")
     p.add_argument("--role", choices=ROLES, default=service.env_default("PRFAAS_PD_ROLE", "prefill"),

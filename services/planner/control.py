@@ -25,7 +25,7 @@ import json
 import logging
 import math
 from collections import Counter
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from common.rpc.client import RpcClient
@@ -192,6 +192,7 @@ class Controller:
         self.last_reason = ""
         self.kv_ratio = 1.0  # the KV wire codecs' compression the model uses (S_kv(l) / kv_ratio on the link)
         self._kv_sent = (0.0, 0.0)
+        self.last_signals: dict[str, Any] = {}  # the latest tick's ShortSignals (inf as None)
 
     def _solver(self, shape: tuple[int, int, int], dist: tm.LengthDistribution | None = None) -> ModelThreshold:
         n_prfaas, n_p, n_d = shape
@@ -237,6 +238,8 @@ class Controller:
         self.link_gbps_measured = measured_link_gbps(workers)
         sig, self.prev = signals(workers, self.link_gbps, self.prev, nominal_gbps=self.config.link_gbps)
         self.link_gbps_used = float(sig.link_gbps)
+        self.last_signals = {k: (v if math.isfinite(v) else None) if isinstance(v, float) else v
+                             for k, v in asdict(sig).items()}
         decision = self.loop.tick(now, sig)
         if decision is None:
             return first
@@ -275,7 +278,7 @@ class Controller:
         return {"loop": self.loop.state() if self.loop is not None else None, "shape": list(self.shape or ()),
                 "applied": dict(self.applied), "last_reason": self.last_reason, "link_gbps": self.link_gbps,
                 "link_gbps_measured": self.link_gbps_measured, "link_gbps_used": self.link_gbps_used,
-                "kv_ratio": self.kv_ratio}
+                "kv_ratio": self.kv_ratio, "signals": dict(self.last_signals)}
 
 
 def load_profile(path: str) -> dict[str, Any]:

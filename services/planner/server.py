@@ -21,6 +21,8 @@ import math
 import time
 from typing import Any
 
+from common.obs.families import planner_families
+from common.obs.http import add_metrics_flags, start_metrics
 from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.rpc.handshake import parse_addr
@@ -57,7 +59,7 @@ class Planner:
                  workload_samples: int = 400, forget_after: float = 300.0, insecure: Any = None):
         self.registry = WorkerRegistry(dead_after=dead_after, forget_after=forget_after)
         self.controller = controller  # a services.planner.control.Controller, or None (no scheduling loop)
-        self.workers = ClientPool(service="planner", name=name, connect_timeout=2.0)
+        self.workers = ClientPool(service="planner", name=name, connect_timeout=2.0, peer="PD worker")
         self.mover = mover or RoleMover(LongLoop(LongConfig()), None, None, self.workers.get)
         self.router = router
         self.loop_interval = loop_interval
@@ -206,7 +208,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         from services.planner.control import Controller, load_profile
 
         profile = load_profile(args.profile)
-        router = RpcClient(service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service="planner", name=args.name)
+        router = RpcClient(service.require(args, "router", "PRFAAS_ROUTER_ADDR"), service="planner", name=args.name, peer="router")
         lengths = profile["lengths"]
         dist = tm.TruncatedLogNormal(mu=args.length_mu if args.length_mu is not None else math.log(max(lengths) / 4),
                                      sigma=args.length_sigma,
@@ -215,7 +217,8 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         controller = Controller(profile, dist, args.link_gbps, args.l_out, router,
                                 prfaas_profile=load_profile(args.prfaas_profile) if args.prfaas_profile else None,
                                 short_options={"min_interval_s": args.short_min_interval,
-                                               "reverse_interval_s": args.short_reverse_interval})
+                                               "reverse_interval_s": args.short_reverse_interval,
+                                               "standing_backlog_s": args.short_standing_backlog})
         if args.long_loop == "on":
             long_cfg = LongConfig(period_s=args.long_period, hold_s=args.long_hold, cooldown_s=args.long_cooldown)
             mover = RoleMover(LongLoop(long_cfg), controller.base, dist, lambda addr: planner.workers.get(addr),
@@ -226,18 +229,26 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_PLANNER_ADDR"))
     await planner.server.start(host, port)
     planner.start()
+
+    async def families() -> list:
+        return planner_families(await planner.status(NoArgs()))
+    metrics = await start_metrics(args, "planner", families)
     print(f"READY planner listening on {host}:{port} loop={'on' if controller else 'off'} "
           f"long_loop={'on' if mover else 'off'}", flush=True)
     await stop.wait()
+    if metrics is not None:
+        await metrics.close()
     await planner.close()
     if router is not None:
         await router.close()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description="PrfaaS planner")
-    p.add_argument("--listen", default=service.env_default("PRFAAS_PLANNER_ADDR"))
-    p.add_argument("--name", default="planner")
+def make_parser() -> argparse.ArgumentParser:
+    """``prfaas planner``'s flags, each defaulting from the environment where ``.env`` sets it."""
+    p = service.parser("planner", "PrfaaS planner: worker registry and load view, the scheduling loops")
+    p.add_argument("--listen", default=service.env_default("PRFAAS_PLANNER_ADDR"), help="host:port for RPC (env PRFAAS_PLANNER_ADDR)")
+    p.add_argument("--name", default="planner", help="this planner's name in logs and handshakes")
+    add_metrics_flags(p, "PRFAAS_PLANNER_METRICS_PORT")
     p.add_argument("--dead-after", type=float, default=3.0, help="seconds without a report before a worker leaves the view")
     p.add_argument("--forget-after", type=float, default=300.0,
                    help="seconds without a report before a worker is forgotten (it registers again when it comes back)")
@@ -263,6 +274,9 @@ def main() -> None:
                    help="seconds between two threshold changes of the short-timescale loop")
     p.add_argument("--short-reverse-interval", type=float, default=30.0,
                    help="seconds before the short-timescale loop may reverse the direction of its last change")
+    p.add_argument("--short-standing-backlog", type=float, default=2.0,
+                   help="seconds a PrfaaS link's send queue must stay non-empty before a standing RTT queue counts as "
+                        "congestion at low utilisation (the link's capacity fell below its stale estimate)")
     p.add_argument("--long-loop", choices=["on", "off"], default="on",
                    help="with --profile: move switchable PD workers between prefill and decode when eq. 8 is out of balance")
     p.add_argument("--workload-refresh", type=float, default=30.0,
@@ -276,7 +290,11 @@ def main() -> None:
     p.add_argument("--long-cooldown", type=float, default=600.0, help="seconds after a move before the next one")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds a moving worker may drain before its remaining requests are handed off")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = make_parser().parse_args()
     service.setup_logging("planner")
     service.run(lambda stop: amain(args, stop))
 

@@ -140,6 +140,12 @@ class ShortConfig:
     # late too (an overloaded emulated PD host lifted the floor past 50 ms at util 0.05, with the
     # senders' queues empty between requests)
     standing_backlog_s: float = 2.0
+    # ... unless the floor stands this high: then the queue is on the path whether or not the engine
+    # sees it (socket and middlebox buffers hold the data after the engine wrote it: in the emulated
+    # swing the floor reached 0.1-4.7 s at 4 Gbps with the engine's own queue empty at every sample,
+    # against at most 35 ms at 16 Gbps); a receiver too busy to answer pings for that long is no
+    # healthier a target either
+    rtt_standing_alone_ms: float = 500.0
     retransmit_limit: int = 50  # per tick
     stall_limit: int = 5  # per tick
     q_prfaas_enter: int = 16  # PrfaaS waiting requests: surge above this
@@ -160,8 +166,8 @@ class ShortConfig:
     scarce_ticks: int = 2  # ... for this many ticks
 
     def __post_init__(self) -> None:
-        if not self.rtt_excess_standing_ms >= self.rtt_excess_min_ms:
-            raise ValueError("need rtt_excess_standing_ms >= rtt_excess_min_ms")
+        if not self.rtt_standing_alone_ms >= self.rtt_excess_standing_ms >= self.rtt_excess_min_ms:
+            raise ValueError("need rtt_standing_alone_ms >= rtt_excess_standing_ms >= rtt_excess_min_ms")
         if not (0 < self.util_exit < self.util_enter and self.plentiful_util < self.scarce_util):
             raise ValueError("need util_exit < util_enter and plentiful_util < scarce_util")
         if not (0 < self.t_min <= self.t_max) or self.max_step <= 1 or self.max_adjust < 1:
@@ -208,6 +214,7 @@ class ShortLoop:
         # RTT excess (ms) when t was last raised in this congestion episode; -inf: no such raise yet
         self._excess_at_raise = -math.inf
         self._draining = False
+        self._queue_only = False
 
     def request_resolve(self, solver: ThresholdSolver | None = None, why: str = "split change") -> None:
         """Re-anchor ``t`` on the model at the next tick the rate limit allows (after a role change,
@@ -240,7 +247,7 @@ class ShortLoop:
         util = s.egress_util
         lossy = s.retransmits > c.retransmit_limit or s.stalls > c.stall_limit
         queued = (s.rtt_inflation > c.rtt_inflation_limit and s.rtt_excess_ms > c.rtt_excess_min_ms
-                  and (util >= c.util_exit
+                  and (util >= c.util_exit or s.rtt_standing_ms >= c.rtt_standing_alone_ms
                        or (s.rtt_standing_ms >= c.rtt_excess_standing_ms and s.backlog_s >= c.standing_backlog_s)))
         congested = lossy or queued
         # the link's effective capacity in this congestion episode: the most it delivered while congested
@@ -250,8 +257,12 @@ class ShortLoop:
             self._excess_at_raise = -math.inf
         # only a queueing delay, and it shrank since the last raise: the raise is taking effect (the
         # backlog drains at the link's rate), so wait instead of winding t up further
-        self._draining = (queued and not lossy and util <= c.util_enter and s.q_prfaas <= c.q_prfaas_enter
-                          and s.rtt_excess_ms < self._excess_at_raise)
+        # the only pressure is a queueing delay: where the link bound seen in this episode moves the
+        # model's optimum, that optimum is the answer, and steps past it only wind t up while the
+        # standing queue drains (measured in the emulated swing: 1.1x steps every 10 s took t to 1.4x
+        # the low-bandwidth oracle's t, which the link's return then found far too high)
+        self._queue_only = queued and not lossy and util <= c.util_enter and s.q_prfaas <= c.q_prfaas_enter
+        self._draining = self._queue_only and s.rtt_excess_ms < self._excess_at_raise
         why: list[str] = []
         if util > c.util_enter:
             why.append(f"egress util {util:.2f} > {c.util_enter}")
@@ -324,14 +335,16 @@ class ShortLoop:
         if pressured:
             anchor = self._clamp(self._solver(bound))
             self._anchor = anchor
-            if self._draining and t >= anchor:
+            # the bound seen in this episode moved the model's optimum: it is the answer to a queue
+            link_bound = self._queue_only and anchor > self._clamp(self._solver(cap * c.util_target)) * (1 + c.deadband)
+            if (self._draining or link_bound) and t >= anchor:
                 return t, None, ""
             f_util = util / c.util_target if util > c.util_target else 1.0
             f_q = 1.0
             if s.q_prfaas > c.q_prfaas_enter:
                 f_q = 1.0 + c.q_gain * (s.q_prfaas / c.q_prfaas_enter - 1.0)
             f = min(max(f_util, f_q, 1.0 + c.min_step), c.max_step)
-            new = min(max(anchor, t * f), t * c.max_step, c.t_max)
+            new = min(anchor if link_bound else max(anchor, t * f), t * c.max_step, c.t_max)
             if new > t * (1 + c.deadband):
                 return new, "raise_t", (f"offload pressure for {self._press} ticks: "
                                         f"{', '.join(why)}; model t* {anchor:.0f} at "

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+from pathlib import Path
 
 from common.rpc.client import RpcClient
-from common.rpc.errors import RpcError
+from common.rpc.errors import RpcError, Unavailable
 from common.runtime import service
 
 
@@ -41,7 +43,7 @@ def render(status: dict) -> str:
 
 
 async def amain(addr: str, move: str | None = None) -> None:
-    c = RpcClient(addr, service="status", name="status")
+    c = RpcClient(addr, service="status", name="status", peer="planner")
     try:
         if move:
             name, _, role = move.partition("=")
@@ -53,11 +55,22 @@ async def amain(addr: str, move: str | None = None) -> None:
         await c.close()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description="PrfaaS planner status")
-    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"), help="planner host:port")
+def make_parser() -> argparse.ArgumentParser:
+    """``prfaas status``'s flags (``--planner`` defaults from ``PRFAAS_PLANNER_ADDR``, which ``prfaas``
+    reads from ``.env`` too)."""
+    p = service.parser("status", "PrfaaS planner status: alive workers, the scheduling loops, role changes")
+    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"),
+                   help="planner host:port (env PRFAAS_PLANNER_ADDR)")
     p.add_argument("--move", metavar="NAME=ROLE", help="move a switchable PD worker to a role (prefill or decode) "
                                                       "instead of printing the status")
+    return p
+
+
+def main() -> None:
+    from services.cli import load_env_file  # `python -m services.planner.status` reads .env as `prfaas status` does
+
+    load_env_file(Path(os.environ.get("PRFAAS_ENV_FILE") or ".env"))
+    p = make_parser()
     args = p.parse_args()
     if not args.planner:
         p.error("--planner (or PRFAAS_PLANNER_ADDR) is required")
@@ -65,8 +78,10 @@ def main() -> None:
         p.error("--move takes NAME=ROLE, e.g. pd-0=decode")
     try:
         asyncio.run(amain(args.planner, args.move))
+    except Unavailable as e:
+        raise SystemExit(f"error: {e}") from None  # names the planner and its address
     except RpcError as e:
-        raise SystemExit(f"planner refused: {e}") from None
+        raise SystemExit(f"planner at {args.planner} refused: {e}") from None
 
 
 if __name__ == "__main__":

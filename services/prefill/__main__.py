@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from common.rpc.schema import NoArgs, takes
+from common.runtime import service
 from common.worker.bring_up import load_worker, serve_worker, worker_main
 from common.worker.flags import (
     add_block_size_flag,
@@ -33,7 +34,7 @@ async def _health(args: NoArgs) -> dict:
 
 def make_parser() -> argparse.ArgumentParser:
     """The flags: every worker's, ``--cluster``, ``--block-size`` and the prefill role's."""
-    p = argparse.ArgumentParser(description="PrfaaS prefill worker")
+    p = service.parser("prefill", "PrfaaS prefill worker")
     add_worker_flags(p, "prefill")
     p.add_argument("--cluster", choices=["prfaas", "pd"], default="pd",
                    help="prfaas: the remote PrfaaS cluster; pd: the local PD cluster's prefill (PD-P)")

@@ -43,6 +43,7 @@ from common.model.backend import Backend, PrefillCancelled
 from common.model.logits import MAX_PROMPT_LOGPROB_BYTES, PromptLogprobs, prompt_logprobs
 from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, check_wire_sampling, sample_token
+from common.obs.histograms import PrefillHistograms, process_histograms
 from common.rpc.client import ClientPool
 from common.rpc.errors import RpcError
 from common.rpc.schema import takes
@@ -73,11 +74,14 @@ class PrefillWorker:
 
     def __init__(self, backend: Backend, name: str, *, prefill_chunk_tokens: int = 0, kv_stream: str = "layer",
                  prefix_cache_bytes: int = 1 << 30, block_size: int = 16, checkpoint_every: int = 32,
-                 kv_wire_codec: str = "none", kv_wire_lossy_ok: bool = False, **link_options: Any):
+                 cluster: str = "pd", kv_wire_codec: str = "none", kv_wire_lossy_ok: bool = False,
+                 **link_options: Any):
         if kv_stream not in ("layer", "after"):
             raise ValueError("kv_stream must be 'layer' (send each layer as it is computed) or 'after' (send after prefill)")
         self.backend = backend
         self.name = name
+        self.cluster = cluster  # the histograms' label: prfaas or pd
+        self.hist = process_histograms(PrefillHistograms)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.kv_stream = kv_stream
         specs = getattr(backend, "state_specs", None) or [] if kv_wire_codec != "none" else []
@@ -101,7 +105,7 @@ class PrefillWorker:
         self.prompt_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_pulled_tokens = 0
-        self._peers = ClientPool(service="prefill", name=name, connect_timeout=5.0)
+        self._peers = ClientPool(service="prefill", name=name, connect_timeout=5.0, peer="prefill worker")
         self.block_size = block_size
         self.prefix: PrefillPrefix | None = None
         if prefix_cache_bytes > 0:
@@ -397,6 +401,10 @@ class PrefillWorker:
                     delivered[0] = transfer.done_sent
             timings["acked_at"] = time.monotonic()
             self.prefix_hit_tokens += hit.tokens
+            self.hist.compute.labels(self.cluster).observe(timings["prefill_s"])
+            log.info("prefilled %d tokens (%d from the prefix cache, %d already at the receiver) in %.3fs; KVCache to %s",
+                     n_in, hit.tokens, kv_from, timings["prefill_s"], link.addr)
+            self.hist.hit.labels(self.cluster).observe(hit.tokens)
             if self.prefix is not None:
                 self.prefix.store_prompt(hit, final_kv, checkpoints)
             result = {"first_token": first, "prompt_len": n_in, "timings": timings}

@@ -36,6 +36,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.obs.families import route_families
+from common.obs.http import add_metrics_flags, start_metrics
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from common.rpc.handshake import parse_addr
@@ -101,7 +103,7 @@ class Router:
         self.release_after = release_after
         self.bandwidth_plentiful = bandwidth_plentiful
         self.forget_after = forget_after
-        self.planner = RpcClient(planner_addr, service="router", name=name, connect_timeout=2.0)
+        self.planner = RpcClient(planner_addr, service="router", name=name, connect_timeout=2.0, peer="planner")
         self.workers: list[dict[str, Any]] = []
         self.view_at = 0.0
         self.leases = Leases()
@@ -419,9 +421,18 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_ROUTER_ADDR"))
     await router.server.start(host, port)
     router.start()
+
+    async def families() -> list:
+        return route_families(await router.stats(StatsArgs()))
+
+    async def health() -> tuple[bool, dict[str, Any]]:
+        return True, {"workers_alive": sum(1 for w in router.workers if w.get("alive"))}
+    metrics = await start_metrics(args, "router", families, health)
     print(f"READY router listening on {host}:{port} threshold={args.threshold} "
           f"bandwidth={'plentiful' if args.bandwidth_plentiful else 'scarce'}", flush=True)
     await stop.wait()
+    if metrics is not None:
+        await metrics.close()
     await router.close()
 
 
@@ -438,10 +449,12 @@ def _cluster_tokens(text: str) -> tuple[str, float]:
     return cluster, value
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description="PrfaaS router")
-    p.add_argument("--listen", default=service.env_default("PRFAAS_ROUTER_ADDR"))
-    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"))
+def make_parser() -> argparse.ArgumentParser:
+    """``prfaas router``'s flags, each defaulting from the environment where ``.env`` sets it."""
+    p = service.parser("router", "PrfaaS router: places each request on a prefill and a decode worker")
+    p.add_argument("--listen", default=service.env_default("PRFAAS_ROUTER_ADDR"), help="host:port for RPC (env PRFAAS_ROUTER_ADDR)")
+    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"),
+                   help="planner host:port (env PRFAAS_PLANNER_ADDR)")
     p.add_argument("--threshold", type=int,
                    default=int(service.env_default("PRFAAS_THRESHOLD_TOKENS", str(placement.DEFAULT_THRESHOLD_TOKENS))),
                    help="t: incremental prefill tokens above which prefill goes to the PrfaaS cluster")
@@ -461,9 +474,14 @@ def main() -> None:
     p.add_argument("--breaker-cooldown", type=float, default=5.0,
                    help="seconds an open breaker keeps its worker out of placement before one probe request (doubling "
                         "while probes fail, up to 60)")
-    p.add_argument("--name", default="router")
+    p.add_argument("--name", default="router", help="this router's name in logs and handshakes")
+    add_metrics_flags(p, "PRFAAS_ROUTER_METRICS_PORT")
     service.add_insecure_flag(p)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = make_parser().parse_args()
     service.setup_logging("router")
     service.run(lambda stop: amain(args, stop))
 

@@ -154,6 +154,7 @@ class AbuseSystem:
         self.traffic: Traffic | None = None
         self.model_id = f"prfaas/{MODEL}"
         self.fingerprint: dict[str, Any] = {}
+        self._saved_env: dict[str, str | None] = {}  # what start() overwrote in os.environ; stop() restores it
 
     def creds(self, role: str) -> Credentials:
         """The credentials a process of ``role`` would hold (its credentials file: only its pair keys)."""
@@ -168,6 +169,7 @@ class AbuseSystem:
 
     async def start(self) -> AbuseSystem:
         for k, v in {"PRFAAS_SHARED_SECRET": self.master.decode(), **ENV}.items():
+            self._saved_env.setdefault(k, os.environ.get(k))
             os.environ[k] = v  # this process's own clients (probes) use the same secret and limits
         await asyncio.to_thread(self.cluster.start, 240.0)
         self.session = aiohttp.ClientSession()
@@ -185,7 +187,15 @@ class AbuseSystem:
             await self.traffic.stop()
         if self.session is not None:
             await self.session.close()
-        await asyncio.to_thread(self.cluster.stop)
+        try:
+            await asyncio.to_thread(self.cluster.stop)
+        finally:
+            for k, v in self._saved_env.items():  # later code in this process must not inherit the secret
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            self._saved_env.clear()
 
     # -- sampling --------------------------------------------------------------------------------
     async def rpc(self, service: str, method: str, args: dict | None = None) -> Any:
