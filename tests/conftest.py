@@ -16,6 +16,9 @@ from common.lab.cluster import Cluster
 from common.lab.reference import reference_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every system the tests start streams KVCache with the lossless wire codec (common/transfer/codecs.py),
+# so the exactness tests (greedy tokens equal model.generate through every route) hold with it on.
+os.environ.setdefault("PRFAAS_KV_WIRE_CODEC", "lossless")
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 
@@ -258,4 +259,9 @@ async def test_metrics_expose_kv_link_signals_and_worker_load(cluster):
     assert any(s.name == "prfaas_kv_link_bytes_sent_total" and s.labels["worker"] == "prefill-remote-0" and s.labels["peer"]
                and s.value >= 1 for s in samples), text
     assert {"prfaas_kv_link_rtt_seconds", "prfaas_kv_link_goodput_bits_per_second"} & {s.name for s in samples}
+    # the test systems stream with the lossless wire codec (tests/conftest.py): the exactness tests ran with it on
+    codec = os.environ.get("PRFAAS_KV_WIRE_CODEC", "none")
+    assert any(s.name == "prfaas_kv_link_codec" and s.labels["worker"] == "prefill-remote-0" and s.labels["codec"] == codec
+               for s in samples), text
+    assert any(s.name == "prfaas_kv_link_kv_wire_bytes_total" and s.value >= 1 for s in samples)
     assert sample_value(text, "prfaas_worker_alive", worker="decode-0", role="decode", cluster="pd") == 1

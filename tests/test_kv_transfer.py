@@ -209,7 +209,7 @@ async def test_round_trip_striped_over_four_connections(env):
 
     async def before_finish(tr: Transfer) -> None:
         await asyncio.wait_for(tr.all_written.wait(), 8)
-        for view, cid, written in tr.chunks.values():
+        for view, cid, written, _ in tr.chunks.values():
             assert written
             per_conn[cid] = per_conn.get(cid, 0) + view.nbytes
 
@@ -396,7 +396,7 @@ async def test_connection_cut_mid_transfer(env, how):
         if i != 1:
             return
         # cut a connection that has already carried chunks of this transfer, while data still flows
-        carried = {cid for _, cid, written in tr.chunks.values() if written}
+        carried = {cid for _, cid, written, _ in tr.chunks.values() if written}
         cid = next(c for c in sorted(carried) if c in link.conns)
         victim.append(cid)
         c = link.conns[cid]
@@ -502,7 +502,7 @@ async def test_done_resent_when_its_connection_fails(env):
     tr = await link.begin("d", layouts, prompt_len=16)
     await link.send(tr, 0, ranges_of(layouts[0], layers[0]))
     await asyncio.wait_for(tr.all_written.wait(), 3)
-    assert [cid for _, cid, _ in tr.chunks.values()] == [c0.cid]
+    assert [cid for _, cid, _, _ in tr.chunks.values()] == [c0.cid]
     await eventually(lambda: all(e.is_set() for e in asm.layer_ready), 3, "the data to arrive")
     stall(rx, c1)
     c0.queued_bytes += 1 << 40  # steer KV_DONE to c1

@@ -29,8 +29,12 @@ class PlannerAgent:
 
     CALL_TIMEOUT_S = 3.0
 
-    def __init__(self, planner_addr: str, info: dict[str, Any], stats: Callable[[], dict[str, Any]], interval: float = 0.5):
+    def __init__(self, planner_addr: str, info: dict[str, Any], stats: Callable[[], dict[str, Any]], interval: float = 0.5,
+                 on_reply: Callable[[Any], None] | None = None):
+        """``on_reply``: called with each ``report`` answer (the planner's per-worker instructions, e.g.
+        ``kv_codecs``); it must not raise."""
         self.info = dict(info)
+        self.on_reply = on_reply
         self.stats = stats
         self.interval = interval
         self.client = RpcClient(planner_addr, service=info["role"], name=info["name"], connect_timeout=2.0, peer="planner")
@@ -56,7 +60,10 @@ class PlannerAgent:
                 self.registered = True
                 log.info("registered with the planner as %s (role %s)", self.info["name"], self.info["role"])
             else:
-                await self.client.call("report", {"name": self.info["name"], "stats": self.stats()}, timeout=self.CALL_TIMEOUT_S)
+                reply = await self.client.call("report", {"name": self.info["name"], "stats": self.stats()},
+                                               timeout=self.CALL_TIMEOUT_S)
+                if self.on_reply is not None:
+                    self.on_reply(reply)
             return True
         except RpcError as e:
             if self.registered:

@@ -62,6 +62,7 @@ async def client(decode: str, prefill: str, prompt_len: int, reps: int) -> None:
             # the token reached us bounds it (CLOCK_MONOTONIC is one clock for processes on a host).
             t["last_received_at"] = t["last_received_at"] or now
             out.append({"ttft_s": ttft, "prefill_s": t["prefill_s"], "kv_bytes": t["kv_bytes"],
+                        "kv_wire_bytes": t.get("kv_wire_bytes", t["kv_bytes"]), "kv_codec": t.get("kv_codec", "none"),
                         "transfer_tail_s": t["last_received_at"] - t["last_computed_at"],
                         "send_window_s": t["last_received_at"] - (t["last_computed_at"] - t["prefill_s"])})
     print("RESULT " + json.dumps(out), flush=True)

@@ -151,6 +151,17 @@ def worker_families(workers: list[dict[str, Any]], conventional: bool = False) -
     families += [_family("gauge", f"prfaas_worker_{key}", help_text, ["worker"],
                          [((w["name"],), s.get(key) or 0) for w, s in stats])
                  for key, help_text in WORKER_LOAD_METRICS]
+    families.append(_family("gauge", "prfaas_kv_link_codec", "1 for the KV wire codec of the link's latest transfer.",
+                            ["worker", "peer", "codec"],
+                            [((lab["worker"], lab["peer"], snap.get("codec")), 1) for lab, snap in links
+                             if isinstance(snap.get("codec"), str)]))
+    rates = [(w["name"], c, r) for w, s in stats for c, r in ((s.get("kv_codec") or {}).get("rates") or {}).items()
+             if isinstance(r, dict)]
+    for key, help_text in (("ratio", "KVCache bytes per wire byte the worker measured for each codec."),
+                           ("encode_gbps", "Raw KVCache Gbit/s one core encodes with each codec (measured).")):
+        families.append(_family("gauge", f"prfaas_worker_kv_codec_{key}", help_text, ["worker", "codec"],
+                                [((n, c), r[key]) for n, c, r in rates
+                                 if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]))
     decoders = [(w, s) for w, s in stats if w["role"] == "decode"]
     rename = CONVENTIONAL_DECODE_NAMES if conventional else {}
     families += [_family(kind, f"prfaas_decode_{rename.get(suffix, suffix)}", help_text, ["worker"],
@@ -221,6 +232,13 @@ def planner_families(status: dict[str, Any]) -> list[Metric]:
     if link:
         families.append(_family("gauge", "prfaas_planner_link_gbps", "Cross-cluster link capacity, Gbit/s: measured "
                                 "(KV senders' estimate) and used by the loop.", ["source"], link))
+    codecs = (status.get("kv_codecs") or {}).get("decisions") or {}
+    families.append(_family("counter", "prfaas_planner_kv_codec_decisions_total",
+                            "KV wire codec changes the planner made for links in auto mode, by codec.", ["codec"],
+                            [((k,), v) for k, v in sorted(codecs.items())]))
+    if ctl.get("kv_ratio") is not None:
+        families.append(_single("gauge", "prfaas_planner_kv_ratio", "KV wire compression the throughput model uses.",
+                                ctl["kv_ratio"]))
     roles = status.get("roles") or {}
     long = roles.get("long") or {}
     moves = roles.get("moves") or {}

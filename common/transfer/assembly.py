@@ -103,6 +103,7 @@ class KvAssembly:
         self.error: str | None = None
         self.nbytes = 0
         self.bytes_received = 0
+        self.codec = "none"  # the codec admitted for this transfer (KV_ADMIT.codec); chunks may also be lossless
         self.layer_done_at: list[float | None] = [None] * num_layers
 
     @property

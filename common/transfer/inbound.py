@@ -5,6 +5,11 @@ payloads land straight in their transfer's memory, and :func:`check_done`, the c
 ``KV_DONE`` header. Every number of a KV header is read with :mod:`proto.values`; a bad one fails
 only its own transfer (``KV_ABORT``), never the connection other transfers use.
 
+A coded ``KV_LAYER`` (``codec``, ``raw``; ``proto/PROTOCOL.md`` 7.10) is read into a staging buffer
+of its payload's size (bounded by ``raw``, which must fit the layer) and decoded on the event loop,
+once whole, straight into the transfer's destination pieces (the request's KV blocks); only then are
+its ``raw`` bytes committed, so a layer is ready exactly when every chunk of it has been decoded.
+
 Ownership: the :class:`~common.transfer.receiver.KvReceiver` owns its connections (its
 ``connections`` set) and the reservations their frames land in; a connection owns only its
 buffers and its handshake timer.
@@ -22,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 from common.kv.layout import KvError
 from common.rpc.handshake import hello_timeout_frame
 from common.rpc.limits import set_keepalive
+from common.transfer import codecs
 from common.transfer.assembly import KvAssembly
+from common.transfer.coded import span_for
 from proto.frames import (
     MAGIC,
     PRE_AUTH_MAX_HEADER,
@@ -98,6 +105,7 @@ class KvConnection(asyncio.BufferedProtocol):
         self.piece_pos = 0
         self.scratch = bytearray(1 << 16)
         self.target: tuple[KvAssembly, int, int] | None = None
+        self.coded: tuple | None = None  # a coded payload: (codec, span, raw bytes, destination pieces, staging)
         self._hello_timer: asyncio.TimerHandle | None = None
 
     @property
@@ -147,7 +155,7 @@ class KvConnection(asyncio.BufferedProtocol):
             if not self.target[0].closed:
                 return self.pieces[self.piece_i][self.piece_pos :]
             # Its owner released the transfer mid-frame: the memory may belong to someone else now.
-            self.state, self.target, self.pieces = _DISCARD, None, []
+            self.state, self.target, self.pieces, self.coded = _DISCARD, None, [], None
             self.rx.counters["dropped_frames"] += 1
         if self.state == _DISCARD:
             return memoryview(self.scratch)[: min(len(self.scratch), self.need - self.pos)]
@@ -203,7 +211,12 @@ class KvConnection(asyncio.BufferedProtocol):
         elif self.state == _PAYLOAD:
             asm, layer, offset = self.target
             now = time.monotonic()
-            asm.commit(layer, offset, self.payload_len, now)
+            n = self.payload_len
+            if self.coded is not None:
+                n = self._decode(asm)
+            if n is not None:
+                asm.commit(layer, offset, n, now)
+                self.rx.counters["raw_bytes_received"] += n
             self.rx.counters["bytes_received"] += self.payload_len
             self.rx.maybe_ack(self, asm)
             self.pieces, self.target = [], None
@@ -269,6 +282,43 @@ class KvConnection(asyncio.BufferedProtocol):
         asm.abort(why)
         self.send(encode_frame(Kind.KV_ABORT, {"req_id": asm.req_id, "reason": why}))
 
+    def _decode(self, asm: KvAssembly) -> int | None:
+        """Decode the coded payload just read into its destination blocks; the raw bytes it covered,
+        or None when the transfer was released meanwhile or the payload did not decode (the transfer
+        fails, the connection stays)."""
+        codec, span, raw, dest, staging = self.coded
+        self.coded = None
+        if asm.closed or asm.error is not None:
+            self.rx.counters["dropped_frames"] += 1
+            return None
+        t0 = time.thread_time()
+        try:
+            codecs.decode_into(codec, memoryview(staging), raw, span, dest)
+        except codecs.CodecError as e:
+            self.rx.counters["dropped_frames"] += 1
+            self._bad(asm, f"bad KV_LAYER payload: {e}")
+            return None
+        self.rx.counters["decode_s"] += time.thread_time() - t0
+        self.rx.counters["coded_frames"] += 1
+        return raw
+
+    def _route_coded(self, asm: KvAssembly, h: dict[str, Any], layer: int, offset: int) -> None:
+        """A coded ``KV_LAYER``: check its codec against the transfer's (a lossy one only on K/V rows)
+        and its payload against the bound for ``raw`` bytes, and read it into a staging buffer that
+        is decoded into the blocks once whole. Raises ``KvError``, ``BadValue``."""
+        codec = h["codec"]
+        allowed = () if asm.codec == "none" else (asm.codec, "lossless")
+        if not isinstance(codec, str) or codec not in allowed:
+            raise KvError(f"codec {str(codec)[:32]!r} was not admitted for this transfer (admitted: {asm.codec})")
+        raw = wire_int(h.get("raw"), "raw", 0, self.rx.max_payload)
+        dest = [p for p in asm.dest(layer, offset, raw) if p.nbytes]
+        span = span_for(asm.layouts[layer], offset, raw, codec)
+        if self.payload_len > codecs.max_payload(codec, raw):
+            raise KvError(f"a {codec} payload of {self.payload_len} bytes for {raw} raw bytes")
+        staging = bytearray(self.payload_len)
+        self.coded = (codec, span, raw, dest, staging)
+        self.pieces = [memoryview(staging)]
+
     def _on_layer(self, h: dict[str, Any]) -> bool:
         """Route a ``KV_LAYER`` payload into its transfer's memory, or to the discard buffer; True when
         the connection now reads the payload."""
@@ -278,7 +328,10 @@ class KvConnection(asyncio.BufferedProtocol):
                 raise LookupError  # unknown, failed, or a late duplicate of a finished transfer
             layer = wire_int(h["layer"], "layer", 0, asm.num_layers - 1)
             offset = wire_int(h["offset"], "offset")
-            self.pieces = [p for p in asm.dest(layer, offset, self.payload_len) if p.nbytes]
+            if h.get("codec") is not None:
+                self._route_coded(asm, h, layer, offset)
+            else:
+                self.pieces = [p for p in asm.dest(layer, offset, self.payload_len) if p.nbytes]
             self.piece_i = self.piece_pos = 0
             self.target = (asm, layer, offset)
         except LookupError:
@@ -289,7 +342,7 @@ class KvConnection(asyncio.BufferedProtocol):
         if self.target is not None and self.payload_len > 0:
             self._expect(_PAYLOAD, self.payload_len)
             return True
-        self.target = None  # an empty range
+        self.target = self.coded = None  # an empty range
         if self.payload_len > 0:
             self._expect(_DISCARD, self.payload_len)
             return True

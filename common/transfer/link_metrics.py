@@ -46,6 +46,9 @@ _LINK_METRICS: tuple[tuple[str, str, str, float, str], ...] = (
     ("retransmits_window", "retransmits_window", "gauge", 1, "Retransmitted TCP segments since the previous sample."),
     ("stalls", "stalls_total", "counter", 1, "Connection stalls seen by the engine."),
     ("reconnects", "reconnects_total", "counter", 1, "Connection reconnects."),
+    ("kv_raw_bytes", "kv_raw_bytes_total", "counter", 1, "KVCache bytes queued on the link, before the wire codec."),
+    ("kv_wire_bytes", "kv_wire_bytes_total", "counter", 1, "Bytes those KVCache bytes became on the wire."),
+    ("codec_ratio", "codec_ratio", "gauge", 1, "KVCache bytes per wire byte over the link's life (1: no codec)."),
     ("capacity_bps", "capacity_bits_per_second", "gauge", 1,
      "Link capacity estimate: largest backlogged bytes-acked rate in the capacity window, bits/s."),
 )

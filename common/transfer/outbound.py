@@ -2,7 +2,8 @@
 events and its chunk table, and :class:`TransferRefused`.
 
 The chunk table maps ``(layer, offset)`` to ``[bytes view, connection id it was last written on,
-written?]``. Ownership: the views belong to the caller of :meth:`common.transfer.sender.KvLink.send`
+written?, extra KV_LAYER fields]`` (the fields of a coded chunk, ``{codec, raw}``; the view is then
+the encoded payload, which the link owns). Ownership: the views belong to the caller of :meth:`common.transfer.sender.KvLink.send`
 and must stay valid until ``finish`` returns; the link drops them (``chunks.clear()``) on ``KV_ACK``,
 on abort or when the transfer fails, so a chunk is re-sent from the caller's memory, never copied.
 """
@@ -28,10 +29,16 @@ class Transfer:
     it was last written on, written?) until the receiver's ``KV_ACK``. ``unwritten`` counts chunks not
     yet drained into a connection (``all_written`` is set when it is 0); ``bytes`` is the total queued,
     ``resent_chunks`` how many were written again after their connection failed; ``done_sent`` is True
-    once ``KV_DONE`` (the first token) has been written."""
+    once ``KV_DONE`` (the first token) has been written. ``codec`` is the codec the receiver admitted
+    (``none`` until then, and from a receiver that does not name one); ``raw_bytes`` the KVCache bytes
+    the queued chunks decode to."""
 
-    def __init__(self, req_id: str):
+    def __init__(self, req_id: str, layouts: list | None = None):
         self.req_id = req_id
+        self.layouts = layouts
+        self.codec = "none"
+        self.codec_offer = "none"  # the codec KV_BEGIN offered
+        self.raw_bytes = 0
         self.admitted = asyncio.Event()
         self.acked = asyncio.Event()
         self.refusal: dict[str, Any] | None = None
@@ -49,9 +56,11 @@ class Transfer:
         """Acknowledged, aborted or failed: nothing more is sent for it."""
         return self.acked.is_set() or bool(self.error)
 
-    def add_chunk(self, key: tuple[int, int], view: memoryview) -> None:
-        """Enter a chunk to write (``key`` = (layer, offset in the layer buffer))."""
-        self.chunks[key] = [view, -1, False]
+    def add_chunk(self, key: tuple[int, int], view: memoryview, extra: dict[str, Any] | None = None) -> None:
+        """Enter a chunk to write (``key`` = (layer, offset in the layer buffer); ``extra``: the
+        ``KV_LAYER`` fields of a coded chunk)."""
+        self.chunks[key] = [view, -1, False, extra or {}]
+        self.raw_bytes += (extra or {}).get("raw", view.nbytes)
         self._unwrite()
         self.bytes += view.nbytes
 

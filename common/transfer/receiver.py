@@ -36,6 +36,7 @@ from common.kv.layout import KvError
 from common.rpc.handshake import HelloListener
 from common.rpc.limits import ENV_INSECURE, ConnLimits, check_bind
 from common.runtime import service
+from common.transfer import codecs
 from common.transfer.assembly import BufferPool, KvAssembly
 from common.transfer.connection import SOCKET_BUFFER_BYTES
 from common.transfer.inbound import KvConnection
@@ -71,14 +72,17 @@ class KvReceiver:
     (a server ``SSLContext``) enables TLS. ``socket_buffer_bytes``: the receive buffer asked for per
     connection (measured on loopback: the kernel's autotuned buffer halves goodput, both ends taking
     turns at about 50% busy); 0 leaves the kernel's autotuning. ``limits``: connection bounds;
-    ``insecure``: allow a non-loopback address without a secret (see :func:`common.rpc.limits.check_bind`)."""
+    ``insecure``: allow a non-loopback address without a secret (see :func:`common.rpc.limits.check_bind`).
+    ``accept_codecs``: the KV wire codecs this receiver admits (``KV_BEGIN.codec``; any other offer is
+    admitted as ``none``, see :mod:`common.transfer.codecs`)."""
 
     def __init__(self, name: str, fingerprint: dict[str, Any] | None, num_layers: int, *, budget_bytes: int = 8 << 30,
                  lease_s: float = 600.0, secret: Any = None, ssl: ssl_mod.SSLContext | None = None,
                  max_header: int = DEFAULT_MAX_HEADER, max_payload: int = 256 << 20, handshake_timeout_s: float = 5.0,
                  socket_buffer_bytes: int = SOCKET_BUFFER_BYTES, limits: ConnLimits | None = None,
-                 insecure: Any = ENV_INSECURE):
+                 insecure: Any = ENV_INSECURE, accept_codecs: tuple[str, ...] = codecs.NAMES):
         self.name = name
+        self.codecs = tuple(accept_codecs)
         self.limits = limits or ConnLimits.from_env()
         self.insecure = insecure
         self.hello = HelloListener("kv-receiver", name, fingerprint, secret, require_fingerprint=True)
@@ -98,7 +102,8 @@ class KvReceiver:
         self._lease_task: asyncio.Task | None = None
         self.counters = {"admitted": 0, "refused": 0, "acked": 0, "bytes_received": 0, "frames": 0,
                          "dropped_frames": 0, "expired_leases": 0, "refused_peers": 0, "refused_connections": 0,
-                         "bad_values": 0, "idle_closed": 0}
+                         "bad_values": 0, "idle_closed": 0, "raw_bytes_received": 0, "coded_frames": 0,
+                         "decode_s": 0.0}
 
     # -- owner API ---------------------------------------------------------------------------
     def expect(self, req_id: str, nbytes: int, assembly: KvAssembly | None = None) -> KvAssembly:
@@ -190,6 +195,9 @@ class KvReceiver:
             num_layers = wire_int(h["num_layers"], "num_layers", 0, 1 << 16)
             if num_layers != self.num_layers:
                 raise KvError(f"sender has {num_layers} layers, this receiver {self.num_layers}")
+            offer = h.get("codec", "none")
+            if not res.asm.allocated:
+                res.asm.codec = offer if isinstance(offer, str) and offer in self.codecs else "none"
             res.asm.allocate(h["layers"])
         except (KvError, BadValue) as e:
             self.counters["refused"] += 1
@@ -197,7 +205,10 @@ class KvReceiver:
             conn.send(encode_frame(Kind.KV_REFUSE, {"req_id": req_id, "reason": str(e), "retry_after": None}))
             return
         self.counters["admitted"] += 1
-        conn.send(encode_frame(Kind.KV_ADMIT, {"req_id": req_id}))
+        admit = {"req_id": req_id}
+        if res.asm.codec != "none":
+            admit["codec"] = res.asm.codec
+        conn.send(encode_frame(Kind.KV_ADMIT, admit))
 
     def assembly(self, req_id: Any) -> KvAssembly | None:
         """The assembly of reservation ``req_id`` (a str from a peer's header), or None."""

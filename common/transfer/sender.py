@@ -5,8 +5,9 @@ Transfer lifecycle on the sender (who frees what):
 1. :meth:`KvLink.begin` sends ``KV_BEGIN`` with every layer's layout and waits for ``KV_ADMIT``
    (the receiver reserved the memory). ``KV_REFUSE`` with a ``retry_after`` means wait and ask again
    until the deadline; without one it is final (:class:`TransferRefused`, the caller re-routes).
-2. :meth:`KvLink.send` cuts byte ranges into chunks (``chunk_bytes``) and stripes them over the live
-   connections, each chunk to the connection with the fewest queued bytes. Bytes written but not yet
+2. :meth:`KvLink.send` cuts byte ranges into chunks (``chunk_bytes``), codes each with the transfer's
+   admitted codec (in a thread, :mod:`common.transfer.coded`; ``none`` sends the views themselves) and
+   stripes them over the live connections, each chunk to the connection with the fewest queued bytes. Bytes written but not yet
    drained are bounded per peer (``max_inflight_bytes``): ``send`` waits for room (backpressure).
 3. :meth:`KvLink.finish` waits until every chunk is written, sends ``KV_DONE`` and waits for
    ``KV_ACK``. The transfer keeps views of the chunks (not copies) until then, so chunks that were on a
@@ -40,6 +41,8 @@ from common.rpc.auth import resolve_credentials
 from common.rpc.errors import RpcError, Unavailable
 from common.rpc.handshake import parse_addr
 from common.runtime.backoff import Backoff
+from common.transfer import codecs
+from common.transfer.coded import CodecMeter, encode_chunk
 from common.transfer.connection import LinkConnection, wait_cleared, wait_set_or_dead
 from common.transfer.link_stats import LinkStats, windows_from_env
 from common.transfer.outbound import Transfer, TransferRefused
@@ -64,7 +67,8 @@ class KvLink:
     def __init__(self, addr: str, *, name: str, fingerprint: dict[str, Any] | None, connections: int = 4,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_inflight_bytes: int = 64 << 20, stall_timeout: float = 5.0,
                  ping_interval: float = 1.0, ping_timeout: float = 3.0, idle_check_s: float = 2.0,
-                 connect_timeout: float = 5.0, secret: Any = None, ssl: ssl_mod.SSLContext | None = None):
+                 connect_timeout: float = 5.0, secret: Any = None, ssl: ssl_mod.SSLContext | None = None,
+                 meter: CodecMeter | None = None):
         if connections < 1:
             raise ValueError("a link needs at least one connection")
         self.addr = addr
@@ -84,6 +88,9 @@ class KvLink:
         self.conns: dict[int, LinkConnection] = {}
         self.transfers: dict[str, Transfer] = {}
         self.stats = LinkStats(**windows_from_env())
+        self.meter = meter or CodecMeter()  # encode rates and ratios (shared by a worker's links)
+        self.codec_bytes: dict[str, list[int]] = {}  # admitted codec -> [raw bytes, wire bytes] sent
+        self.codec = "none"  # the codec of the latest transfer (for /metrics)
         self._ids = itertools.count()
         self._inflight = 0
         self._room = asyncio.Event()
@@ -215,7 +222,8 @@ class KvLink:
             view = entry[0]
             layer, offset = key
             c.current = (tr, key, window)  # if _fail cancels us while draining, it resends this chunk
-            c.writer.writelines(encode_frame_parts(Kind.KV_LAYER, {"req_id": tr.req_id, "layer": layer, "offset": offset}, [view]))
+            c.writer.writelines(encode_frame_parts(Kind.KV_LAYER, {"req_id": tr.req_id, "layer": layer, "offset": offset,
+                                                                   **entry[3]}, [view]))
             try:
                 await asyncio.wait_for(c.writer.drain(), self.stall_timeout)
             except (TimeoutError, ConnectionError, OSError) as e:
@@ -247,6 +255,8 @@ class KvLink:
         if tr is None:
             return
         if frame.kind is Kind.KV_ADMIT:
+            admitted = h.get("codec", "none")  # a receiver that names no codec takes the bytes as they are
+            tr.codec = admitted if admitted in codecs.NAMES and admitted in (tr.codec_offer, "none") else "none"
             tr.admitted.set()
         elif frame.kind is Kind.KV_REFUSE:
             tr.refusal = h
@@ -274,15 +284,25 @@ class KvLink:
             self._room.set()
 
     # -- transfer API -------------------------------------------------------------------------
-    async def begin(self, req_id: str, layouts: list[Layout], prompt_len: int, *, deadline_s: float = 60.0) -> Transfer:
-        """Announce a transfer and wait for admission. Raises :class:`TransferRefused`, :class:`Unavailable`."""
+    async def begin(self, req_id: str, layouts: list[Layout], prompt_len: int, *, deadline_s: float = 60.0,
+                    codec: str = "none") -> Transfer:
+        """Announce a transfer, offering ``codec`` (one of :data:`codecs.NAMES`) for its K/V, and wait
+        for admission; the returned transfer's ``codec`` is the one the receiver admitted (``none``
+        from a receiver that names none). Raises :class:`TransferRefused`, :class:`Unavailable`,
+        ``ValueError`` for an unknown codec."""
+        if codec not in codecs.NAMES:
+            raise ValueError(f"unknown KV codec {codec!r}; one of {', '.join(codecs.NAMES)}")
         await self.ensure_connected()
         await self._probe_idle()
         await self.ensure_connected()
-        tr = Transfer(req_id)
+        tr = Transfer(req_id, layouts)
+        tr.codec_offer = codec
         self.transfers[req_id] = tr
         end = time.monotonic() + deadline_s
-        begin = encode_frame(Kind.KV_BEGIN, {"req_id": req_id, "num_layers": len(layouts), "prompt_len": prompt_len, "layers": layouts})
+        header = {"req_id": req_id, "num_layers": len(layouts), "prompt_len": prompt_len, "layers": layouts}
+        if codec != "none":  # absent means none: a receiver that predates codecs reads the same frame
+            header["codec"] = codec
+        begin = encode_frame(Kind.KV_BEGIN, header)
         try:
             while True:
                 tr.admitted.clear()
@@ -302,6 +322,7 @@ class KvLink:
                 if tr.error:
                     raise Unavailable(f"transfer {req_id} to {self.addr} failed: {tr.error}")
                 if tr.refusal is None:
+                    self.codec = tr.codec
                     return tr
                 retry = tr.refusal.get("retry_after")
                 if retry is not None:  # a peer's number: finite, at least 10 ms (no resend storm), at most 60 s
@@ -318,17 +339,26 @@ class KvLink:
 
     async def send(self, tr: Transfer, layer: int, ranges: list[Range]) -> None:
         """Queue ``ranges`` (offset in ``layer``'s buffer, bytes) for sending; waits while the peer's
-        in-flight window is full. The views must stay valid until :meth:`finish` returns."""
+        in-flight window is full. The views must stay valid until :meth:`finish` returns. With a
+        codec, each chunk is encoded in a thread (the next is encoded while this one is written) and
+        the window counts wire bytes. Raises :class:`Unavailable`, ``KvError`` for a range a lossy
+        codec cannot code."""
         for off, view in split_ranges(ranges, self.chunk_bytes):
             if tr.error:
                 raise Unavailable(f"transfer {tr.req_id} to {self.addr} failed: {tr.error}")
             if view.nbytes == 0:
                 continue
+            extra: dict[str, Any] = {}
+            if tr.codec != "none":
+                view, extra = await asyncio.to_thread(encode_chunk, tr.codec, tr.layouts[layer], off, view, self.meter)
             await self._acquire(view.nbytes)
             if not self._live():
                 self._release(view.nbytes)
                 raise Unavailable(f"no live connection to {self.addr}")
-            tr.add_chunk((layer, off), view)
+            tr.add_chunk((layer, off), view, extra)
+            sent = self.codec_bytes.setdefault(tr.codec, [0, 0])
+            sent[0] += extra.get("raw", view.nbytes)
+            sent[1] += view.nbytes
             self._enqueue((tr, (layer, off), view.nbytes))
 
     async def finish(self, tr: Transfer, done: dict[str, Any], *, timeout: float = 60.0) -> None:
@@ -377,6 +407,12 @@ class KvLink:
         """The link's congestion signals (see ``common/transfer/link_stats.py``) plus its live connections."""
         snap = self.stats.snapshot()
         snap["connections"] = len(self._live())
+        raw = sum(r for r, _ in self.codec_bytes.values())
+        wire = sum(w for _, w in self.codec_bytes.values())
+        snap["codec"] = self.codec
+        snap["kv_raw_bytes"] = float(raw)  # KVCache bytes queued, before coding
+        snap["kv_wire_bytes"] = float(wire)  # ... and the bytes they became on the wire
+        snap["codec_ratio"] = raw / wire if wire else 1.0
         return snap
 
     async def close(self) -> None:

@@ -78,6 +78,15 @@ def add_prefill_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-
     p.add_argument("--prefix-cache-bytes", type=int, default=int(service.env_default("PRFAAS_PREFIX_CACHE_BYTES", str(1 << 30))),
                    help="budget of this worker's prefix cache (KV blocks and linear-state checkpoints); 0 turns it off "
                         "(so does PRFAAS_PREFIX_CACHE=0)")
+    p.add_argument("--kv-wire-codec", choices=["none", "lossless", "fp8", "int4", "auto"],
+                   default=service.env_default("PRFAAS_KV_WIRE_CODEC", "none"),
+                   help="KVCache codec on the wire (negotiated per transfer): none; lossless (byte-plane shuffle + zstd); "
+                        "fp8 (e4m3, per-block-per-head scales) or int4 (per-token-group), lossy, need --kv-wire-lossy-ok; "
+                        "auto: the planner picks per link from its capacity and egress. A codec whose encoder is slower "
+                        "than the link is not used; linear and conv states are never coded lossily")
+    p.add_argument("--kv-wire-lossy-ok", action="store_true",
+                   default=service.env_default("PRFAAS_KV_WIRE_LOSSY_OK", "0") == "1",
+                   help="allow lossy KV codecs (fp8, int4; also as auto's choices): outputs may change")
     p.add_argument("--checkpoint-every", type=int, default=32,
                    help="hybrid models: checkpoint linear states every N blocks (and at each prompt's last full block)")
 

@@ -137,6 +137,22 @@ def signals(workers: list[dict[str, Any]], link_gbps: float | None, prev: dict[s
     return sig, now
 
 
+def kv_wire_bytes(workers: list[dict[str, Any]]) -> tuple[float, float]:
+    """(raw KVCache bytes, wire bytes) the alive PrfaaS prefill workers' links have sent in all
+    (``kv_raw_bytes``, ``kv_wire_bytes`` of their snapshots; links that report neither count as none)."""
+    raw = wire = 0.0
+    for links in _prfaas_links([w for w in workers if w.get("alive")]):
+        for s in links:
+            r, w = s.get("kv_raw_bytes"), s.get("kv_wire_bytes")
+            if isinstance(r, (int, float)) and isinstance(w, (int, float)) and math.isfinite(r) and math.isfinite(w) and w > 0:
+                raw, wire = raw + r, wire + w
+    return raw, wire
+
+
+KV_RATIO_MIN_BYTES = 1 << 20  # wire bytes between ticks before a new compression ratio is measured
+KV_RATIO_BAND = 0.10  # relative change of the measured ratio that re-solves the threshold
+
+
 WORKLOAD_MIN_SAMPLES = 200  # recent lengths before the live workload replaces the configured distribution
 RELEARN_BAND = 0.20  # relative move of t* that re-anchors on the live workload: over 400 samples of the paper mix t* has a 6 % spread
 
@@ -174,12 +190,14 @@ class Controller:
         self.prev: dict[str, float] = {}
         self.applied = Counter()
         self.last_reason = ""
+        self.kv_ratio = 1.0  # the KV wire codecs' compression the model uses (S_kv(l) / kv_ratio on the link)
+        self._kv_sent = (0.0, 0.0)
         self.last_signals: dict[str, Any] = {}  # the latest tick's ShortSignals (inf as None)
 
     def _solver(self, shape: tuple[int, int, int], dist: tm.LengthDistribution | None = None) -> ModelThreshold:
         n_prfaas, n_p, n_d = shape
         dep = replace(self.base, n_prfaas=max(1, n_prfaas), n_p=n_p, n_d=max(1, n_d),
-                      pdp_hw=self.base.pdp_hw if n_p else None)
+                      pdp_hw=self.base.pdp_hw if n_p else None, kv_ratio=self.kv_ratio)
         return ModelThreshold(dep, self.dist if dist is None else dist, grid=120)
 
     def relearn(self, lengths: list[int], min_samples: int = WORKLOAD_MIN_SAMPLES) -> bool:
@@ -216,6 +234,7 @@ class Controller:
         elif shape != self.shape:
             self.shape = shape
             self.loop.request_resolve(self._solver(shape))
+        self._track_kv_ratio(workers)
         self.link_gbps_measured = measured_link_gbps(workers)
         sig, self.prev = signals(workers, self.link_gbps, self.prev, nominal_gbps=self.config.link_gbps)
         self.link_gbps_used = float(sig.link_gbps)
@@ -225,6 +244,24 @@ class Controller:
         if decision is None:
             return first
         return await self._apply(decision.t, decision.plentiful, decision.reason)
+
+    def _track_kv_ratio(self, workers: list[dict[str, Any]]) -> None:
+        """Measure the KV wire codecs' ratio over the bytes sent since the last measurement (at least
+        :data:`KV_RATIO_MIN_BYTES` on the wire); when it moved by more than :data:`KV_RATIO_BAND`, the
+        model's ``S_kv(l)`` on the link becomes ``S_kv(l) / ratio`` and the threshold is re-solved."""
+        raw, wire = kv_wire_bytes(workers)
+        raw0, wire0 = self._kv_sent
+        if raw < raw0 or wire < wire0:  # a worker restarted or left: start again from here
+            self._kv_sent = (raw, wire)
+            return
+        if wire - wire0 < KV_RATIO_MIN_BYTES:
+            return
+        self._kv_sent = (raw, wire)
+        ratio = max(1.0, (raw - raw0) / (wire - wire0))
+        if abs(ratio / self.kv_ratio - 1) > KV_RATIO_BAND and self.shape is not None:
+            log.info("KV wire ratio %.2f -> %.2f: re-solving the threshold with S_kv / ratio", self.kv_ratio, ratio)
+            self.kv_ratio = ratio
+            self.loop.request_resolve(self._solver(self.shape), why=f"KV wire codec ratio {ratio:.2f}")
 
     async def _apply(self, t: float, plentiful: bool, reason: str) -> dict[str, Any]:
         await self.router.call("set_threshold", {"threshold": int(round(t))}, timeout=5.0)
@@ -241,7 +278,7 @@ class Controller:
         return {"loop": self.loop.state() if self.loop is not None else None, "shape": list(self.shape or ()),
                 "applied": dict(self.applied), "last_reason": self.last_reason, "link_gbps": self.link_gbps,
                 "link_gbps_measured": self.link_gbps_measured, "link_gbps_used": self.link_gbps_used,
-                "signals": dict(self.last_signals)}
+                "kv_ratio": self.kv_ratio, "signals": dict(self.last_signals)}
 
 
 def load_profile(path: str) -> dict[str, Any]:

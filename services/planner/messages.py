@@ -54,6 +54,10 @@ class LinkSnapshot(msgspec.Struct):
     retransmits_window: Amount | None = None
     stalls: Amount | None = None
     reconnects: Amount | None = None
+    codec: Literal["none", "lossless", "fp8", "int4"] | None = None
+    kv_raw_bytes: Amount | None = None
+    kv_wire_bytes: Amount | None = None
+    codec_ratio: Amount | None = None
 
 
 class PrefixCacheStats(msgspec.Struct):

@@ -36,6 +36,7 @@ from services.planner.messages import BadStats, MoveWorkerArgs, RegisterArgs, Re
 from services.planner.registry import RegistrationError, RegistryFull, WorkerRegistry
 from services.planner.roles import RoleMover
 from services.planner.topology import Topology, TopologyError, default_topology, load_topology
+from services.planner.wire_codecs import CodecPlanner
 
 log = logging.getLogger("prfaas.planner")
 
@@ -70,6 +71,7 @@ class Planner:
         self.workload_samples = workload_samples
         self._relearned_at = -math.inf
         self.loop_errors = 0
+        self.codecs = CodecPlanner()  # KV wire codec per link, for prefill workers in --kv-wire-codec auto
         self._task: asyncio.Task | None = None
         self._link_task: asyncio.Task | None = None
         self.link_states: dict[str, tuple[bool, float]] = {}  # "src->dst" -> (up, headroom) last sent to the router
@@ -81,9 +83,9 @@ class Planner:
         )
 
     def start(self) -> None:
-        """Start the scheduling loops if a controller was given."""
-        if self.controller is not None:
-            self._task = asyncio.create_task(self._loop(), name="planner-loops")
+        """Start the loops: the KV codec choice always; the scheduling loops if a controller was given;
+        the per-link loop with a topology file."""
+        self._task = asyncio.create_task(self._loop(), name="planner-loops")
         if self.router is not None and not self.topology.is_default:
             self._link_task = asyncio.create_task(self._link_loop(), name="planner-link-loop")
 
@@ -115,6 +117,13 @@ class Planner:
             await asyncio.sleep(self.loop_interval)
             now = time.monotonic()
             view = self.registry.view(now)
+            try:
+                self.codecs.tick(now, view, self.controller.link_gbps_used if self.controller is not None else None)
+            except Exception:
+                self.loop_errors += 1
+                log.exception("KV codec tick failed")
+            if self.controller is None:
+                continue
             try:
                 await self.controller.tick(now, view)
             except Exception:  # the router may be down or restarting: log, count, go on
@@ -176,7 +185,7 @@ class Planner:
         links = {} if self.topology.is_default else {"links": {k: {"up": up, "headroom": h} for k, (up, h) in
                                                                sorted(self.link_states.items())}}
         return {"alive": by, "loop": self.controller.state() if self.controller is not None else None,
-                "roles": self.mover.state(), "loop_errors": self.loop_errors, **links}
+                "roles": self.mover.state(), "loop_errors": self.loop_errors, "kv_codecs": self.codecs.state(), **links}
 
     @takes(RegisterArgs)
     async def register(self, args: RegisterArgs) -> dict[str, Any]:
@@ -198,7 +207,8 @@ class Planner:
     async def report(self, args: ReportArgs) -> dict[str, Any]:
         """A worker's load report; ``bad_request`` with ``reregister`` for a worker the planner does
         not know (e.g. after a planner restart); ``bad_request`` (``quarantined``) for a report that
-        fails its checks: the worker leaves the routing view until it reports well again."""
+        fails its checks: the worker leaves the routing view until it reports well again. The answer
+        carries ``kv_codecs`` (link address -> codec) for a worker whose links the codec loop tracks."""
         try:
             self.registry.report(args.name, args.stats or {}, time.monotonic())
         except BadStats as e:
@@ -206,7 +216,8 @@ class Planner:
             raise RpcError(ErrorCode.BAD_REQUEST, f"report: {e}", quarantined=True) from None
         except RegistrationError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e), reregister=True) from None
-        return {"ok": True}
+        codecs = self.codecs.codecs_for(args.name)
+        return {"ok": True, "kv_codecs": codecs} if codecs else {"ok": True}
 
     @takes(ViewArgs)
     async def view(self, args: ViewArgs) -> dict[str, Any]:

@@ -199,7 +199,10 @@ class EmpiricalLengths:
 
 @dataclass(frozen=True)
 class Deployment:
-    """What is being modelled: instance counts, hardware, link (Gbps) and mean output length (tokens)."""
+    """What is being modelled: instance counts, hardware, link (Gbps) and mean output length (tokens).
+    ``kv_ratio``: the KV wire codec's compression (raw bytes per wire byte, >= 1 for a codec that
+    shrinks; 1 = none): the link carries ``S_kv(l) / kv_ratio`` per request, so eq. 3's link bound
+    and the egress scale with it, and the optimum threshold ``t`` moves with it."""
 
     n_prfaas: int
     n_p: int
@@ -209,6 +212,11 @@ class Deployment:
     pdd_hw: HardwareProfile
     link_gbps: float
     l_out: float
+    kv_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.kv_ratio > 0 and math.isfinite(self.kv_ratio)):
+            raise ValueError(f"kv_ratio must be a positive finite number, got {self.kv_ratio!r}")
 
 
 @dataclass(frozen=True)
@@ -246,9 +254,9 @@ def evaluate(dep: Deployment, dist: LengthDistribution, t: float) -> Evaluation:
         if dep.n_prfaas <= 0 or dep.prfaas_hw is None:
             th_c = th_l = 0.0
         else:
-            # Eq. 3: min(N_prfaas / T_prefill(l_long), B_out / S_kv(l_long))
+            # Eq. 3: min(N_prfaas / T_prefill(l_long), B_out / S_kv(l_long)); S_kv on the wire: / kv_ratio
             th_c = dep.n_prfaas / dep.prfaas_hw.t_prefill(l_long)
-            s = dep.prfaas_hw.s_kv(l_long)
+            s = dep.prfaas_hw.s_kv(l_long) / dep.kv_ratio
             th_l = dep.link_gbps * GBPS / (8 * s) if s > 0 else INF
     else:
         th_c = th_l = INF
@@ -268,7 +276,7 @@ def evaluate(dep: Deployment, dist: LengthDistribution, t: float) -> Evaluation:
     }
     bottleneck = min(STAGES, key=lambda k: bounds[k])
     lam = bounds[bottleneck]
-    egress = p * lam * 8 * dep.prfaas_hw.s_kv(l_long) / GBPS if p > 0 and dep.prfaas_hw else 0.0
+    egress = p * lam * 8 * dep.prfaas_hw.s_kv(l_long) / dep.kv_ratio / GBPS if p > 0 and dep.prfaas_hw else 0.0
     return Evaluation(t, p, l_short, l_long, th_c, th_l, th_prfaas, th_pdp, th_pdd, bounds, lam,
                       bottleneck, egress)
 
@@ -353,8 +361,10 @@ def optimize(
     link_gbps: float,
     l_out: float,
     grid: int = 400,
+    kv_ratio: float = 1.0,
 ) -> OperatingPoint:
-    """Search t and the PD split N_p + N_d = n_pd (eqs. 7-8) for the largest Lambda_max (req/s).
+    """Search t and the PD split N_p + N_d = n_pd (eqs. 7-8) for the largest Lambda_max (req/s);
+    ``kv_ratio`` is the KV wire codec's compression (see :class:`Deployment`).
 
     Invariant: every split 0..n_pd is tried, each with its own best t, so the result dominates the
     paper's joint grid search. Ties in Lambda go to the split nearest the eq. 8 balance
@@ -366,7 +376,7 @@ def optimize(
         n_d = n_pd - n_p
         if n_d == 0:
             continue
-        dep = Deployment(n_prfaas, n_p, n_d, prfaas_hw, pd_hw, pd_hw, link_gbps, l_out)
+        dep = Deployment(n_prfaas, n_p, n_d, prfaas_hw, pd_hw, pd_hw, link_gbps, l_out, kv_ratio)
         ev = best_threshold(dep, dist, grid)
         served = (ev.theta_prfaas if ev.p > 0 else 0.0) + (ev.theta_pdp if ev.p < 1 else 0.0)
         key = (round(ev.lambda_max, 9), -abs(served - ev.theta_pdd), -n_p)

@@ -17,6 +17,7 @@ def prefill_worker_from_args(args: argparse.Namespace, backend):
         backend, args.name, prefill_chunk_tokens=args.prefill_chunk_tokens, kv_stream=args.kv_stream, block_size=args.block_size,
         prefix_cache_bytes=args.prefix_cache_bytes if service.env_default("PRFAAS_PREFIX_CACHE", "1") != "0" else 0,
         checkpoint_every=args.checkpoint_every, cluster=getattr(args, "cluster", "pd"),
+        kv_wire_codec=args.kv_wire_codec, kv_wire_lossy_ok=args.kv_wire_lossy_ok,
         connections=args.kv_connections,
         chunk_bytes=args.kv_chunk_bytes, max_inflight_bytes=args.kv_max_inflight_bytes, stall_timeout=args.kv_send_stall_timeout,
         secret=peer_auth.ENV_SECRET, ssl=tls_client_context(args),

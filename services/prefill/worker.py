@@ -56,6 +56,7 @@ from proto.frames import ErrorCode
 from services.prefill.faults import Faults, FaultsDisabled
 from services.prefill.messages import ExportPrefixArgs, InjectFaultArgs, PrefillArgs
 from services.prefill.prefix import Hit, PrefillPrefix
+from services.prefill.wire_codec import WireCodec
 
 log = logging.getLogger("prfaas.prefill")
 
@@ -75,7 +76,8 @@ class PrefillWorker:
 
     def __init__(self, backend: Backend, name: str, *, prefill_chunk_tokens: int = 0, kv_stream: str = "layer",
                  prefix_cache_bytes: int = 1 << 30, block_size: int = 16, checkpoint_every: int = 32,
-                 cluster: str = "pd", **link_options: Any):
+                 cluster: str = "pd", kv_wire_codec: str = "none", kv_wire_lossy_ok: bool = False,
+                 **link_options: Any):
         if kv_stream not in ("layer", "after"):
             raise ValueError("kv_stream must be 'layer' (send each layer as it is computed) or 'after' (send after prefill)")
         self.backend = backend
@@ -84,7 +86,10 @@ class PrefillWorker:
         self.hist = process_histograms(PrefillHistograms)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.kv_stream = kv_stream
-        self.link_options = link_options
+        specs = getattr(backend, "state_specs", None) or [] if kv_wire_codec != "none" else []
+        kv = next((spec["k"] for spec in specs if "k" in spec), ("float32", [1, 1, -1, 64]))
+        self.wire = WireCodec(kv_wire_codec, kv_wire_lossy_ok, dtype=kv[0], row=int(kv[1][3]))  # raises ValueError
+        self.link_options = {**link_options, "meter": self.wire.meter}
         self.fingerprint = backend.loaded.fingerprint
         self.vocab_size = int(backend.loaded.model.config.vocab_size)
         self.faults = Faults()
@@ -114,7 +119,7 @@ class PrefillWorker:
         return {
             "waiting": self.waiting, "running": self.running, "kv_bytes_inflight": self.kv_bytes_inflight,
             "completed": self.completed, "cancelled": self.cancelled, "prompt_tokens": self.prompt_tokens,
-            "links": self.link_stats(), "request_tasks": service.live_call_tasks("prefill"),
+            "links": self.link_stats(), "kv_codec": self.wire.stats(), "request_tasks": service.live_call_tasks("prefill"),
             "kv_links_dropped": self.links_dropped,
             "prefix_pool_pages_used": self.prefix.store.pool.stats()["pages_used"] if self.prefix is not None else 0,
             "prefix_hit_tokens": self.prefix_hit_tokens,
@@ -339,7 +344,8 @@ class PrefillWorker:
         sent_at = 0.0
         sent_upto = [kv_from] * len(layouts)  # per attention layer: tokens already sent
         try:
-            transfer = await link.begin(req_id, layouts, n_in)
+            cap = link.stats.capacity_bytes_per_s()
+            transfer = await link.begin(req_id, layouts, n_in, codec=self.wire.for_link(link.addr, cap * 8 / 1e9 if cap else None))
             if self.kv_stream == "after":  # the non-pipelined baseline: nothing leaves before the prefill ends
                 await asyncio.shield(compute)
             while True:
@@ -383,6 +389,8 @@ class PrefillWorker:
                 "last_computed_at": last_computed,
                 "last_queued_at": sent_at,
                 "prefix_hit_tokens": hit.tokens,
+                "kv_codec": transfer.codec,
+                "kv_wire_bytes": transfer.bytes,  # bytes on the wire (raw KVCache bytes: the decode side's kv_bytes)
             }
             done: dict[str, Any] = {"first_token": first, "prompt_len": n_in, "timings": timings}
             if sampling.n > 1:
