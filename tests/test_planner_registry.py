@@ -42,10 +42,27 @@ def test_register_bad_role(role):
         msgspec.convert(wire(role=role), RegisterArgs)
 
 
-@pytest.mark.parametrize("cluster", ["", "PD", "remote", "local", None])
-def test_register_bad_cluster(cluster):
+@pytest.mark.parametrize("cluster", ["", None, 7, "a b", "x" * 65, "pd/0"])
+def test_register_malformed_cluster_name(cluster):
     with pytest.raises(msgspec.ValidationError, match=r"at `\$\.cluster`"):
         msgspec.convert(wire(cluster=cluster), RegisterArgs)
+
+
+@pytest.mark.parametrize("cluster", ["PD", "remote", "local"])
+async def test_planner_refuses_a_cluster_its_topology_does_not_name(cluster):
+    """A well-formed name outside the topology (the default: prfaas and pd) is bad_request at register,
+    before the registry sees it."""
+    from types import SimpleNamespace
+
+    from common.rpc.errors import RpcError
+    from proto.frames import ErrorCode
+    from services.planner.server import Planner
+    from services.planner.topology import default_topology
+
+    args = msgspec.convert(wire(cluster=cluster), RegisterArgs)  # the message itself is fine
+    with pytest.raises(RpcError, match=r"at `\$\.cluster`") as e:
+        await Planner.register(SimpleNamespace(topology=default_topology()), args)
+    assert e.value.code is ErrorCode.BAD_REQUEST
 
 
 @pytest.mark.parametrize("field", ["name", "role", "cluster", "addr"])

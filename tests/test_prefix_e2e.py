@@ -62,7 +62,8 @@ async def test_c01_exact_with_prefix_hits(cluster, route):
                     got = await greedy(s, c, p)
                     d1, p1 = await c.call("decode", "stats"), await c.call(prefill, "stats")
                     assert got == want, f"{spec} {route} length {n} ({attempt} send)"
-                    sent.append(d1["kv_receiver"]["bytes_received"] - d0["kv_receiver"]["bytes_received"])
+                    # KVCache bytes, whatever the wire codec
+                    sent.append(d1["kv_receiver"]["raw_bytes_received"] - d0["kv_receiver"]["raw_bytes_received"])
                     hit_d = d1["prefix_hit_tokens"] - d0["prefix_hit_tokens"]
                     hit_p = p1["prefix_hit_tokens"] - p0["prefix_hit_tokens"]
                     cacheable = (n - 1) // BS * BS  # full blocks, leaving at least the last token to compute

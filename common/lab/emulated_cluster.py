@@ -236,6 +236,9 @@ class EmulatedCluster:
     def _spawn_all(self) -> None:
         # the KV links' measurement windows (capacity, RTT floor, goodput) are emulated seconds too
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.scales.env(), PRFAAS_LINK_STATS_TIME_SCALE=repr(self.scales.time_scale))
+        # the emulated KV bytes are synthetic: a wire codec would change the emulated link's load by
+        # however well it compresses filler, so the emulated cluster always sends them as they are
+        env["PRFAAS_KV_WIRE_CODEC"] = "none"
         env.pop("PRFAAS_MODEL", None)
         for name, cmd in self.commands().items():
             with open(self.log_dir / f"{name}.log", "wb") as log:
