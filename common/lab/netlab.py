@@ -85,6 +85,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from common.lab.environ import EnvOverlay, has_secret
+
 SIDES = ("prfaas", "local")
 _VETH = {"prfaas": "veth-prfaas", "local": "veth-local"}  # interface names inside each namespace
 
@@ -258,7 +260,7 @@ class TwoDatacenters:
         self.veth = dict(_VETH)
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []
-        self._secret_set = False  # up() put a fresh PRFAAS_SHARED_SECRET in os.environ; down() removes it
+        self._env = EnvOverlay()  # up() may put a fresh PRFAAS_SHARED_SECRET in os.environ; down() removes it
         self.shaping: dict[str, Any] | None = None
         self.needs_userspace_proxy: list[str] = []
 
@@ -290,12 +292,10 @@ class TwoDatacenters:
         except BaseException:
             self.down()
             raise
-        if not (os.environ.get("PRFAAS_SHARED_SECRET") or os.environ.get("PRFAAS_SHARED_SECRET_FILE")
-                or os.environ.get("PRFAAS_CREDENTIALS_FILE")):
+        if not has_secret():
             # services bound to the lab's (non-loopback) addresses refuse to run without a secret, and
             # every process started from here on (in the lab or beside it) inherits this one
-            os.environ["PRFAAS_SHARED_SECRET"] = uuid.uuid4().hex
-            self._secret_set = True
+            self._env.set("PRFAAS_SHARED_SECRET", uuid.uuid4().hex)
         return self
 
     def down(self) -> None:
@@ -318,9 +318,7 @@ class TwoDatacenters:
         for ns in self._created:
             _delete_ns(ns)
         self._created.clear()
-        if self._secret_set:
-            os.environ.pop("PRFAAS_SHARED_SECRET", None)
-            self._secret_set = False
+        self._env.restore()
 
     def __enter__(self) -> TwoDatacenters:
         return self.up()

@@ -56,6 +56,7 @@ from typing import Any
 
 from common.lab import netlab
 from common.lab.cluster import Cluster, free_port
+from common.lab.environ import EnvOverlay
 from common.lab.link_proxy import LinkProxy, TokenBucket
 from common.lab.scrape import sample_value
 from common.rpc.client import RpcClient
@@ -186,7 +187,7 @@ class WanSystem:
     restarts: list[tuple[str, float]] = field(default_factory=list)  # (service, seconds to READY)
     _clients: dict[str, RpcClient] = field(default_factory=dict)
     _netem: bool = False
-    _saved_secret: tuple[bool, str | None] = (False, None)  # (set by start, the value before)
+    _env: EnvOverlay = field(default_factory=EnvOverlay)  # what start() set in os.environ; stop() restores it
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, timeout: float = 180.0) -> WanSystem:
@@ -209,8 +210,7 @@ class WanSystem:
             # the PrfaaS worker binds a namespace address, which needs a secret (never --insecure);
             # this process's own probes and clients read it from the environment, restored by stop()
             env["PRFAAS_SHARED_SECRET"] = secrets.token_hex(16)
-            self._saved_secret = (True, os.environ.get("PRFAAS_SHARED_SECRET"))
-            os.environ["PRFAAS_SHARED_SECRET"] = env["PRFAAS_SHARED_SECRET"]
+            self._env.set("PRFAAS_SHARED_SECRET", env["PRFAAS_SHARED_SECRET"])
         self.cluster = Cluster(
             model=self.model, threshold=self.threshold, env=env, log_dir=self.log_dir,
             decode_args=self.decode_args, second_decode_args=self.decode_args, preset_addrs=addrs,
@@ -222,21 +222,12 @@ class WanSystem:
             await asyncio.to_thread(self.cluster.start, timeout)
         except BaseException:
             await self.link.close()
-            self._restore_secret()
+            self._env.restore()
             raise
         self.stat_addrs = dict(self.cluster.addrs)  # direct addresses (the harness's probes skip the link)
         if self.lab is not None:
             self._netem = await asyncio.to_thread(netlab.netem_available)
         return self
-
-    def _restore_secret(self) -> None:
-        was_set, before = self._saved_secret
-        if was_set:
-            if before is None:
-                os.environ.pop("PRFAAS_SHARED_SECRET", None)
-            else:
-                os.environ["PRFAAS_SHARED_SECRET"] = before
-            self._saved_secret = (False, None)
 
     async def stop(self) -> None:
         """Stop every service and proxy, and the lab's shaping (idempotent)."""
@@ -246,7 +237,7 @@ class WanSystem:
         if self.cluster is not None:
             await asyncio.to_thread(self.cluster.stop)
         await self.link.close()
-        self._restore_secret()
+        self._env.restore()
         if self.lab is not None:
             with contextlib.suppress(netlab.NetlabError, OSError, subprocess.SubprocessError):
                 self.lab.clear_shaping()

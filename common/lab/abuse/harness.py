@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
 import secrets
 import time
@@ -40,6 +39,7 @@ from typing import Any
 import aiohttp
 
 from common.lab.cluster import Cluster
+from common.lab.environ import EnvOverlay
 from common.rpc.credentials import Credentials, keys_for
 
 MODEL = "tiny-dense"
@@ -154,7 +154,7 @@ class AbuseSystem:
         self.traffic: Traffic | None = None
         self.model_id = f"prfaas/{MODEL}"
         self.fingerprint: dict[str, Any] = {}
-        self._saved_env: dict[str, str | None] = {}  # what start() overwrote in os.environ; stop() restores it
+        self._env = EnvOverlay()  # what start() set in os.environ; stop() restores it
 
     def creds(self, role: str) -> Credentials:
         """The credentials a process of ``role`` would hold (its credentials file: only its pair keys)."""
@@ -168,9 +168,8 @@ class AbuseSystem:
         return self.cluster.addrs[name]
 
     async def start(self) -> AbuseSystem:
-        for k, v in {"PRFAAS_SHARED_SECRET": self.master.decode(), **ENV}.items():
-            self._saved_env.setdefault(k, os.environ.get(k))
-            os.environ[k] = v  # this process's own clients (probes) use the same secret and limits
+        # this process's own clients (probes) use the same secret and limits
+        self._env.update({"PRFAAS_SHARED_SECRET": self.master.decode(), **ENV})
         await asyncio.to_thread(self.cluster.start, 240.0)
         self.session = aiohttp.ClientSession()
         from common.lab.reference import reference_greedy, reference_model
@@ -190,12 +189,7 @@ class AbuseSystem:
         try:
             await asyncio.to_thread(self.cluster.stop)
         finally:
-            for k, v in self._saved_env.items():  # later code in this process must not inherit the secret
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            self._saved_env.clear()
+            self._env.restore()  # later code in this process must not inherit the secret
 
     # -- sampling --------------------------------------------------------------------------------
     async def rpc(self, service: str, method: str, args: dict | None = None) -> Any:
