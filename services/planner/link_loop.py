@@ -39,17 +39,30 @@ def _egress_and_capacity(workers: list[dict[str, Any]]) -> tuple[float, float | 
     return egress, capacity
 
 
+def _senders(view: list[dict[str, Any]], cluster: str) -> list[dict[str, Any]]:
+    return [w for w in view if w.get("alive") and w.get("role") == "prefill" and w.get("cluster") == cluster]
+
+
+def link_capacity_bps(topology: Topology, view: list[dict[str, Any]], key: str) -> float | None:
+    """Link ``key``'s capacity (bits/s): the best its senders measured (split over the source's
+    links) capped by the configured ``gbps``; None when neither is known."""
+    lk = next(lk for lk in topology.links.values() if lk.key == key)
+    fanout = sum(1 for (s, _) in topology.links if s == lk.src)
+    _, measured = _egress_and_capacity(_senders(view, lk.src))
+    caps = [c for c in (measured / fanout if measured else None, lk.gbps * 1e9 if lk.gbps else None) if c]
+    return min(caps) if caps else None
+
+
 def link_states(topology: Topology, view: list[dict[str, Any]]) -> dict[str, tuple[bool, float]]:
     """``{"src->dst": (up, headroom)}`` for every link, from the planner's worker ``view`` (dicts with
     ``role``, ``cluster``, ``alive`` and ``stats``; see the module docstring)."""
     out: dict[str, tuple[bool, float]] = {}
     for lk in topology.links.values():
-        ws = [w for w in view if w.get("alive") and w.get("role") == "prefill" and w.get("cluster") == lk.src]
+        ws = _senders(view, lk.src)
         fanout = sum(1 for (s, _) in topology.links if s == lk.src)
-        egress, measured = _egress_and_capacity(ws)
-        egress /= fanout
-        caps = [c for c in (measured / fanout if measured else None, lk.gbps * 1e9 if lk.gbps else None) if c]
-        headroom = 1.0 if not caps else min(1.0, max(0.0, 1.0 - egress / min(caps)))
+        egress = _egress_and_capacity(ws)[0] / fanout
+        cap = link_capacity_bps(topology, view, lk.key)
+        headroom = 1.0 if not cap else min(1.0, max(0.0, 1.0 - egress / cap))
         out[lk.key] = (bool(ws), round(headroom, 3))
     return out
 
