@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from common.lab.cluster import free_port
+from common.lab.scrape import sample_value
 from common.rpc.client import RpcClient
+from services.gateway.metrics import planner_families, render_families
 from services.planner.pair_loop import PairPlanner
 from services.planner.server import Planner
 from services.planner.topology import topology_from_dict
@@ -45,6 +47,10 @@ async def test_the_planner_sends_each_pairs_threshold_and_headroom_to_the_router
         assert router.links["pa->pd"].headroom == 0.5 and router.links["pb->pd"].headroom == 1.0
         st = await planner.status(None)
         assert st["links"]["pa->pd"] == {"up": True, "headroom": 0.5, "threshold": want["pa->pd"]}
+        text = render_families(planner_families(st)).decode()
+        assert sample_value(text, "prfaas_planner_link_headroom", link="pa->pd") == 0.5
+        assert sample_value(text, "prfaas_planner_link_up", link="pb->pd") == 1
+        assert sample_value(text, "prfaas_planner_pair_threshold_tokens", link="pb->pd") == want["pb->pd"]
     finally:
         await c.close()
         await planner.close()
