@@ -14,7 +14,7 @@ from common.lab.link_proxy import LinkProxy
 from common.transfer.ranges import tensor_ranges
 from common.transfer.receiver import KvReceiver
 from common.transfer.sender import KvLink
-from common.transfer.share import FairQueue, ShareGate
+from common.transfer.share import ClassMix, FairQueue, ShareGate
 from services.router.bandwidth import transfer_shares
 
 HIGH, NORMAL, LOW = -1, 0, 1
@@ -89,6 +89,18 @@ def test_forget_drops_a_transfer_and_inputs_are_checked():
         ShareGate(0)
 
 
+def test_class_mix_is_the_decayed_share_of_recent_bytes():
+    m = ClassMix(half_life_s=2.0)
+    assert m.shares(0.0) == {"high": 0.0, "normal": 0.0, "low": 0.0}
+    m.add(-1, 300, 0.0)
+    m.add(5, 100, 0.0)
+    assert m.shares(0.0) == {"high": 0.75, "normal": 0.0, "low": 0.25}
+    m.add(0, 200, 2.0)  # one half-life later the first 400 bytes count as 200
+    assert m.shares(2.0) == {"high": 0.375, "normal": 0.5, "low": 0.125}
+    with pytest.raises(ValueError):
+        ClassMix(0)
+
+
 async def test_gate_grants_by_weight_when_the_window_is_full_and_a_cancelled_waiter_leaves():
     gate = ShareGate(10)
     await gate.acquire("first", LOW, 10)  # fills the window
@@ -154,6 +166,8 @@ async def _two_transfers(prio_a: int, prio_b: int) -> tuple[float, float, float]
 
         await asyncio.wait_for(asyncio.gather(run("a"), run("b")), 40)
         assert rx.release("a") and rx.release("b")
+        snap = link.snapshot()  # what the planner reads for the per-class link headroom
+        assert abs(sum(snap[f"share_{c}"] for c in ("high", "normal", "low")) - 1.0) < 1e-9
         return done["a"], done["b"], b_at_a[0]
     finally:
         await link.close()

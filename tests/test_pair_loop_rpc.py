@@ -30,9 +30,11 @@ async def test_the_planner_sends_each_pairs_threshold_and_headroom_to_the_router
     await planner.server.start("127.0.0.1", int(p_addr.rsplit(":", 1)[1]))
     c = RpcClient(p_addr, service="test", name="test")
     try:
-        def links(cap, out):
-            return {"links": {"127.0.0.1:9": {"capacity_bps": cap, "goodput_window_bps": out}}}
-        for name, role, cluster, stats in [("a0", "prefill", "pa", links(100e9, 50e9)), ("b0", "prefill", "pb", links(25e9, 0.0)),
+        def links(cap, out, **mix):
+            return {"links": {"127.0.0.1:9": {"capacity_bps": cap, "goodput_window_bps": out, **mix}}}
+        # pa's link is half full of low-priority bytes; pb's is idle
+        for name, role, cluster, stats in [("a0", "prefill", "pa", links(100e9, 50e9, share_low=1.0)),
+                                           ("b0", "prefill", "pb", links(25e9, 0.0)),
                                            ("p0", "prefill", "pd", {}), ("d0", "decode", "pd", {}), ("d1", "decode", "pd", {})]:
             await c.call("register", {"name": name, "role": role, "cluster": cluster, "addr": f"{name}:1",
                                       "kv_addr": f"{name}:2" if role == "decode" else None, "stats": stats})
@@ -45,8 +47,11 @@ async def test_the_planner_sends_each_pairs_threshold_and_headroom_to_the_router
             await asyncio.sleep(0.05)
         assert router.pair_thresholds == want
         assert router.links["pa->pd"].headroom == 0.5 and router.links["pb->pd"].headroom == 1.0
+        # per class, under the 4:2:1 share: a high transfer would get 4/5 of pa's link, a low one what is free
+        classes = {"high": 0.8, "normal": 0.667, "low": 0.5}
+        assert router.links["pa->pd"].classes == classes and router.links["pa->pd"].headroom_for(-3) == 0.8
         st = await planner.status(None)
-        assert st["links"]["pa->pd"] == {"up": True, "headroom": 0.5, "threshold": want["pa->pd"]}
+        assert st["links"]["pa->pd"] == {"up": True, "headroom": 0.5, "threshold": want["pa->pd"], "classes": classes}
         text = render_families(planner_families(st)).decode()
         assert sample_value(text, "prfaas_planner_link_headroom", link="pa->pd") == 0.5
         assert sample_value(text, "prfaas_planner_link_up", link="pb->pd") == 1

@@ -245,3 +245,27 @@ def test_several_pd_clusters_decode_is_cache_affine_and_load_guarded_and_pd_pref
     assert (c.prefill, c.decode, c.fell_back) == ("pa", "west", True)
     p, c = place_multi(topo, 500, 1000, ws(e_running=5, west_prefill=False), {}, prefill_work={"a0": 2000.0})
     assert (c.prefill, c.decode) == ("east", "west")  # pa's queue: (2000 + 500) / 2 > 500 / 1
+
+
+def test_class_headroom_per_link_from_the_senders_mix_and_the_pair_rule_reads_the_requests_class():
+    from services.planner.link_loop import class_headrooms, classes_changed
+
+    def w(cluster, **snap):
+        return {"role": "prefill", "cluster": cluster, "alive": True, "stats": {"links": {"d0": snap}}}
+
+    # pa's link (cap 100) carries 96 Gbit/s, 3/4 of it low priority; pb's 20 of 25, no mix reported (normal)
+    view = [w("pa", goodput_window_bps=96e9, capacity_bps=100e9, share_low=0.75, share_high=0.25),
+            w("pb", goodput_window_bps=20e9)]
+    ch = class_headrooms(TOPO, view)
+    # pa (high 24, low 72 used): a high transfer gets 4/5 = 80 less the 24 high uses; a normal one 2/3 of
+    # the 76 high leaves; a low one 76 - 72. pb (normal 20 of 25): high 4/6 of 25; normal the free 5;
+    # low its assured 1/3 of 25
+    assert ch["pa->pd"] == {"high": 0.56, "normal": 0.507, "low": 0.04}
+    assert ch["pb->pd"] == {"high": 0.667, "normal": 0.2, "low": 0.333}
+    assert classes_changed({"pa->pd": ch["pa->pd"], "pb->pd": None}, ch) == ["pb->pd"]
+    links = {"pa->pd": LinkState(True, 0.2, ch["pa->pd"]), "pb->pd": LinkState(True, 0.2, ch["pb->pd"])}
+    # a high request sees pa's 0.56 (4000 / (2 * 0.56) = 3571 beats pb's 4000 / 0.667); a low one finds no
+    # room on pa (0.04 < MIN_HEADROOM)
+    assert choose_pair(TOPO, 4000, "pd", {}, ALL, {}, links, 1000, priority=-1).prefill == "pa"
+    assert choose_pair(TOPO, 4000, "pd", {}, ALL, {}, links, 1000, priority=5).prefill == "pb"
+    assert LinkState(True, 0.3).headroom_for(-1) == 0.3  # no class view: the link's headroom

@@ -50,7 +50,7 @@ from common.transfer.connection import LinkConnection, wait_cleared, wait_set_or
 from common.transfer.link_stats import LinkStats, windows_from_env
 from common.transfer.outbound import Transfer, TransferRefused
 from common.transfer.ranges import DEFAULT_CHUNK_BYTES, Range, split_ranges
-from common.transfer.share import ShareGate
+from common.transfer.share import ClassMix, ShareGate
 from common.transfer.tcp_info import read_tcp_info
 from proto.frames import (
     ErrorCode,
@@ -99,6 +99,7 @@ class KvLink:
         self._inflight = 0  # this link's bytes in the gate's window
         # the window and its weighted order (common/transfer/share.py): own, or a share group's
         self.gate = gate or ShareGate(max_inflight_bytes)
+        self.mix = ClassMix(windows_from_env().get("half_life_s", 5.0))  # recent bytes written, by priority class
         self._dial_lock = asyncio.Lock()
         self._ping_task: asyncio.Task | None = None
         self._closed = False
@@ -246,6 +247,7 @@ class KvLink:
             c.queued_bytes -= nbytes
             tr.mark_written(key)
             self.stats.on_bytes_sent(view.nbytes, c.last_io)
+            self.mix.add(tr.priority, view.nbytes, c.last_io)
             self._release(window)
 
     def _on_frame(self, c: LinkConnection, frame: Frame) -> None:
@@ -413,7 +415,9 @@ class KvLink:
             break
 
     def snapshot(self) -> dict[str, Any]:
-        """The link's congestion signals (see ``common/transfer/link_stats.py``) plus its live connections."""
+        """The link's congestion signals (see ``common/transfer/link_stats.py``) plus its live
+        connections, codec counters and ``share_high``/``share_normal``/``share_low`` (the fraction of
+        its recent bytes each priority class wrote, :class:`~common.transfer.share.ClassMix`)."""
         snap = self.stats.snapshot()
         snap["connections"] = len(self._live())
         raw = sum(r for r, _ in self.codec_bytes.values())
@@ -422,6 +426,8 @@ class KvLink:
         snap["kv_raw_bytes"] = float(raw)  # KVCache bytes queued, before coding
         snap["kv_wire_bytes"] = float(wire)  # ... and the bytes they became on the wire
         snap["codec_ratio"] = raw / wire if wire else 1.0
+        for cls, share in self.mix.shares(time.monotonic()).items():  # the planner's per-class link headroom
+            snap[f"share_{cls}"] = share
         return snap
 
     async def close(self) -> None:

@@ -233,6 +233,36 @@ class ShareGate:
         return {"inflight": self.inflight, "waiting": len(self.queue), "granted": dict(self.queue.granted)}
 
 
+class ClassMix:
+    """How a link's recent bytes split over the priority classes: per class, bytes with exponential
+    decay of half-life ``half_life_s`` seconds (the link's goodput EWMA's). :meth:`add` ``(priority,
+    nbytes, now)``; :meth:`shares` ``(now)`` -> ``{class: fraction}`` summing to 1 (all 0 before any
+    byte). Pure: the caller passes the clock (seconds). Raises ``ValueError`` for a half-life <= 0."""
+
+    def __init__(self, half_life_s: float = 5.0):
+        if not half_life_s > 0:
+            raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
+        self.half_life_s = half_life_s
+        self.bytes = {c: 0.0 for c in CLASSES}
+        self._at: float | None = None
+
+    def _decay(self, now: float) -> None:
+        if self._at is not None and now > self._at:
+            k = 0.5 ** ((now - self._at) / self.half_life_s)
+            for c in self.bytes:
+                self.bytes[c] *= k
+        self._at = now if self._at is None else max(self._at, now)
+
+    def add(self, priority: int, nbytes: int, now: float) -> None:
+        self._decay(now)
+        self.bytes[class_of(priority)] += nbytes
+
+    def shares(self, now: float) -> dict[str, float]:
+        self._decay(now)
+        total = sum(self.bytes.values())
+        return {c: (v / total if total > 0 else 0.0) for c, v in self.bytes.items()}
+
+
 _GROUPS: dict[str, ShareGate] = {}
 
 

@@ -80,6 +80,7 @@ class Planner:
         self._task: asyncio.Task | None = None
         self._link_task: asyncio.Task | None = None
         self.link_states: dict[str, tuple[bool, float]] = {}  # "src->dst" -> (up, headroom) last sent to the router
+        self.class_states: dict[str, dict[str, float] | None] = {}  # "src->dst" -> class headroom last sent
         self.server = RpcServer(
             "planner", name,
             handlers={"register": self.register, "report": self.report, "view": self.view, "health": self.health,
@@ -110,12 +111,13 @@ class Planner:
                 except Exception:  # a profile the model cannot use: the router keeps its thresholds
                     self.loop_errors += 1
                     log.exception("per-pair thresholds failed")
+            classes = link_loop.class_headrooms(self.topology, view)
             send = link_loop.changed(self.link_states, states)
-            for key in thresholds:
+            for key in [*thresholds, *link_loop.classes_changed(self.class_states, classes)]:
                 send.setdefault(key, states[key])
             for key, (up, headroom) in send.items():
                 src, dst = key.split("->")
-                args = {"src": src, "dst": dst, "up": up, "headroom": headroom}
+                args = {"src": src, "dst": dst, "up": up, "headroom": headroom, "class_headroom": classes.get(key)}
                 if key in thresholds:
                     args["threshold"] = thresholds[key]
                 try:
@@ -128,6 +130,7 @@ class Planner:
                 log.info("link %s: %s, headroom %.2f%s", key, "up" if up else "down", headroom,
                          f", threshold {thresholds[key]}" if key in thresholds else "")
                 self.link_states[key] = (up, headroom)
+                self.class_states[key] = classes.get(key)
                 if key in thresholds:
                     self.pair_thresholds[key] = thresholds[key]
 
@@ -209,7 +212,8 @@ class Planner:
             key = f"{w['role']}/{w['cluster']}"
             by[key] = by.get(key, 0) + int(w["alive"])
         links = {} if self.topology.is_default else {"links": {k: {"up": up, "headroom": h,
-                                                                   "threshold": self.pair_thresholds.get(k)}
+                                                                   "threshold": self.pair_thresholds.get(k),
+                                                                   "classes": self.class_states.get(k)}
                                                                for k, (up, h) in sorted(self.link_states.items())}}
         return {"alive": by, "loop": self.controller.state() if self.controller is not None else None,
                 "roles": self.mover.state(), "loop_errors": self.loop_errors, "kv_codecs": self.codecs.state(), **links}
