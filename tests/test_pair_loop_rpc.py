@@ -61,3 +61,39 @@ async def test_the_planner_sends_each_pairs_threshold_and_headroom_to_the_router
         await planner.close()
         await to_router.close()
         await router.close()
+
+
+async def test_a_router_of_two_pd_clusters_places_decode_in_one_and_prefill_in_the_others_pd_prefill():
+    topo = topology_from_dict({
+        "clusters": [{"name": "pa", "kind": "prfaas", "speed": 2.0}, {"name": "east", "kind": "pd"}, {"name": "west", "kind": "pd"}],
+        "links": [{"src": "pa", "dst": "west", "gbps": 25}, {"src": "east", "dst": "west", "gbps": 10}]})
+    p_addr, r_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    planner = Planner(dead_after=60.0, topology=topo)
+    await planner.server.start("127.0.0.1", int(p_addr.rsplit(":", 1)[1]))
+    router = Router(p_addr, 1000, topology=topo)
+    await router.server.start("127.0.0.1", int(r_addr.rsplit(":", 1)[1]))
+    c = RpcClient(p_addr, service="test", name="test")
+    to_router = RpcClient(r_addr, service="planner", name="planner")
+    try:
+        for name, role, cluster, stats in [("a0", "prefill", "pa", {}), ("e-p0", "prefill", "east", {}),
+                                           ("e-d0", "decode", "east", {"running": 5}), ("w-d0", "decode", "west", {})]:
+            await c.call("register", {"name": name, "role": role, "cluster": cluster, "addr": f"127.0.0.1:{free_port()}",
+                                      "kv_addr": "127.0.0.1:9" if role == "decode" else None, "stats": stats})
+        await router.refresh_view()
+        await to_router.call("set_link", {"src": "pa", "dst": "west", "up": False, "headroom": 1.0})
+        p = await to_router.call("place", {"req_id": "r1", "prompt_len": 4000, "priority": -1})
+        # the least loaded decode worker is west's; west has no prefill node and pa's link is down: east's PD-P
+        assert (p["decode"]["name"], p["prefill"]["name"], p["prefill"]["cluster"], p["route"], p["multi"]) == \
+            ("w-d0", "e-p0", "east", "remote", True)
+        await to_router.call("set_link", {"src": "pa", "dst": "west", "up": True, "headroom": 1.0,
+                                          "class_headroom": {"high": 0.8, "normal": 0.5, "low": 0.04}})
+        p = await to_router.call("place", {"req_id": "r2", "prompt_len": 4000, "priority": -1})
+        assert p["prefill"]["cluster"] == "pa"  # up again: 4000 / (2 * 0.8) beats east's 4000 / 1 (+ r1's queue)
+        p = await to_router.call("place", {"req_id": "r3", "prompt_len": 4000, "priority": 3})
+        assert p["prefill"]["cluster"] == "east"  # the low class has no room on pa's link
+        assert (await to_router.call("stats", {}))["pair_decisions"] == {"east->west": 2, "pa->west": 1}
+    finally:
+        await c.close()
+        await to_router.close()
+        await router.close()
+        await planner.server.close()
