@@ -11,9 +11,10 @@ threshold ``t`` with ``p = P(L > t)``, ``l_long = E[L | L > t]``, ``l_short = E[
 * **eq. 3 per pair**: ``Theta_S = min(n_S / T_S(l_long), B_S / (S_kv,S(l_long) / r_S))``, each pair
   bound by its own compute and its own link;
 * the remote side serves ``Theta_remote = sum_S Theta_S``, the long requests split over the pairs in
-  proportion to their capacities, ``share_S = Theta_S / Theta_remote`` (the router's pair score,
-  queued work over speed and link headroom, :mod:`services.router.pairs`, sends each pair work in
-  that proportion); pair ``S`` takes ``p_S = share_S * p`` of all requests;
+  proportion to their capacities, ``share_S = Theta_S / Theta_remote`` (an assumption: the router's
+  pair score, queued work over speed and link headroom, :mod:`services.router.pairs`, balances the
+  pairs' queues, which approximates that split when they are busy); pair ``S`` takes
+  ``p_S = share_S * p`` of all requests;
 * **eq. 6**: ``Lambda_max = min(Theta_remote / p, Theta_pdp / (1 - p), Theta_pdd)`` with eqs. 4-5 of
   ``D``'s own PD-P and PD-D;
 * **eq. 2 per link**: each link's egress at ``Lambda_max`` is ``p_S * Lambda_max * 8 * S_kv,S(l_long) /
