@@ -44,5 +44,8 @@ async def test_blackholing_one_prfaas_link_moves_long_requests_to_the_other(tmp_
         assert st["topology"]["clusters"] == ["pa", "pb", "pd"]
         # the planner's per-link loop saw pa's workers go silent and told the router the link is down
         assert st["topology"]["links"]["pa->pd"]["up"] is False and st["topology"]["links"]["pb->pd"]["up"] is True
+        # ... and, from the senders' per-class byte mix, each class's headroom on pb's link
+        classes = st["topology"]["links"]["pb->pd"]["classes"]
+        assert set(classes) == {"high", "normal", "low"} and all(0.0 <= v <= 1.0 for v in classes.values()), classes
     finally:
         await c.stop()

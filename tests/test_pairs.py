@@ -209,3 +209,63 @@ def test_link_states_come_from_the_source_clusters_reports():
     assert changed(old, {"pa->pd": (True, 0.53), "pb->pd": (True, 1.0)}) == {"pb->pd": (True, 1.0)}
     assert changed(old, {"pa->pd": (True, 0.44), "pb->pd": (False, 1.0)}) == {"pa->pd": (True, 0.44)}
     assert changed({}, old) == old
+
+
+def test_several_pd_clusters_decode_is_cache_affine_and_load_guarded_and_pd_prefill_serves_another_pd():
+    from services.router.multi import place_multi
+
+    topo = topology_from_dict({
+        "clusters": [{"name": "pa", "kind": "prfaas", "speed": 2.0}, {"name": "east", "kind": "pd"}, {"name": "west", "kind": "pd"}],
+        "links": [{"src": "pa", "dst": "east", "gbps": 100}, {"src": "pa", "dst": "west", "gbps": 25},
+                  {"src": "east", "dst": "west", "gbps": 10}]})
+    assert topo.pairs() == [("east", "east"), ("east", "west"), ("pa", "east"), ("pa", "west"), ("west", "west")]
+
+    def w(name, role, cluster, **stats):
+        return {"name": name, "role": role, "cluster": cluster, "alive": True, "addr": name + ":1", "stats": stats}
+
+    def ws(e_running=0, west_prefill=True):
+        return [w("a0", "prefill", "pa"), w("e-p0", "prefill", "east"), w("e-d0", "decode", "east", running=e_running),
+                w("w-d0", "decode", "west"), w("w-d1", "decode", "west", running=1)]+ (
+                [w("w-p0", "prefill", "west")] if west_prefill else [])
+
+    # no cache anywhere: the least loaded decode worker, whichever PD cluster it is in
+    p, c = place_multi(topo, 500, 1000, ws(e_running=2), {})
+    assert (p.decode["name"], c.decode, c.prefill, p.prefill["name"]) == ("w-d0", "west", "west", "w-p0")
+    # the cached prefix wins the decode cluster (load 1 is within the guard): east, and its pair with pa
+    p, c = place_multi(topo, 4000, 1000, ws(e_running=1), {}, block_size=16, prefix_blocks={"e-d0": 10})
+    assert (p.decode["name"], c.decode, c.prefill, p.route) == ("e-d0", "east", "pa", "remote")
+    # ... unless its holder is loaded past the guard (5 > 2 * 0.5 + 1): west again
+    p, c = place_multi(topo, 4000, 1000, ws(e_running=5), {}, block_size=16, prefix_blocks={"e-d0": 10})
+    assert c.decode == "west" and c.prefill == "pa"
+    # pa's link into west is down: east's prefill nodes serve west's decode over east -> west
+    p, c = place_multi(topo, 4000, 1000, ws(e_running=5), {}, links={"pa->west": LinkState(False)})
+    assert (c.prefill, c.decode, p.prefill["name"], p.decode["name"], p.route) == ("east", "west", "e-p0", "w-d0", "remote")
+    # west has no prefill node: even a short prompt is prefilled in a linked cluster, the best score (pa: 500 / 2)
+    p, c = place_multi(topo, 500, 1000, ws(e_running=5, west_prefill=False), {})
+    assert (c.prefill, c.decode, c.fell_back) == ("pa", "west", True)
+    p, c = place_multi(topo, 500, 1000, ws(e_running=5, west_prefill=False), {}, prefill_work={"a0": 2000.0})
+    assert (c.prefill, c.decode) == ("east", "west")  # pa's queue: (2000 + 500) / 2 > 500 / 1
+
+
+def test_class_headroom_per_link_from_the_senders_mix_and_the_pair_rule_reads_the_requests_class():
+    from services.planner.link_loop import class_headrooms, classes_changed
+
+    def w(cluster, **snap):
+        return {"role": "prefill", "cluster": cluster, "alive": True, "stats": {"links": {"d0": snap}}}
+
+    # pa's link (cap 100) carries 96 Gbit/s, 3/4 of it low priority; pb's 20 of 25, no mix reported (normal)
+    view = [w("pa", goodput_window_bps=96e9, capacity_bps=100e9, share_low=0.75, share_high=0.25),
+            w("pb", goodput_window_bps=20e9)]
+    ch = class_headrooms(TOPO, view)
+    # pa (high 24, low 72 used): a high transfer gets 4/5 = 80 less the 24 high uses; a normal one 2/3 of
+    # the 76 high leaves; a low one 76 - 72. pb (normal 20 of 25): high 4/6 of 25; normal the free 5;
+    # low its assured 1/3 of 25
+    assert ch["pa->pd"] == {"high": 0.56, "normal": 0.507, "low": 0.04}
+    assert ch["pb->pd"] == {"high": 0.667, "normal": 0.2, "low": 0.333}
+    assert classes_changed({"pa->pd": ch["pa->pd"], "pb->pd": None}, ch) == ["pb->pd"]
+    links = {"pa->pd": LinkState(True, 0.2, ch["pa->pd"]), "pb->pd": LinkState(True, 0.2, ch["pb->pd"])}
+    # a high request sees pa's 0.56 (4000 / (2 * 0.56) = 3571 beats pb's 4000 / 0.667); a low one finds no
+    # room on pa (0.04 < MIN_HEADROOM)
+    assert choose_pair(TOPO, 4000, "pd", {}, ALL, {}, links, 1000, priority=-1).prefill == "pa"
+    assert choose_pair(TOPO, 4000, "pd", {}, ALL, {}, links, 1000, priority=5).prefill == "pb"
+    assert LinkState(True, 0.3).headroom_for(-1) == 0.3  # no class view: the link's headroom

@@ -207,7 +207,8 @@ ROLE_CHANGE_KINDS = ("to_prefill", "to_decode", "done", "failed", "no_switchable
 def planner_families(status: dict[str, Any]) -> list[Metric]:
     """The planner's ``status`` as families: alive workers by role/cluster; when the short-timescale
     loop runs, its threshold and anchor (tokens, rounded to whole tokens), regime and decision
-    counters; the link capacity (Gbit/s, 3 decimals) when known; the long-timescale loop's epoch,
+    counters; the link capacity (Gbit/s, 3 decimals) when known; with a topology file each link's up,
+    headroom and pair threshold (label ``link``: ``src->dst``); the long-timescale loop's epoch,
     role changes and decisions; loop errors."""
     alive = [(key.partition("/")[::2], n) for key, n in sorted((status.get("alive") or {}).items())]
     ctl = status.get("loop") or {}
@@ -232,6 +233,17 @@ def planner_families(status: dict[str, Any]) -> list[Metric]:
     if link:
         families.append(_family("gauge", "prfaas_planner_link_gbps", "Cross-cluster link capacity, Gbit/s: measured "
                                 "(KV senders' estimate) and used by the loop.", ["source"], link))
+    links = sorted((status.get("links") or {}).items())  # with a --topology file: each link's state
+    if links:
+        families += [
+            _family("gauge", "prfaas_planner_link_up", "1 while a link's source cluster reports (per-link loop).", ["link"],
+                    [((k, ), int(bool(v.get("up")))) for k, v in links]),
+            _family("gauge", "prfaas_planner_link_headroom", "Share of a link's capacity free (per-link loop, 0-1).", ["link"],
+                    [((k, ), v.get("headroom", 1.0)) for k, v in links]),
+            _family("gauge", "prfaas_planner_pair_threshold_tokens",
+                    "The pair's threshold from the per-pair model (eq. 7 per pair), tokens.", ["link"],
+                    [((k, ), v["threshold"]) for k, v in links if v.get("threshold") is not None]),
+        ]
     codecs = (status.get("kv_codecs") or {}).get("decisions") or {}
     families.append(_family("counter", "prfaas_planner_kv_codec_decisions_total",
                             "KV wire codec changes the planner made for links in auto mode, by codec.", ["codec"],

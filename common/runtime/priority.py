@@ -27,6 +27,7 @@ PRIORITY_MIN = -1024
 PRIORITY_MAX = 1024
 DEFAULT_PRIORITY = 0
 CLASSES = ("high", "normal", "low")
+CLASS_WEIGHTS = {"high": 4.0, "normal": 2.0, "low": 1.0}  # link share weights (services/router/bandwidth.py)
 LOW_CLASS_SHARE = 0.75  # the low class may hold at most this share of an admission cap
 
 

@@ -38,6 +38,7 @@ class Transfer:
         self.layouts = layouts
         self.codec = "none"
         self.codec_offer = "none"  # the codec KV_BEGIN offered
+        self.priority = 0  # the request's priority: its class's share of the link (common/transfer/share.py)
         self.raw_bytes = 0
         self.admitted = asyncio.Event()
         self.acked = asyncio.Event()

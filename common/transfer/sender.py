@@ -8,7 +8,10 @@ Transfer lifecycle on the sender (who frees what):
 2. :meth:`KvLink.send` cuts byte ranges into chunks (``chunk_bytes``), codes each with the transfer's
    admitted codec (in a thread, :mod:`common.transfer.coded`; ``none`` sends the views themselves) and
    stripes them over the live connections, each chunk to the connection with the fewest queued bytes. Bytes written but not yet
-   drained are bounded per peer (``max_inflight_bytes``): ``send`` waits for room (backpressure).
+   drained are bounded per peer (``max_inflight_bytes``): ``send`` waits for room (backpressure), and
+   the chunks waiting for room are let in by priority-weighted fair queueing
+   (:class:`~common.transfer.share.ShareGate`: the high, normal and low classes get 4 : 2 : 1 of the
+   bytes while all wait, none is starved); links given one ``gate`` share its window and its order.
 3. :meth:`KvLink.finish` waits until every chunk is written, sends ``KV_DONE`` and waits for
    ``KV_ACK``. The transfer keeps views of the chunks (not copies) until then, so chunks that were on a
    connection that died or stalled are re-sent on the others; the receiver ignores duplicates.
@@ -47,6 +50,7 @@ from common.transfer.connection import LinkConnection, wait_cleared, wait_set_or
 from common.transfer.link_stats import LinkStats, windows_from_env
 from common.transfer.outbound import Transfer, TransferRefused
 from common.transfer.ranges import DEFAULT_CHUNK_BYTES, Range, split_ranges
+from common.transfer.share import ClassMix, ShareGate
 from common.transfer.tcp_info import read_tcp_info
 from proto.frames import (
     ErrorCode,
@@ -68,7 +72,7 @@ class KvLink:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_inflight_bytes: int = 64 << 20, stall_timeout: float = 5.0,
                  ping_interval: float = 1.0, ping_timeout: float = 3.0, idle_check_s: float = 2.0,
                  connect_timeout: float = 5.0, secret: Any = None, ssl: ssl_mod.SSLContext | None = None,
-                 meter: CodecMeter | None = None):
+                 meter: CodecMeter | None = None, gate: ShareGate | None = None):
         if connections < 1:
             raise ValueError("a link needs at least one connection")
         self.addr = addr
@@ -92,8 +96,10 @@ class KvLink:
         self.codec_bytes: dict[str, list[int]] = {}  # admitted codec -> [raw bytes, wire bytes] sent
         self.codec = "none"  # the codec of the latest transfer (for /metrics)
         self._ids = itertools.count()
-        self._inflight = 0
-        self._room = asyncio.Event()
+        self._inflight = 0  # this link's bytes in the gate's window
+        # the window and its weighted order (common/transfer/share.py): own, or a share group's
+        self.gate = gate or ShareGate(max_inflight_bytes)
+        self.mix = ClassMix(windows_from_env().get("half_life_s", 5.0))  # recent bytes written, by priority class
         self._dial_lock = asyncio.Lock()
         self._ping_task: asyncio.Task | None = None
         self._closed = False
@@ -241,6 +247,7 @@ class KvLink:
             c.queued_bytes -= nbytes
             tr.mark_written(key)
             self.stats.on_bytes_sent(view.nbytes, c.last_io)
+            self.mix.add(tr.priority, view.nbytes, c.last_io)
             self._release(window)
 
     def _on_frame(self, c: LinkConnection, frame: Frame) -> None:
@@ -269,11 +276,10 @@ class KvLink:
             tr.acked.set()
 
     # -- flow control --------------------------------------------------------------------------
-    async def _acquire(self, n: int) -> None:
-        """Wait until ``n`` more bytes fit in the peer's in-flight window (one chunk always fits)."""
-        while not (self._inflight == 0 or self._inflight + n <= self.max_inflight_bytes):
-            self._room.clear()
-            await self._room.wait()
+    async def _acquire(self, tr: Transfer, n: int) -> None:
+        """Wait until the gate grants ``n`` more bytes of its in-flight window to ``tr`` (one chunk
+        always fits in an empty window; waiting chunks go in the gate's priority-weighted order)."""
+        await self.gate.acquire(tr.req_id, tr.priority, n)
         self._inflight += n
         self.stats.bytes_queued = self._inflight
 
@@ -281,15 +287,16 @@ class KvLink:
         if n:
             self._inflight -= n
             self.stats.bytes_queued = self._inflight
-            self._room.set()
+            self.gate.release(n)
 
     # -- transfer API -------------------------------------------------------------------------
     async def begin(self, req_id: str, layouts: list[Layout], prompt_len: int, *, deadline_s: float = 60.0,
-                    codec: str = "none") -> Transfer:
+                    codec: str = "none", priority: int = 0) -> Transfer:
         """Announce a transfer, offering ``codec`` (one of :data:`codecs.NAMES`) for its K/V, and wait
         for admission; the returned transfer's ``codec`` is the one the receiver admitted (``none``
-        from a receiver that names none). Raises :class:`TransferRefused`, :class:`Unavailable`,
-        ``ValueError`` for an unknown codec."""
+        from a receiver that names none). ``priority`` (the request's; lower first) picks the class
+        whose weighted share of the link its chunks get (:mod:`common.transfer.share`). Raises
+        :class:`TransferRefused`, :class:`Unavailable`, ``ValueError`` for an unknown codec."""
         if codec not in codecs.NAMES:
             raise ValueError(f"unknown KV codec {codec!r}; one of {', '.join(codecs.NAMES)}")
         await self.ensure_connected()
@@ -297,6 +304,7 @@ class KvLink:
         await self.ensure_connected()
         tr = Transfer(req_id, layouts)
         tr.codec_offer = codec
+        tr.priority = priority
         self.transfers[req_id] = tr
         end = time.monotonic() + deadline_s
         header = {"req_id": req_id, "num_layers": len(layouts), "prompt_len": prompt_len, "layers": layouts}
@@ -335,6 +343,7 @@ class KvLink:
                 await asyncio.sleep(max(0.01, retry))
         except BaseException:
             self.transfers.pop(req_id, None)
+            self.gate.forget(req_id)
             raise
 
     async def send(self, tr: Transfer, layer: int, ranges: list[Range]) -> None:
@@ -351,7 +360,7 @@ class KvLink:
             extra: dict[str, Any] = {}
             if tr.codec != "none":
                 view, extra = await asyncio.to_thread(encode_chunk, tr.codec, tr.layouts[layer], off, view, self.meter)
-            await self._acquire(view.nbytes)
+            await self._acquire(tr, view.nbytes)
             if not self._live():
                 self._release(view.nbytes)
                 raise Unavailable(f"no live connection to {self.addr}")
@@ -390,6 +399,7 @@ class KvLink:
                         return
         finally:
             self.transfers.pop(tr.req_id, None)
+            self.gate.forget(tr.req_id)
             tr.chunks.clear()
 
     def abort(self, tr: Transfer, reason: str) -> None:
@@ -397,6 +407,7 @@ class KvLink:
         tr.error = tr.error or reason
         tr.acked.set()
         self.transfers.pop(tr.req_id, None)
+        self.gate.forget(tr.req_id)
         tr.chunks.clear()
         for c in self._live():
             with contextlib.suppress(Exception):
@@ -404,7 +415,9 @@ class KvLink:
             break
 
     def snapshot(self) -> dict[str, Any]:
-        """The link's congestion signals (see ``common/transfer/link_stats.py``) plus its live connections."""
+        """The link's congestion signals (see ``common/transfer/link_stats.py``) plus its live
+        connections, codec counters and ``share_high``/``share_normal``/``share_low`` (the fraction of
+        its recent bytes each priority class wrote, :class:`~common.transfer.share.ClassMix`)."""
         snap = self.stats.snapshot()
         snap["connections"] = len(self._live())
         raw = sum(r for r, _ in self.codec_bytes.values())
@@ -413,6 +426,8 @@ class KvLink:
         snap["kv_raw_bytes"] = float(raw)  # KVCache bytes queued, before coding
         snap["kv_wire_bytes"] = float(wire)  # ... and the bytes they became on the wire
         snap["codec_ratio"] = raw / wire if wire else 1.0
+        for cls, share in self.mix.shares(time.monotonic()).items():  # the planner's per-class link headroom
+            snap[f"share_{cls}"] = share
         return snap
 
     async def close(self) -> None:

@@ -69,6 +69,12 @@ def add_prefill_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-
                    help="TCP connections per decode peer; chunks are striped across them")
     p.add_argument("--kv-chunk-bytes", type=int, default=4 << 20, help="most KV bytes per frame")
     p.add_argument("--kv-max-inflight-bytes", type=int, default=64 << 20, help="KV bytes written but not drained, per peer")
+    p.add_argument("--kv-share-group", default=None,
+                   help="the workers of one process naming this group share one KV window (--kv-max-inflight-bytes) "
+                        "and its priority-weighted chunk order across all their decode peers (common/transfer/share.py)")
+    p.add_argument("--kv-share-gbps", type=float, default=None,
+                   help="pace the share group's KV chunks at this rate (Gbit/s; the link's capacity or just below it), "
+                        "so the weighted order forms here and not in FIFO socket buffers; default: no pacing")
     p.add_argument(stall_flag, dest="kv_send_stall_timeout", type=float, default=5.0,
                    help="seconds a write may take to drain before its connection is replaced")
     p.add_argument("--prefill-chunk-tokens", type=int, default=int(service.env_default("PRFAAS_PREFILL_CHUNK_TOKENS", "0")),

@@ -58,6 +58,9 @@ class LinkSnapshot(msgspec.Struct):
     kv_raw_bytes: Amount | None = None
     kv_wire_bytes: Amount | None = None
     codec_ratio: Amount | None = None
+    share_high: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # fraction of recent bytes by class
+    share_normal: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    share_low: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
 
 
 class PrefixCacheStats(msgspec.Struct):

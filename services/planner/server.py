@@ -19,6 +19,7 @@ import asyncio
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 from common.obs.families import planner_families
@@ -33,12 +34,14 @@ from proto.frames import ErrorCode
 from services.planner import link_loop
 from services.planner.long_loop import LongConfig, LongLoop
 from services.planner.messages import BadStats, MoveWorkerArgs, RegisterArgs, ReportArgs, ViewArgs
+from services.planner.pair_loop import PairPlanner
 from services.planner.registry import RegistrationError, RegistryFull, WorkerRegistry
 from services.planner.roles import RoleMover
 from services.planner.topology import Topology, TopologyError, default_topology, load_topology
 from services.planner.wire_codecs import CodecPlanner
 
 log = logging.getLogger("prfaas.planner")
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
 # Who may call what, when peers authenticate (common.rpc.credentials): workers register and report,
 # only the operator moves workers; the rest (view, status, health) is open to every role.
@@ -59,8 +62,10 @@ class Planner:
     def __init__(self, name: str = "planner", dead_after: float = 3.0, controller: Any = None, loop_interval: float = 1.0,
                  mover: RoleMover | None = None, router: RpcClient | None = None, workload_refresh: float = 30.0,
                  workload_samples: int = 400, forget_after: float = 300.0, insecure: Any = None,
-                 topology: Topology | None = None):
+                 topology: Topology | None = None, pair_planner: PairPlanner | None = None):
         self.topology = topology or default_topology()
+        self.pair_planner = pair_planner  # per-pair thresholds (eq. 7 per pair), with --profile and a topology file
+        self.pair_thresholds: dict[str, int] = {}  # "src->dst" -> t last sent to the router
         self.registry = WorkerRegistry(dead_after=dead_after, forget_after=forget_after)
         self.controller = controller  # a services.planner.control.Controller, or None (no scheduling loop)
         self.workers = ClientPool(service="planner", name=name, connect_timeout=2.0, peer="PD worker")
@@ -75,6 +80,7 @@ class Planner:
         self._task: asyncio.Task | None = None
         self._link_task: asyncio.Task | None = None
         self.link_states: dict[str, tuple[bool, float]] = {}  # "src->dst" -> (up, headroom) last sent to the router
+        self.class_states: dict[str, dict[str, float] | None] = {}  # "src->dst" -> class headroom last sent
         self.server = RpcServer(
             "planner", name,
             handlers={"register": self.register, "report": self.report, "view": self.view, "health": self.health,
@@ -90,20 +96,43 @@ class Planner:
             self._link_task = asyncio.create_task(self._link_loop(), name="planner-link-loop")
 
     async def _link_loop(self) -> None:
-        """Every ``loop_interval``: each link's state from the reports (:func:`link_loop.link_states`),
+        """Every ``loop_interval``: each link's state from the reports (:func:`link_loop.link_states`)
+        and, with a :class:`PairPlanner`, the per-pair thresholds once held (:mod:`services.planner.pair_loop`);
         the changed ones sent to the router's ``set_link``."""
         while True:
             await asyncio.sleep(self.loop_interval)
-            states = link_loop.link_states(self.topology, self.registry.view(time.monotonic()))
-            for key, (up, headroom) in link_loop.changed(self.link_states, states).items():
-                src, dst = key.split("->")
+            now = time.monotonic()
+            view = self.registry.view(now)
+            states = link_loop.link_states(self.topology, view)
+            thresholds: dict[str, int] = {}
+            if self.pair_planner is not None:
                 try:
-                    await self.router.call("set_link", {"src": src, "dst": dst, "up": up, "headroom": headroom}, timeout=2.0)
+                    thresholds = self.pair_planner.tick(now, self.topology, view)
+                except Exception:  # a profile the model cannot use: the router keeps its thresholds
+                    self.loop_errors += 1
+                    log.exception("per-pair thresholds failed")
+            classes = link_loop.class_headrooms(self.topology, view)
+            send = link_loop.changed(self.link_states, states)
+            for key in [*thresholds, *link_loop.classes_changed(self.class_states, classes)]:
+                send.setdefault(key, states[key])
+            for key, (up, headroom) in send.items():
+                src, dst = key.split("->")
+                args = {"src": src, "dst": dst, "up": up, "headroom": headroom, "class_headroom": classes.get(key)}
+                if key in thresholds:
+                    args["threshold"] = thresholds[key]
+                try:
+                    await self.router.call("set_link", args, timeout=2.0)
                 except (RpcError, TimeoutError, OSError):
                     self.loop_errors += 1
+                    if key in thresholds:
+                        self.pair_planner.hold.applied.pop(key, None)  # not sent: hand it on again next tick
                     continue
-                log.info("link %s: %s, headroom %.2f", key, "up" if up else "down", headroom)
+                log.info("link %s: %s, headroom %.2f%s", key, "up" if up else "down", headroom,
+                         f", threshold {thresholds[key]}" if key in thresholds else "")
                 self.link_states[key] = (up, headroom)
+                self.class_states[key] = classes.get(key)
+                if key in thresholds:
+                    self.pair_thresholds[key] = thresholds[key]
 
     async def close(self) -> None:
         await service.stop_task(self._task)
@@ -182,8 +211,10 @@ class Planner:
         for w in workers:
             key = f"{w['role']}/{w['cluster']}"
             by[key] = by.get(key, 0) + int(w["alive"])
-        links = {} if self.topology.is_default else {"links": {k: {"up": up, "headroom": h} for k, (up, h) in
-                                                               sorted(self.link_states.items())}}
+        links = {} if self.topology.is_default else {"links": {k: {"up": up, "headroom": h,
+                                                                   "threshold": self.pair_thresholds.get(k),
+                                                                   "classes": self.class_states.get(k)}
+                                                               for k, (up, h) in sorted(self.link_states.items())}}
         return {"alive": by, "loop": self.controller.state() if self.controller is not None else None,
                 "roles": self.mover.state(), "loop_errors": self.loop_errors, "kv_codecs": self.codecs.state(), **links}
 
@@ -262,9 +293,12 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
             long_cfg = LongConfig(period_s=args.long_period, hold_s=args.long_hold, cooldown_s=args.long_cooldown)
             mover = RoleMover(LongLoop(long_cfg), controller.base, dist, lambda addr: planner.workers.get(addr),
                               drain_timeout_s=args.drain_timeout)
+    pair_planner = None
+    if args.profile and not topology.is_default:
+        pair_planner = pair_planner_from(topology, profile, dist, args.l_out, args.pair_hold)
     planner = Planner(args.name, args.dead_after, controller=controller, loop_interval=args.loop_interval, mover=mover,
                       router=router, workload_refresh=args.workload_refresh, workload_samples=args.workload_samples,
-                      forget_after=args.forget_after, insecure=args.insecure, topology=topology)
+                      forget_after=args.forget_after, insecure=args.insecure, topology=topology, pair_planner=pair_planner)
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_PLANNER_ADDR"))
     await planner.server.start(host, port)
     planner.start()
@@ -280,6 +314,25 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
     await planner.close()
     if router is not None:
         await router.close()
+
+
+def pair_planner_from(topology: Topology, pd_profile: dict[str, Any], dist: Any, l_out: float, hold_s: float) -> PairPlanner:
+    """The per-pair thresholds' planner: each cluster's ``profile`` from the topology (a name in
+    ``services/planner/profiles`` or a path; a cluster without one, or one the model cannot read, is
+    left out: its pairs keep the router's threshold), ``pd_profile`` for PD clusters without one."""
+    from services.planner import throughput as tm
+    from services.planner.control import load_profile
+
+    profiles = {}
+    for name, c in topology.clusters.items():
+        if not c.profile:
+            continue
+        path = c.profile if c.profile.endswith(".json") or "/" in c.profile else str(PROFILES_DIR / f"{c.profile}.json")
+        try:
+            profiles[name] = tm.HardwareProfile.from_dict(load_profile(path))
+        except (OSError, ValueError) as e:
+            log.warning("cluster %s: profile %s left out of the per-pair model: %s", name, c.profile, e)
+    return PairPlanner(profiles, tm.HardwareProfile.from_dict(pd_profile), dist, l_out, hold_s)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -327,6 +380,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload-samples", type=int, default=400,
                    help="with --profile: how many of the router's latest incremental lengths both loops model the workload "
                         "on (fewer follow a shift sooner, more are less noisy)")
+    p.add_argument("--pair-hold", type=float, default=30.0,
+                   help="with --profile and a --topology file: seconds a pair's new eq. 7 threshold must hold before "
+                        "the router gets it (link headroom moves traffic between pairs at once)")
     p.add_argument("--long-period", type=float, default=60.0, help="seconds between long-loop evaluations")
     p.add_argument("--long-hold", type=float, default=180.0, help="seconds an imbalance must persist before a worker moves")
     p.add_argument("--long-cooldown", type=float, default=600.0, help="seconds after a move before the next one")

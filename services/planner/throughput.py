@@ -30,7 +30,7 @@ A length distribution exposes ``split(t) -> (p, l_short, l_long)`` with ``p = P(
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -298,6 +298,50 @@ def _balance(ev: Evaluation) -> float:
     return math.log(a) - math.log(b)
 
 
+def search_threshold(at: Callable[[float], Any], cands: Sequence[float], balance: Callable[[Any], float]) -> Any:
+    """The evaluation (``at(t)``, any object with ``t`` and ``lambda_max``) of largest ``lambda_max``
+    over the thresholds ``cands`` (tokens), refined by bisection on the eq. 7 residual ``balance``
+    (0 at balance, its sign flips across the optimum) inside the grid cells next to the best point;
+    among maximal points the one nearest balance. Shared by :func:`best_threshold` and the per-pair
+    model (:mod:`services.planner.pair_model`)."""
+    evs = [at(float(t)) for t in cands]
+    top = max(e.lambda_max for e in evs)
+    tol = 1e-12 * max(top, 1.0)
+    best = min((e for e in evs if e.lambda_max >= top - tol), key=lambda e: abs(balance(e)))
+    # Refine: Theta_prfaas/p - Theta_pdp/(1-p) changes sign between neighbouring grid points.
+    ordered = sorted(evs, key=lambda e: e.t)
+    i = ordered.index(best)
+    for j in (i - 1, i + 1):
+        if 0 <= j < len(ordered):
+            a, b = sorted((best, ordered[j]), key=lambda e: e.t)
+            ra, rb = balance(a), balance(b)
+            if not (math.isfinite(ra) and math.isfinite(rb)) or ra * rb > 0:
+                continue
+            for _ in range(60):
+                mid = at(0.5 * (a.t + b.t))
+                if (balance(mid) > 0) == (ra > 0):
+                    a = mid
+                else:
+                    b = mid
+            for e in (a, b):
+                if e.lambda_max > best.lambda_max + tol or (
+                    e.lambda_max >= best.lambda_max - tol and abs(balance(e)) < abs(balance(best))
+                ):
+                    best = e
+    return best
+
+
+def threshold_grid(lo: float, hi: float, remote: bool, local: bool, grid: int = 400) -> list[float]:
+    """Candidate thresholds (tokens): both extremes (offload everything: just below ``lo``; offload
+    nothing: ``hi``), and a log-spaced interior grid when both a remote (``remote``) and a local
+    (``local``) prefill side exist; only the extreme that is possible otherwise."""
+    if not remote:
+        return [hi]
+    if not local:
+        return [lo * (1 - 1e-9)]
+    return [lo * (1 - 1e-9), hi, *np.geomspace(lo, hi, grid)]
+
+
 def best_threshold(dep: Deployment, dist: LengthDistribution, grid: int = 400) -> Evaluation:
     """Maximise Lambda_max over t for fixed instance counts.
 
@@ -306,39 +350,8 @@ def best_threshold(dep: Deployment, dist: LengthDistribution, grid: int = 400) -
     candidates are a log-spaced grid; among maximal ones we keep the point closest to the eq. 7
     balance, then refine by bisection on the eq. 7 residual inside the bracketing grid cell.
     """
-    lo, hi = float(dist.lo), float(dist.hi)
-    cands = [lo * (1 - 1e-9), hi]
-    if dep.n_prfaas > 0 and dep.n_p > 0:
-        cands += list(np.geomspace(lo, hi, grid))
-    elif dep.n_prfaas <= 0:
-        cands = [hi]
-    else:
-        cands = [lo * (1 - 1e-9)]
-    evs = [evaluate(dep, dist, float(t)) for t in cands]
-    top = max(e.lambda_max for e in evs)
-    tol = 1e-12 * max(top, 1.0)
-    best = min((e for e in evs if e.lambda_max >= top - tol), key=lambda e: abs(_balance(e)))
-    # Refine: Theta_prfaas/p - Theta_pdp/(1-p) changes sign between neighbouring grid points.
-    ordered = sorted(evs, key=lambda e: e.t)
-    i = ordered.index(best)
-    for j in (i - 1, i + 1):
-        if 0 <= j < len(ordered):
-            a, b = sorted((best, ordered[j]), key=lambda e: e.t)
-            ra, rb = _balance(a), _balance(b)
-            if not (math.isfinite(ra) and math.isfinite(rb)) or ra * rb > 0:
-                continue
-            for _ in range(60):
-                mid = evaluate(dep, dist, 0.5 * (a.t + b.t))
-                if (_balance(mid) > 0) == (ra > 0):
-                    a = mid
-                else:
-                    b = mid
-            for e in (a, b):
-                if e.lambda_max > best.lambda_max + tol or (
-                    e.lambda_max >= best.lambda_max - tol and abs(_balance(e)) < abs(_balance(best))
-                ):
-                    best = e
-    return best
+    cands = threshold_grid(float(dist.lo), float(dist.hi), dep.n_prfaas > 0, dep.n_p > 0, grid)
+    return search_threshold(lambda t: evaluate(dep, dist, t), cands, _balance)
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from common.runtime import service
 from common.runtime.priority import PriorityGate
 from common.transfer.ranges import tensor_ranges
 from common.transfer.sender import KvLink
+from common.transfer.share import group_gate
 from proto.frames import ErrorCode
 from services.prefill.faults import Faults, FaultsDisabled
 from services.prefill.messages import ExportPrefixArgs, InjectFaultArgs, PrefillArgs
@@ -77,7 +78,7 @@ class PrefillWorker:
     def __init__(self, backend: Backend, name: str, *, prefill_chunk_tokens: int = 0, kv_stream: str = "layer",
                  prefix_cache_bytes: int = 1 << 30, block_size: int = 16, checkpoint_every: int = 32,
                  cluster: str = "pd", kv_wire_codec: str = "none", kv_wire_lossy_ok: bool = False,
-                 **link_options: Any):
+                 kv_share_group: str | None = None, kv_share_gbps: float | None = None, **link_options: Any):
         if kv_stream not in ("layer", "after"):
             raise ValueError("kv_stream must be 'layer' (send each layer as it is computed) or 'after' (send after prefill)")
         self.backend = backend
@@ -90,6 +91,9 @@ class PrefillWorker:
         kv = next((spec["k"] for spec in specs if "k" in spec), ("float32", [1, 1, -1, 64]))
         self.wire = WireCodec(kv_wire_codec, kv_wire_lossy_ok, dtype=kv[0], row=int(kv[1][3]))  # raises ValueError
         self.link_options = {**link_options, "meter": self.wire.meter}
+        if kv_share_group:  # the process's workers of this group share one KV window, pace and weighted order
+            self.link_options["gate"] = group_gate(kv_share_group, int(link_options.get("max_inflight_bytes", 64 << 20)),
+                                                   kv_share_gbps * 1e9 / 8 if kv_share_gbps else None)
         self.fingerprint = backend.loaded.fingerprint
         self.vocab_size = int(backend.loaded.model.config.vocab_size)
         self.faults = Faults()
@@ -256,7 +260,7 @@ class PrefillWorker:
         delivered = [False]  # set once KV_DONE (with the first token) has been written
         try:
             result = await self._run(req_id, input_ids, sampling, link, kv_from, release_slot, delivered, prompt_len,
-                                     on_start)
+                                     on_start, priority)
             self.completed += 1
             self.prompt_tokens += len(input_ids)
             return result
@@ -295,7 +299,7 @@ class PrefillWorker:
 
     async def _run(self, req_id: str, input_ids: list[int], sampling: SamplingParams, link: KvLink,
                    kv_from: int = 0, release_slot=lambda: None, delivered: list[bool] | None = None,
-                   prompt_len: int | None = None, on_start=lambda: None) -> dict[str, Any]:
+                   prompt_len: int | None = None, on_start=lambda: None, priority: int = 0) -> dict[str, Any]:
         """Compute the prefill, streaming each layer's KVCache over ``link``, and sample the first
         token of each of ``sampling.n`` branches (``input_ids[prompt_len:]`` count as generated
         output for the penalties). With ``sampling.prompt_logprobs`` the same pass computes every
@@ -345,7 +349,8 @@ class PrefillWorker:
         sent_upto = [kv_from] * len(layouts)  # per attention layer: tokens already sent
         try:
             cap = link.stats.capacity_bytes_per_s()
-            transfer = await link.begin(req_id, layouts, n_in, codec=self.wire.for_link(link.addr, cap * 8 / 1e9 if cap else None))
+            transfer = await link.begin(req_id, layouts, n_in, codec=self.wire.for_link(link.addr, cap * 8 / 1e9 if cap else None),
+                                        priority=priority)
             if self.kv_stream == "after":  # the non-pipelined baseline: nothing leaves before the prefill ends
                 await asyncio.shield(compute)
             while True:

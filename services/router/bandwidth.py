@@ -11,6 +11,11 @@ demand), so a flood of high-priority transfers cannot take the low class's assur
 lone class may use the whole link. Within a class the transfers share the class's rate the same
 way, with equal weights (:func:`transfer_shares`).
 
+Where the rates are enforced: each KV sender grants its chunks in the same weighted order
+(:mod:`common.transfer.share`: two-level start-time fair queueing over a bytes-in-flight window), so
+the rates computed here are the ones transfers sharing a link receive (``tests/test_link_share.py``
+checks both against each other).
+
 Units: any one rate unit (bits/s in the services); pure, no sockets.
 """
 
@@ -18,9 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from common.runtime.priority import CLASSES, class_of
+from common.runtime.priority import CLASS_WEIGHTS, CLASSES, class_of
 
-CLASS_WEIGHTS = {"high": 4.0, "normal": 2.0, "low": 1.0}
+__all__ = ["CLASS_WEIGHTS", "class_headroom", "class_shares", "transfer_shares", "water_fill"]
 
 
 def water_fill(capacity: float, demands: dict[str, float], weights: dict[str, float]) -> dict[str, float]:

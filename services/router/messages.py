@@ -26,6 +26,7 @@ ReqId = Annotated[str, msgspec.Meta(max_length=256)]
 Tokens = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 Seq = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Exclusions = Annotated[list[Name], msgspec.Meta(max_length=256)]
+Share = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]  # a fraction of a link's capacity
 Outcome = Literal[OUTCOMES]  # type: ignore[valid-type]
 Event = tuple[int, Literal["stored", "evicted"], BlockHash, BlockHash | None]  # (seq, kind, hash, parent)
 Priority = Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)]  # lower first (common.runtime.priority)
@@ -110,13 +111,15 @@ class SetBandwidthArgs(msgspec.Struct):
 
 class SetLinkArgs(msgspec.Struct):
     """``set_link``: link ``src`` -> ``dst`` is ``up`` (or not) with ``headroom`` (0-1) of its capacity
-    free; ``threshold``: that pair's own ``t`` in tokens (None: the router's)."""
+    free; ``threshold``: that pair's own ``t`` in tokens (None: the router's); ``class_headroom``:
+    per priority class, the share a new transfer of that class would get (None: ``headroom`` for all)."""
 
     src: Cluster
     dst: Cluster
     up: bool = True
-    headroom: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    headroom: Share = 1.0
     threshold: Tokens | None = None
+    class_headroom: dict[Literal["high", "normal", "low"], Share] | None = None
 
 
 class SetThresholdArgs(msgspec.Struct):

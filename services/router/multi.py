@@ -31,10 +31,11 @@ def place_multi(topology: Topology, prompt_len: int, threshold: int, workers: li
                 exclude_prefill: set[str] | frozenset[str] = frozenset(), block_size: int | None = None,
                 prefix_blocks: dict[str, int] | None = None, prefill_work: dict[str, float] | None = None,
                 links: dict[str, LinkState] | None = None,
-                pair_thresholds: dict[str, int] | None = None) -> tuple[Placement, PairChoice]:
+                pair_thresholds: dict[str, int] | None = None, priority: int = 0) -> tuple[Placement, PairChoice]:
     """Place one request over ``topology`` (see the module docstring); the :class:`Placement` and the
     :class:`~services.router.pairs.PairChoice` behind it. ``prefix_blocks``/``block_size`` as in
-    :func:`~services.router.placement.place_request` (None: no cache information). Raises
+    :func:`~services.router.placement.place_request` (None: no cache information); ``priority``: the
+    request's, whose class's link headroom the pair rule reads. Raises
     :class:`NoWorker` (``decode`` or ``prefill``) or ``ValueError`` for ``prompt_len < 1``."""
     if prompt_len < 1:
         raise ValueError(f"prompt_len must be >= 1 token, got {prompt_len}")
@@ -55,7 +56,8 @@ def place_multi(topology: Topology, prompt_len: int, threshold: int, workers: li
     cached = {c: min(max((blocks.get(w["name"], 0) for w in group), default=0) * bs, prompt_len - 1)
               for c, group in prefills.items()}
     least = {c: min(work.get(w["name"], 0.0) for w in group) for c, group in prefills.items()}
-    choice = choose_pair(topology, prompt_len, d, cached, set(prefills), least, links or {}, threshold, pair_thresholds)
+    choice = choose_pair(topology, prompt_len, d, cached, set(prefills), least, links or {}, threshold, pair_thresholds,
+                         priority)
     if choice is None:
         raise NoWorker("prefill")
     pf = pick_affine(prefills[choice.prefill], blocks, inflight, work)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.runtime.priority import class_of
 from services.planner.topology import Topology
 
 MIN_HEADROOM = 0.05  # a link with less of its capacity free for the request's class takes no new request
@@ -39,11 +40,20 @@ MIN_HEADROOM = 0.05  # a link with less of its capacity free for the request's c
 
 @dataclass(frozen=True)
 class LinkState:
-    """The router's view of one link: ``up`` (False: down, blackholed or stalled, from its signals)
-    and ``headroom`` (the share of its capacity, 0-1, free for the request's class; 1 when unknown)."""
+    """The router's view of one link: ``up`` (False: down, blackholed or stalled, from its signals),
+    ``headroom`` (the share of its capacity, 0-1, free; 1 when unknown) and ``classes`` (priority
+    class -> the share a new transfer of that class would get under the link's weighted share,
+    :func:`services.router.bandwidth.class_headroom`; None: ``headroom`` for every class)."""
 
     up: bool = True
     headroom: float = 1.0
+    classes: dict[str, float] | None = None
+
+    def headroom_for(self, priority: int) -> float:
+        """The headroom of ``priority``'s class: ``classes[class]`` when known, else ``headroom``."""
+        if self.classes and class_of(priority) in self.classes:
+            return self.classes[class_of(priority)]
+        return self.headroom
 
 
 @dataclass(frozen=True)
@@ -67,11 +77,12 @@ def candidate_score(work: float, l: int, speed: float, headroom: float) -> float
 
 def choose_pair(topology: Topology, prompt_len: int, decode_cluster: str, cached: dict[str, int],
                 prefill_alive: set[str], work: dict[str, float], links: dict[str, LinkState],
-                threshold: int, pair_thresholds: dict[str, int] | None = None) -> PairChoice | None:
+                threshold: int, pair_thresholds: dict[str, int] | None = None, priority: int = 0) -> PairChoice | None:
     """Apply the module's rule. ``cached``: cluster -> cached prefix tokens (absent: 0; each <=
     ``prompt_len - 1``); ``work``: cluster -> least queued work of its prefill workers; ``links``:
-    ``"src->dst"`` -> :class:`LinkState` (absent: up, headroom 1); ``threshold``: ``t`` for every pair
-    not in ``pair_thresholds`` (``"src->dst"`` -> tokens). Returns None when no cluster can prefill
+    ``"src->dst"`` -> :class:`LinkState` (absent: up, headroom 1), read for ``priority``'s class
+    (:meth:`LinkState.headroom_for`); ``threshold``: ``t`` for every pair not in ``pair_thresholds``
+    (``"src->dst"`` -> tokens). Returns None when no cluster can prefill
     for ``decode_cluster``. Raises ``ValueError`` for ``prompt_len < 1``, an unknown or non-PD decode
     cluster, or a cached prefix outside ``[0, prompt_len - 1]``."""
     if prompt_len < 1:
@@ -92,11 +103,12 @@ def choose_pair(topology: Topology, prompt_len: int, decode_cluster: str, cached
             continue
         linked.append(s)
         st = links.get(lk.key, LinkState())
-        if not st.up or st.headroom < MIN_HEADROOM:
+        room = st.headroom_for(priority)
+        if not st.up or room < MIN_HEADROOM:
             continue
         t = thresholds.get(lk.key, threshold)
         l_s = prompt_len - cached.get(s, 0)
-        score = candidate_score(work.get(s, 0.0), l_s, topology.clusters[s].speed, st.headroom)
+        score = candidate_score(work.get(s, 0.0), l_s, topology.clusters[s].speed, room)
         scored.append((score, s, l_s, t, l_local > t))
     scored.sort()
     why = "; ".join(f"{s}: l={l_s} t={t} score={sc:.0f}{'' if ok else ' (short for it)'}" for sc, s, l_s, t, ok in scored)

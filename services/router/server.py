@@ -342,7 +342,7 @@ class Router:
                         self.topology, args.prompt_len, self.threshold, self.workers, self.inflight,
                         exclude_decode=exclude_decode, exclude_prefill=exclude_prefill, block_size=args.block_size,
                         prefix_blocks=blocks, prefill_work=self.leases.prefill_work, links=self.links,
-                        pair_thresholds=self.pair_thresholds)
+                        pair_thresholds=self.pair_thresholds, priority=args.priority)
                     self.pair_decisions[f"{choice.prefill}->{choice.decode}"] += 1
                     return p
                 return placement.place_request(
@@ -376,14 +376,14 @@ class Router:
 
     @takes(SetLinkArgs)
     async def set_link(self, args: SetLinkArgs) -> dict[str, Any]:
-        """Set link ``src->dst``'s state as the placement sees it (``up``, ``headroom`` 0-1) and,
-        with ``threshold``, that pair's own ``t`` (tokens; None keeps the router's). ``bad_request``
-        for a link the topology does not have."""
+        """Set link ``src->dst``'s state as the placement sees it (``up``, ``headroom`` 0-1, and per
+        priority class with ``class_headroom``) and, with ``threshold``, that pair's own ``t``
+        (tokens; None keeps the router's). ``bad_request`` for a link the topology does not have."""
         lk = self.topology.link(args.src, args.dst)
         if lk is None:
             raise RpcError(ErrorCode.BAD_REQUEST, f"the topology has no link {args.src} -> {args.dst}")
         old = self.links.get(lk.key, LinkState())
-        self.links[lk.key] = LinkState(args.up, args.headroom)
+        self.links[lk.key] = LinkState(args.up, args.headroom, dict(args.class_headroom) if args.class_headroom else None)
         if args.threshold is not None:
             self.pair_thresholds[lk.key] = args.threshold
         if old != self.links[lk.key]:
@@ -432,7 +432,8 @@ class Router:
             "route_decisions_by_class": dict(self.class_decisions),
             "route_fallbacks": self.fallbacks,
             "pair_decisions": dict(self.pair_decisions),
-            "topology": {"clusters": sorted(self.topology.clusters), "links": {k: {"up": s.up, "headroom": s.headroom}
+            "topology": {"clusters": sorted(self.topology.clusters), "links": {k: {"up": s.up, "headroom": s.headroom,
+                                                                                   "classes": s.classes}
                          for k, s in ((lk.key, self.links.get(lk.key, LinkState())) for lk in self.topology.links.values())},
                          "pair_thresholds": dict(self.pair_thresholds)},
             "threshold_tokens": self.threshold,

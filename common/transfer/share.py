@@ -1,0 +1,276 @@
+"""How transfers that share a sender's link share its bytes: the policy of
+:mod:`services.router.bandwidth`, enforced chunk by chunk where the bytes leave.
+
+Every KV chunk waits for room in a bytes-in-flight window (:class:`ShareGate`; a window full means
+the link is the bottleneck). When room frees, the next chunk is not the oldest one but the one that
+**start-time fair queueing** (SFQ, Goyal, Vin and Cheng, SIGCOMM 1996) picks, on two levels as a
+hierarchical token bucket (Linux HTB, ``tc-htb(8)``) nests its classes:
+
+* the priority classes (:data:`~common.runtime.priority.CLASSES`) with weights
+  :data:`~common.runtime.priority.CLASS_WEIGHTS` (high 4, normal 2, low 1);
+* within a class, its transfers with equal weights.
+
+SFQ, per flow ``f`` of weight ``w_f``: a chunk of ``n`` bytes that arrives at an empty flow gets the
+start tag ``S = max(F_f, V)`` (``F_f``: the flow's last finish tag, ``V``: the start tag of the chunk
+granted last), the chunk after it in the same flow ``S = F_f``; the chunk with the least ``S`` goes
+next (ties: class order, then the flow that came first) and sets ``F_f = S + n / w_f``. While the
+classes are backlogged they receive bytes in proportion to their weights (high : normal : low =
+4 : 2 : 1), so the low class gets at least ``w_low / W`` of the link (``W``: the weights of the
+classes waiting) and is never starved; a class that wants less than its share is served whenever it
+has a chunk (work conserving: its unused share goes to the others, HTB's borrowing), and a class that
+was idle does not bank credit (``max(F, V)``). These are the rates of
+:func:`services.router.bandwidth.transfer_shares` (weighted max-min), realised over bytes.
+
+Scope: one gate orders the chunks of the links that use it: one :class:`~common.transfer.sender.KvLink`
+by default, or every link of the workers of one process that name the same share group
+(``--kv-share-group``; the emulated lab's site hosts). Transfers from different processes onto the
+same wire are not ordered against one another (each process keeps its own weighted order).
+
+Units: bytes. :class:`FairQueue` is pure (no event loop); :class:`ShareGate` is its asyncio shell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from typing import Any
+
+from common.runtime.priority import CLASS_WEIGHTS, CLASSES, class_of
+
+
+class _Sfq:
+    """SFQ over flows (keys) with per-flow weights: each flow holds a FIFO of ``(nbytes, item)``."""
+
+    def __init__(self) -> None:
+        self.queues: dict[Any, deque] = {}
+        self.start: dict[Any, float] = {}  # start tag of each backlogged flow's head
+        self.finish: dict[Any, float] = {}  # last finish tag of every flow seen
+        self.order: dict[Any, int] = {}  # tie-break: first seen first
+        self.v = 0.0
+        self._seq = itertools.count()
+
+    def push(self, key: Any, nbytes: int, item: Any) -> None:
+        q = self.queues.setdefault(key, deque())
+        self.order.setdefault(key, next(self._seq))
+        if not q:
+            self.start[key] = max(self.finish.get(key, 0.0), self.v)
+        q.append((nbytes, item))
+
+    def head(self, rank: dict[Any, int] | None = None) -> Any | None:
+        """The backlogged flow whose head has the least start tag (ties: ``rank``, then first seen)."""
+        keys = [k for k, q in self.queues.items() if q]
+        if not keys:
+            return None
+        return min(keys, key=lambda k: (self.start[k], (rank or {}).get(k, 0), self.order[k]))
+
+    def charge(self, key: Any, nbytes: int, weight: float) -> None:
+        """The head of ``key`` (``nbytes``) was granted: advance the tags."""
+        s = self.start[key]
+        self.v = s
+        self.finish[key] = s + nbytes / weight
+        self.start[key] = self.finish[key]
+
+    def forget(self, key: Any) -> None:
+        for d in (self.queues, self.start, self.finish, self.order):
+            d.pop(key, None)
+
+
+class FairQueue:
+    """Chunks waiting to be sent, granted in two-level SFQ order (see the module docstring).
+
+    :meth:`push` ``(transfer id, priority, nbytes, item)``; :meth:`peek` the next ``(tid, nbytes,
+    item)`` without taking it; :meth:`pop` take it (advancing the tags); :meth:`forget` drop a
+    finished transfer and its waiting chunks; ``granted`` counts bytes granted per class. Raises
+    ``ValueError`` for a non-positive weight or a negative size."""
+
+    def __init__(self, weights: dict[str, float] | None = None):
+        self.weights = dict(weights or CLASS_WEIGHTS)
+        if set(self.weights) != set(CLASSES) or any(w <= 0 for w in self.weights.values()):
+            raise ValueError(f"weights must give every class of {CLASSES} a positive weight, got {self.weights}")
+        self.classes = _Sfq()
+        self.flows = {c: _Sfq() for c in CLASSES}
+        self.class_of: dict[str, str] = {}
+        self.granted = {c: 0 for c in CLASSES}
+        self._rank = {c: i for i, c in enumerate(CLASSES)}
+
+    def __len__(self) -> int:
+        return sum(len(q) for s in self.flows.values() for q in s.queues.values())
+
+    def push(self, tid: str, priority: int, nbytes: int, item: Any = None) -> None:
+        if nbytes < 0:
+            raise ValueError(f"a chunk has >= 0 bytes, got {nbytes}")
+        c = self.class_of.setdefault(tid, class_of(priority))
+        self.flows[c].push(tid, nbytes, item)
+        self.classes.push(c, 0, None)  # the class level holds one marker per waiting chunk
+
+    def peek(self) -> tuple[str, int, Any] | None:
+        c = self.classes.head(self._rank)
+        if c is None:
+            return None
+        tid = self.flows[c].head()
+        nbytes, item = self.flows[c].queues[tid][0]
+        return tid, nbytes, item
+
+    def pop(self, charge: bool = True) -> tuple[str, int, Any] | None:
+        """Take the next chunk out; ``charge=False`` drops it without advancing the tags (a waiter
+        that went away)."""
+        c = self.classes.head(self._rank)
+        if c is None:
+            return None
+        fl = self.flows[c]
+        tid = fl.head()
+        nbytes, item = fl.queues[tid].popleft()
+        self.classes.queues[c].popleft()
+        if charge:
+            fl.charge(tid, nbytes, 1.0)
+            self.classes.charge(c, nbytes, self.weights[c])
+            self.granted[c] += nbytes
+        return tid, nbytes, item
+
+    def forget(self, tid: str) -> list[Any]:
+        """Drop ``tid`` (its waiting chunks' items are returned); its class keeps its tags."""
+        c = self.class_of.pop(tid, None)
+        if c is None:
+            return []
+        q = self.flows[c].queues.get(tid) or deque()
+        items = [item for _, item in q]
+        for _ in items:
+            self.classes.queues[c].popleft()
+        self.flows[c].forget(tid)
+        return items
+
+
+class ShareGate:
+    """A bytes-in-flight window of ``budget`` bytes whose waiting chunks are granted in
+    :class:`FairQueue` order (one chunk is always let in when nothing is in flight), optionally paced
+    at ``rate`` bytes/s by a token bucket of ``burst`` bytes (HTB's ceiling).
+
+    Why a rate: bytes that leave the window land in socket buffers and middleboxes that are FIFO and
+    may hold megabytes, so an order chosen above a deep FIFO is lost in it; paced at (or just below)
+    the link's capacity, the queue forms here, where the weighted order is kept. Without a rate the
+    order holds only while the window itself is the bottleneck.
+
+    ``await acquire(tid, priority, n)`` before writing ``n`` bytes, ``release(n)`` once they drained,
+    ``forget(tid)`` when a transfer ends. A waiter cancelled while waiting leaves the queue; one
+    granted as it was cancelled gives its bytes back. Raises ``ValueError`` for ``budget < 1``, a
+    rate that is not positive or a burst below 1."""
+
+    def __init__(self, budget: int, weights: dict[str, float] | None = None, *, rate: float | None = None,
+                 burst: int = 256 << 10):
+        if budget < 1 or burst < 1 or (rate is not None and not rate > 0):
+            raise ValueError(f"budget and burst must be >= 1 byte and rate > 0 bytes/s, got {budget}, {burst}, {rate}")
+        self.budget = budget
+        self.rate = rate
+        self.burst = burst
+        self.tokens = float(burst)
+        self._filled_at: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.inflight = 0
+        self.queue = FairQueue(weights)
+
+    def _paced(self, n: int) -> bool:
+        """True when the bucket lets ``n`` bytes go now (and takes them); else arms a timer."""
+        if self.rate is None:
+            return True
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._filled_at is not None:
+            self.tokens = min(float(self.burst), self.tokens + (now - self._filled_at) * self.rate)
+        self._filled_at = now
+        need = min(n, self.burst)
+        if self.tokens >= need:
+            self.tokens -= n  # a chunk above the burst leaves a debt the next grants wait out
+            return True
+        if self._timer is None:
+            self._timer = loop.call_later((need - self.tokens) / self.rate, self._on_timer)
+        return False
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while (nxt := self.queue.peek()) is not None:
+            _, n, fut = nxt
+            if fut.done():  # cancelled: drop it without charging
+                self.queue.pop(charge=False)
+                continue
+            if self.inflight and self.inflight + n > self.budget:
+                return
+            if not self._paced(n):
+                return
+            self.queue.pop()
+            self.inflight += n
+            fut.set_result(None)
+
+    async def acquire(self, tid: str, priority: int, n: int) -> None:
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.queue.push(tid, priority, n, fut)
+        self._dispatch()
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted as we were cancelled
+            else:
+                fut.cancel()
+                self._dispatch()
+            raise
+
+    def release(self, n: int) -> None:
+        if n:
+            self.inflight -= n
+            self._dispatch()
+
+    def forget(self, tid: str) -> None:
+        for fut in self.queue.forget(tid):
+            fut.cancel()
+        self._dispatch()
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes in flight, chunks waiting, and bytes granted per class."""
+        return {"inflight": self.inflight, "waiting": len(self.queue), "granted": dict(self.queue.granted)}
+
+
+class ClassMix:
+    """How a link's recent bytes split over the priority classes: per class, bytes with exponential
+    decay of half-life ``half_life_s`` seconds (the link's goodput EWMA's). :meth:`add` ``(priority,
+    nbytes, now)``; :meth:`shares` ``(now)`` -> ``{class: fraction}`` summing to 1 (all 0 before any
+    byte). Pure: the caller passes the clock (seconds). Raises ``ValueError`` for a half-life <= 0."""
+
+    def __init__(self, half_life_s: float = 5.0):
+        if not half_life_s > 0:
+            raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
+        self.half_life_s = half_life_s
+        self.bytes = {c: 0.0 for c in CLASSES}
+        self._at: float | None = None
+
+    def _decay(self, now: float) -> None:
+        if self._at is not None and now > self._at:
+            k = 0.5 ** ((now - self._at) / self.half_life_s)
+            for c in self.bytes:
+                self.bytes[c] *= k
+        self._at = now if self._at is None else max(self._at, now)
+
+    def add(self, priority: int, nbytes: int, now: float) -> None:
+        self._decay(now)
+        self.bytes[class_of(priority)] += nbytes
+
+    def shares(self, now: float) -> dict[str, float]:
+        self._decay(now)
+        total = sum(self.bytes.values())
+        return {c: (v / total if total > 0 else 0.0) for c, v in self.bytes.items()}
+
+
+_GROUPS: dict[str, ShareGate] = {}
+
+
+def group_gate(group: str, budget: int, rate: float | None = None) -> ShareGate:
+    """The process's gate of share group ``group`` (made on first use with ``budget`` bytes and
+    ``rate`` bytes/s): every link of the process's workers that name the group shares one window,
+    one pace and one fair order."""
+    gate = _GROUPS.get(group)
+    if gate is None:
+        gate = _GROUPS[group] = ShareGate(budget, rate=rate)
+    return gate
