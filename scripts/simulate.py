@@ -43,13 +43,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_cluster import SLO, capacity, model_lambdas  # noqa: E402  (the emulated benchmark's SLO and Lambda rule)
 
 from common.lab.plots import progress, pyplot, run_dir, save  # noqa: E402
+from common.model.emulated import EmulatedModel, EmulatedProfile, Scales  # noqa: E402
 from common.sim import scenarios as sc  # noqa: E402
 from common.sim.engine import SimConfig, planner_profile  # noqa: E402
-from common.model.emulated import EmulatedProfile  # noqa: E402
 from services.planner import throughput as tm  # noqa: E402
 
 NAMES = {"prfaas": "PrfaaS-PD", "homog": "Homogeneous PD", "naive": "Naive heterogeneous"}
-BASE = SimConfig(0, 0, 1, output_scale=64)  # the emulated cluster decodes 15 x 64 steps after the first token
+
+def emulated_base(scales: dict) -> SimConfig:
+    """The emulated cluster's settings in unscaled units: decode ``(16 - 1) x 64`` steps after the first
+    token (output x64), the link proxies' 4 MiB buffer and each worker's 32 MiB prefix cache and
+    64 MiB KV pool (``common/lab/emulated_cluster.py``) divided by the effective byte scale."""
+    s = Scales(**scales)
+    b = EmulatedModel(EmulatedProfile.from_file("h20_table6_fit"), s).byte_scale
+    return SimConfig(0, 0, 1, output_scale=s.output_scale, link_buffer_bytes=(4 << 20) / b,
+                     prefix_cache_bytes=(32 << 20) / b, decode_pool_bytes=(64 << 20) / b)
 
 
 def emulated_results(path: Path) -> tuple[dict, str]:
@@ -72,6 +80,7 @@ def rel(a: float, b: float) -> float:
 def validate(emu: dict, out: Path) -> tuple[list[str], float, float, dict]:
     """Replay every emulated point; the side-by-side table and the largest Lambda and P90 errors."""
     t6, sw = emu["table6"], emu.get("swing")
+    base = emulated_base(emu.get("scales") or {"time_scale": 5.0, "token_scale": 32, "byte_scale": 1.5e-4, "output_scale": 64})
     res: dict = {"table6": {}, "swing": {}}
     lam_err, p90_err = [], []
     lines = ["Table 6: emulated cluster (measured) vs simulator, same rates, windows and seeds",
@@ -80,7 +89,7 @@ def validate(emu: dict, out: Path) -> tuple[list[str], float, float, dict]:
     n_pts = sum(len(t6[k]["points"]) for k in sc.SHAPES) + (3 if sw else 0)
     with progress(n_pts, "simulating the emulated points") as bar:
         for key in sc.SHAPES:
-            cfg = sc.config_for(key, BASE)
+            cfg = sc.config_for(key, base)
             pts = []
             for k, ep in enumerate(t6[key]["points"]):
                 pts.append(sc.point(cfg, ep["rate"], ep["window_s"], 11 + k, SLO))
@@ -99,7 +108,7 @@ def validate(emu: dict, out: Path) -> tuple[list[str], float, float, dict]:
             lines += ["", f"Bandwidth swing at {sw['rate']:.2f} req/s: goodput (req/s) and TTFT P90 (s) per phase, emu / sim",
                       f"{'run':9}" + "".join(f"{n + ' goodput':>22}{'P90':>16}" for n, _g, _d in sw["phases"])]
             for mode, run in sw["runs"].items():
-                s = sc.swing(replace(BASE, n_prfaas=4, n_p=3, n_d=5), mode, sw["rate"], sw["phases"], sw["t_full"], sw["t_low"], SLO)
+                s = sc.swing(replace(base, n_prfaas=4, n_p=3, n_d=5), mode, sw["rate"], sw["phases"], sw["t_full"], sw["t_low"], SLO)
                 bar.update()
                 res["swing"][mode] = s
                 row = f"{mode:9}"

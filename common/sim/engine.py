@@ -37,6 +37,7 @@ from common.model.emulated import EmulatedProfile
 from common.sim.events import EventQueue
 from common.sim.instances import DecodeInstance, PrefillInstance, SimRequest
 from common.sim.link import SharedLink
+from common.transfer.estimators import Ewma, WindowedMax, WindowedMin
 from services.planner import throughput as tm
 from services.planner.control import Controller
 from services.planner.long_loop import LongConfig, LongLoop
@@ -75,7 +76,7 @@ class SimConfig:
     block_size: int = 512
     report_s: float = 1.0
     drain_timeout_s: float = 60.0
-    link_buffer_bytes: float = math.inf
+    link_buffer_bytes: float = 64 * 2**20
     mu: float = 9.90
     sigma: float = 1.00
     lo: float = 128.0
@@ -149,9 +150,12 @@ class Simulation:
         self.role_changes: list[dict[str, Any]] = []
         self.timeline: list[dict[str, float]] = []
         self._link_prev = (0.0, 0.0)
-        self._floor: deque[tuple[float, float]] = deque()
-        self._goodput = 0.0
-        self._capacity_est: float | None = None
+        self._goodput = Ewma(half_life_s=5.0)
+        self._capacity = WindowedMax(30.0)
+        self._rtt = Ewma(alpha=0.125)
+        self._floor = WindowedMin(3.0)
+        self._egress = 0.0
+        self._engine_backlogged_since: float | None = None
         self._relearned_at = -math.inf
         self.open = 0
         self.outcomes: list[Outcome] = []
@@ -267,23 +271,7 @@ class Simulation:
                 st["waiting"], st["running"] = len(inst.queue), int(inst.busy is not None)
             else:
                 st.update(inst.stats())
-        b, t = link.delivered_now(), now
-        b0, t0 = self._link_prev
-        self._link_prev = (b, t)
-        rate = 8 * (b - b0) / (t - t0) if t > t0 else 0.0
-        self._goodput = 0.5 * self._goodput + 0.5 * rate
-        if link.backlogged_since is not None:
-            self._capacity_est = 8 * link.capacity
-        rtt_min = max(link.rtt * 1e3, 0.1)
-        rtt = rtt_min + 1e3 * link.queue_delay()
-        self._floor.append((now, rtt))
-        while self._floor and self._floor[0][0] < now - 3.0:
-            self._floor.popleft()
-        if self.cfg.n_prfaas:
-            self.workers[0]["stats"]["links"] = {"kv": {
-                "goodput_bps": self._goodput, "capacity_bps": self._capacity_est, "rtt_ms": rtt, "rtt_min_ms": rtt_min,
-                "rtt_floor_ms": min(x for _, x in self._floor), "backlogged_s": link.backlogged_s(),
-                "stalls": 0, "retransmits": 0}}
+        self._link_signals(now)
         if self.controller is not None:
             _drive(self.controller.tick(now, self.workers))
             if now - self._relearned_at >= 30.0:
@@ -291,10 +279,40 @@ class Simulation:
                 self.controller.relearn(list(self.recent_lengths)[-400:])
         if self.mover is not None:
             self._long_tick(now)
-        self.timeline.append({"t": now, "threshold": float(self.threshold), "egress_gbps": rate / 1e9,
+        self.timeline.append({"t": now, "threshold": float(self.threshold), "egress_gbps": self._egress / 1e9,
                               "n_p": sum(1 for w in self.workers if w["cluster"] == "pd" and w["role"] == "prefill")})
         if self.open or self.q.now < self._arrivals_end:
             self.q.after(rs, self._report)
+
+    def _link_signals(self, now: float) -> None:
+        """The KV senders' link snapshot (``common/transfer/link_stats.py`` keys and estimators): goodput
+        EWMA (half-life 5 s), capacity = the largest rate of a report interval the sender was backlogged
+        throughout, over the last 30 s (None without one), smoothed RTT and its 3 s floor. Between the
+        sender and the link sits a buffer of ``link_buffer_bytes`` (socket and middlebox buffers): the
+        bytes held back by the link fill it first, and only what exceeds it stays queued in the sender
+        (backlogged); the RTT grows by the buffer's queueing delay."""
+        link = self.link
+        b, t = link.delivered_now(), now
+        b0, t0 = self._link_prev
+        self._link_prev = (b, t)
+        rate = 8 * (b - b0) / (t - t0) if t > t0 else 0.0
+        self._goodput.update(rate, now)
+        held = link.held_now()
+        was = self._engine_backlogged_since
+        self._engine_backlogged_since = (was if was is not None else now) if held > link.buffer_bytes else None
+        if t > t0 and was is not None and self._engine_backlogged_since is not None:
+            self._capacity.update(rate, now)
+        rtt_min = max(link.rtt * 1e3, 0.1)
+        delay_ms = 1e3 * min(held, link.buffer_bytes) / link.capacity
+        rtt = self._rtt.update(rtt_min + delay_ms, now)
+        self._floor.update(rtt_min + delay_ms, now)
+        backlogged_s = 0.0 if self._engine_backlogged_since is None else now - self._engine_backlogged_since
+        self._egress = rate
+        if self.cfg.n_prfaas:
+            self.workers[0]["stats"]["links"] = {"kv": {
+                "goodput_bps": self._goodput.value or 0.0, "capacity_bps": self._capacity.value(now), "rtt_ms": rtt,
+                "rtt_min_ms": rtt_min, "rtt_floor_ms": self._floor.value(now), "backlogged_s": backlogged_s,
+                "stalls": 0, "retransmits": 0}}
 
     def _long_tick(self, now: float) -> None:
         m = self.mover

@@ -89,6 +89,11 @@ class SharedLink:
         """Seconds the link has been backlogged without a break (0 when it is not)."""
         return 0.0 if self.backlogged_since is None else self.q.now - self.backlogged_since
 
+    def held_now(self) -> float:
+        """Bytes left in the flows the link holds below their cap, at the current time."""
+        dt = self.q.now - self._last
+        return sum(max(0.0, f.left - f.rate * dt) for f in self.flows.values() if f.rate < f.cap)
+
     def delivered_now(self) -> float:
         """Bytes delivered up to the current time (between changes too)."""
         dt = self.q.now - self._last
