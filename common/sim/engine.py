@@ -46,6 +46,7 @@ from services.router import placement
 from services.router.kv_index import KvIndex
 from services.router.leases import Leases
 from services.router.server import RECENT_LENGTHS
+from services.router.worker_index import WorkerIndex
 
 GBPS = 1e9 / 8  # bytes/s per Gbit/s
 
@@ -137,6 +138,7 @@ class Simulation:
             self._add_worker(f"prfaas-{k}", "prfaas", "prefill")
         for k in range(cfg.n_p + cfg.n_d):
             self._add_worker(f"pd-{k}", "pd", "prefill" if k < cfg.n_p else "decode")
+        self.windex = WorkerIndex(self.workers, self.leases.inflight, self.leases.prefill_work)
         self.controller: Controller | None = None
         self.mover: RoleMover | None = None
         self.threshold = cfg.threshold if cfg.threshold is not None else self.model_threshold()
@@ -195,11 +197,13 @@ class Simulation:
         blocks = self.index.lookup(hashes) if hashes else {}
         p = placement.place_request(req.length, int(self.threshold), self.workers, self.leases.inflight, block_size=bs,
                                     prefix_blocks=blocks, bandwidth_plentiful=self.plentiful,
-                                    prefill_work=self.leases.prefill_work)
+                                    prefill_work=self.leases.prefill_work, index=self.windex)
         self.decisions[p.route] += 1
         self.recent_lengths.append(p.incremental_len)
         work = p.incremental_len + self.fixed[p.prefill["cluster"]]
         self.leases.place(req.rid, p.prefill["name"], p.decode["name"], work, self.q.now)
+        self.windex.touch(p.prefill["name"])
+        self.windex.touch(p.decode["name"])
         req.route = p.route
         req.prefill, req.decode = self.inst[p.prefill["name"]], self.inst[p.decode["name"]]
         req.kv_bytes = self.pd_hw.s_kv(req.length)
@@ -225,8 +229,9 @@ class Simulation:
                 self.index.resync(inst.name, inst.cluster, "prefill", seq, entries)
             inst.published = inst.cache.seq
         req.prefill_end = True
-        if req.flow >= 0:
-            self.link.set_cap(req.flow, math.inf)
+        if req.flow >= 0 and not req.kv_done:
+            self.link.set_cap(req.flow, math.inf)  # the rest streams as fast as the link allows (maybe done now)
+            return
         self._maybe_first(req)
 
     def _kv_done(self, req: SimRequest) -> None:
@@ -243,6 +248,7 @@ class Simulation:
     def _first(self, req: SimRequest) -> None:
         req.t_first = self.q.now
         self.leases.prefill_done(req.rid)
+        self.windex.touch(req.prefill.name)
         if req.steps > 0:
             req.decode.join(req)
         else:
@@ -251,6 +257,8 @@ class Simulation:
     def _finished(self, req: SimRequest) -> None:
         req.t_end = self.q.now
         self.leases.release(req.rid)
+        self.windex.touch(req.decode.name)
+        self.windex.touch(req.prefill.name)
         self.open -= 1
         o = self.outcomes[req.rid]
         o.ttft = req.t_first - req.arrival
@@ -263,7 +271,7 @@ class Simulation:
 
     # ------------------------------------------------------------------ reports and the planner
     def _report(self) -> None:
-        now, link, rs = self.q.now, self.link, self.cfg.report_s
+        now, rs = self.q.now, self.cfg.report_s
         for w in self.workers:
             inst = self.inst[w["name"]]
             st = w["stats"]
@@ -271,6 +279,7 @@ class Simulation:
                 st["waiting"], st["running"] = len(inst.queue), int(inst.busy is not None)
             else:
                 st.update(inst.stats())
+            self.windex.touch(w["name"])
         self._link_signals(now)
         if self.controller is not None:
             _drive(self.controller.tick(now, self.workers))
@@ -330,6 +339,7 @@ class Simulation:
             m.loop.pending = None
             return
         target["stats"]["draining"] = True
+        self.windex.rebuild(self.workers)
         self.moving = {"worker": target, "epoch": rc.epoch, "to": rc.to_role, "since": now, "reason": rc.reason}
         self._try_flip(now)
 
@@ -347,6 +357,7 @@ class Simulation:
         w["role"] = mv["to"]
         w["stats"] = {"epoch": mv["epoch"]}
         self.inst[w["name"]] = self._instance(w["name"], "pd", w["role"])
+        self.windex.rebuild(self.workers)
         self.mover.loop.ack(mv["epoch"], now)
         self.role_changes.append({"t": now, "worker": w["name"], "to": w["role"], "drained_s": now - mv["since"],
                                   "reason": mv["reason"]})
