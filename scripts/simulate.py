@@ -11,7 +11,8 @@ profiles (``services/planner/profiles``). Nothing here measures a running system
 emulated cluster's measurement (``scripts/bench_cluster.py``'s ``results.json``). The simulator replays
 each measured point with the same rate, window and seeds (hence the same arrivals and lengths) and
 derives Lambda (90 % SLO attainment, interpolated) the same way. The results file is read from
-``--emulated`` (default ``runs/bench_cluster/results.json``); when absent, ``bench_cluster.py --quick``
+``--emulated`` (default ``runs/bench_cluster/results.json``; a newer ``swing.json`` beside it, from
+``bench_cluster.py --scenario swing``, replaces its swing); when absent, ``bench_cluster.py --quick``
 is run first to write it (about 10 minutes on 2 cores) and the output says which happened.
 
 ``--scale-test``: 100, 1,000 and 10,000 GPUs (8-GPU instances, PrfaaS-PD split 4/3/5, 25 Gbit/s of
@@ -64,13 +65,19 @@ def emulated_results(path: Path) -> tuple[dict, str]:
     """The emulated measurement and a line saying where it came from (read, or run now)."""
     if path.exists():
         age = (time.time() - path.stat().st_mtime) / 60
-        return json.loads(path.read_text()), f"emulated results read from {path} (written {age:.0f} min ago)"
+        emu, where = json.loads(path.read_text()), f"emulated results read from {path} (written {age:.0f} min ago)"
+        swing = path.with_name("swing.json")  # bench_cluster.py --scenario swing --out <same folder>: a newer swing
+        if swing.exists() and swing.stat().st_mtime > path.stat().st_mtime:
+            emu["swing"] = json.loads(swing.read_text())
+            where += f"; swing from {swing} (newer, written {(time.time() - swing.stat().st_mtime) / 60:.0f} min ago)"
+        return emu, where
     out = path.parent
     cmd = [sys.executable, str(Path(__file__).with_name("bench_cluster.py")), "--quick", "--out", str(out)]
     print(f"no emulated results at {path}: running {' '.join(cmd)} (about 10 minutes)", file=sys.stderr)
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, stdout=sys.stderr)
-    return json.loads(path.read_text()), f"emulated results measured now by bench_cluster.py --quick ({time.monotonic() - t0:.0f} s), {path}"
+    took = time.monotonic() - t0
+    return json.loads(path.read_text()), f"emulated results measured now by bench_cluster.py --quick ({took:.0f} s), {path}"
 
 
 def rel(a: float, b: float) -> float:

@@ -138,6 +138,8 @@ class Simulation:
             self._add_worker(f"prfaas-{k}", "prfaas", "prefill")
         for k in range(cfg.n_p + cfg.n_d):
             self._add_worker(f"pd-{k}", "pd", "prefill" if k < cfg.n_p else "decode")
+        self.by_name = {w["name"]: w for w in self.workers}
+        self.dirty: set[str] = set()
         self.windex = WorkerIndex(self.workers, self.leases.inflight, self.leases.prefill_work)
         self.controller: Controller | None = None
         self.mover: RoleMover | None = None
@@ -201,19 +203,23 @@ class Simulation:
         self.decisions[p.route] += 1
         self.recent_lengths.append(p.incremental_len)
         work = p.incremental_len + self.fixed[p.prefill["cluster"]]
-        self.leases.place(req.rid, p.prefill["name"], p.decode["name"], work, self.q.now)
+        self.leases.place(req.rid + 1, p.prefill["name"], p.decode["name"], work, self.q.now)
         self.windex.touch(p.prefill["name"])
         self.windex.touch(p.decode["name"])
         req.route = p.route
         req.prefill, req.decode = self.inst[p.prefill["name"]], self.inst[p.decode["name"]]
         req.kv_bytes = self.pd_hw.s_kv(req.length)
         self.open += 1
+        self.dirty.add(req.decode.name)
         req.decode.reserve(req)
 
     def _admitted(self, req: SimRequest) -> None:
+        self.dirty.add(req.prefill.name)
+        self.dirty.add(req.decode.name)
         req.prefill.submit(req)
 
     def _prefill_started(self, req: SimRequest, seconds: float) -> None:
+        self.dirty.add(req.prefill.name)
         if req.prefill.cluster == "prfaas":
             nbytes = self.prfaas_hw.s_kv(req.length)
             req.flow = self.link.start(nbytes, lambda: self._kv_done(req), nbytes / seconds if seconds > 0 else math.inf)
@@ -229,6 +235,7 @@ class Simulation:
                 self.index.resync(inst.name, inst.cluster, "prefill", seq, entries)
             inst.published = inst.cache.seq
         req.prefill_end = True
+        self.dirty.add(inst.name)
         if req.flow >= 0 and not req.kv_done:
             self.link.set_cap(req.flow, math.inf)  # the rest streams as fast as the link allows (maybe done now)
             return
@@ -247,8 +254,9 @@ class Simulation:
 
     def _first(self, req: SimRequest) -> None:
         req.t_first = self.q.now
-        self.leases.prefill_done(req.rid)
+        self.leases.prefill_done(req.rid + 1)
         self.windex.touch(req.prefill.name)
+        self.dirty.add(req.decode.name)
         if req.steps > 0:
             req.decode.join(req)
         else:
@@ -256,9 +264,9 @@ class Simulation:
 
     def _finished(self, req: SimRequest) -> None:
         req.t_end = self.q.now
-        self.leases.release(req.rid)
+        self.leases.release(req.rid + 1)
         self.windex.touch(req.decode.name)
-        self.windex.touch(req.prefill.name)
+        self.dirty.add(req.decode.name)
         self.open -= 1
         o = self.outcomes[req.rid]
         o.ttft = req.t_first - req.arrival
@@ -272,14 +280,14 @@ class Simulation:
     # ------------------------------------------------------------------ reports and the planner
     def _report(self) -> None:
         now, rs = self.q.now, self.cfg.report_s
-        for w in self.workers:
-            inst = self.inst[w["name"]]
-            st = w["stats"]
+        for name in self.dirty:  # only the workers whose queues changed since the last report
+            inst, st = self.inst[name], self.by_name[name]["stats"]
             if isinstance(inst, PrefillInstance):
                 st["waiting"], st["running"] = len(inst.queue), int(inst.busy is not None)
             else:
                 st.update(inst.stats())
-            self.windex.touch(w["name"])
+            self.windex.touch(name)
+        self.dirty.clear()
         self._link_signals(now)
         if self.controller is not None:
             _drive(self.controller.tick(now, self.workers))
@@ -357,6 +365,7 @@ class Simulation:
         w["role"] = mv["to"]
         w["stats"] = {"epoch": mv["epoch"]}
         self.inst[w["name"]] = self._instance(w["name"], "pd", w["role"])
+        self.dirty.add(w["name"])
         self.windex.rebuild(self.workers)
         self.mover.loop.ack(mv["epoch"], now)
         self.role_changes.append({"t": now, "worker": w["name"], "to": w["role"], "drained_s": now - mv["since"],
