@@ -18,8 +18,11 @@ Modelled (``common/sim/instances.py``, ``common/sim/link.py``): prefill queues a
 KV admission and batches, the shared cross-cluster link (the KVCache of a remote prefill streams while
 it computes and is capped by its production rate), prefix caches. Not modelled: the PD-P -> PD-D
 transfer inside the PD cluster (instant at prefill end), host overheads, failures. Load reports
-reach the router's view every ``report_s`` seconds (prefill ``waiting``/``running``, decode
-``running``/``waiting``/``admission_queue``, the link's goodput, capacity, RTT and backlog).
+reach the router's and the planner's view every ``report_s`` seconds: prefill ``waiting``, decode
+``admission_queue`` (what the planner's loops read), the link's goodput, capacity, RTT and backlog;
+the router's load of a worker is then its own in-flight count (plus a prefill worker's queue), the
+decode workers' reported ``running``/``waiting`` (which the router adds to its in-flight count of
+the same requests) are left out.
 
 Units: seconds, tokens and bytes of the real (unscaled) system; link capacities in Gbit/s.
 """
@@ -283,10 +286,12 @@ class Simulation:
         for name in self.dirty:  # only the workers whose queues changed since the last report
             inst, st = self.inst[name], self.by_name[name]["stats"]
             if isinstance(inst, PrefillInstance):
-                st["waiting"], st["running"] = len(inst.queue), int(inst.busy is not None)
+                waiting = len(inst.queue)
+                if st.get("waiting") != waiting:
+                    st["waiting"] = waiting
+                    self.windex.touch(name)
             else:
-                st.update(inst.stats())
-            self.windex.touch(name)
+                st["admission_queue"] = len(inst.admit_q)
         self.dirty.clear()
         self._link_signals(now)
         if self.controller is not None:

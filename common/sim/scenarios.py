@@ -107,11 +107,11 @@ def scale_run(gpus: int, hours: float, load: float, slo: Slo, lambda_per_instanc
     cfg = SimConfig(*shape, link_gbps=25.0 * shape[0], planner_loop=True)
     arr = poisson_arrivals(rate, hours * 3600.0, 5)
     ls = sample_lengths(len(arr), cfg.mu, cfg.sigma, cfg.lo, cfg.hi, 6, stratified=False)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     sim = Simulation(cfg)
     outs = sim.run(arr, ls)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     s = summarize(outs, slo, hours * 3600.0)
-    return {"gpus": gpus, "instances": sum(shape), "shape": shape, "rate": rate, "requests": len(arr), "wall_s": wall,
+    return {"gpus": gpus, "instances": sum(shape), "shape": shape, "rate": rate, "requests": len(arr), "wall_s": wall, "cpu_s": cpu,
             "events": sim.q.fired, "events_per_s": sim.q.fired / wall if wall > 0 else math.nan,
             "attainment": s.attainment, "goodput": s.goodput, "ttft_p90": s.ttft_p90, "t": sim.threshold}
