@@ -174,3 +174,17 @@ def test_engine_link_swing_slows_remote_transfers():
     _, fast = _paper_run(base, n=40, rate=0.2)
     _, slow = _paper_run(SimConfig(2, 0, 4, threshold=0, link_gbps=2.0), n=40, rate=0.2)
     assert sum(o.ttft for o in slow) > 1.5 * sum(o.ttft for o in fast)
+
+
+def test_engine_long_loop_moves_a_worker_after_it_drains():
+    from services.planner.long_loop import LongConfig
+
+    cfg = SimConfig(1, 1, 6, threshold=30000, planner_loop=True, long_loop=True,
+                    long_config=LongConfig(period_s=10.0, hold_s=20.0, cooldown_s=60.0))
+    sim, outs = _paper_run(cfg, n=400, rate=1.0)
+    assert sim.role_changes, "PD-P is the bottleneck (1 PD-P for 6 PD-D): the long loop moves a decoder"
+    first = sim.role_changes[0]
+    assert first["to"] == "prefill" and first["drained_s"] >= 0.0
+    moved = next(w for w in sim.workers if w["name"] == first["worker"])
+    assert moved["role"] == "prefill" and not moved["stats"].get("draining")
+    assert all(o.ttft is not None for o in outs) and not sim.leases.by_req

@@ -142,7 +142,8 @@ class Simulation:
         for k in range(cfg.n_p + cfg.n_d):
             self._add_worker(f"pd-{k}", "pd", "prefill" if k < cfg.n_p else "decode")
         self.by_name = {w["name"]: w for w in self.workers}
-        self.dirty: set[str] = set()
+        self.dirty: set[str] = set()  # prefill workers whose queue changed since the last report
+        self.admitting: set[str] = set()  # decode workers with requests waiting for KV admission
         self.windex = WorkerIndex(self.workers, self.leases.inflight, self.leases.prefill_work)
         self.controller: Controller | None = None
         self.mover: RoleMover | None = None
@@ -213,12 +214,12 @@ class Simulation:
         req.prefill, req.decode = self.inst[p.prefill["name"]], self.inst[p.decode["name"]]
         req.kv_bytes = self.pd_hw.s_kv(req.length)
         self.open += 1
-        self.dirty.add(req.decode.name)
         req.decode.reserve(req)
+        if req.decode.admit_q:
+            self.admitting.add(req.decode.name)
 
     def _admitted(self, req: SimRequest) -> None:
         self.dirty.add(req.prefill.name)
-        self.dirty.add(req.decode.name)
         req.prefill.submit(req)
 
     def _prefill_started(self, req: SimRequest, seconds: float) -> None:
@@ -259,7 +260,6 @@ class Simulation:
         req.t_first = self.q.now
         self.leases.prefill_done(req.rid + 1)
         self.windex.touch(req.prefill.name)
-        self.dirty.add(req.decode.name)
         if req.steps > 0:
             req.decode.join(req)
         else:
@@ -269,7 +269,6 @@ class Simulation:
         req.t_end = self.q.now
         self.leases.release(req.rid + 1)
         self.windex.touch(req.decode.name)
-        self.dirty.add(req.decode.name)
         self.open -= 1
         o = self.outcomes[req.rid]
         o.ttft = req.t_first - req.arrival
@@ -283,16 +282,15 @@ class Simulation:
     # ------------------------------------------------------------------ reports and the planner
     def _report(self) -> None:
         now, rs = self.q.now, self.cfg.report_s
-        for name in self.dirty:  # only the workers whose queues changed since the last report
+        for name in self.dirty:  # only the prefill workers whose queues changed since the last report
             inst, st = self.inst[name], self.by_name[name]["stats"]
-            if isinstance(inst, PrefillInstance):
-                waiting = len(inst.queue)
-                if st.get("waiting") != waiting:
-                    st["waiting"] = waiting
-                    self.windex.touch(name)
-            else:
-                st["admission_queue"] = len(inst.admit_q)
+            if isinstance(inst, PrefillInstance) and st.get("waiting") != len(inst.queue):
+                st["waiting"] = len(inst.queue)
+                self.windex.touch(name)
         self.dirty.clear()
+        for name in self.admitting:  # decode workers whose KV admission queue is or was non-empty
+            self.by_name[name]["stats"]["admission_queue"] = len(self.inst[name].admit_q)
+        self.admitting = {n for n in self.admitting if self.inst[n].admit_q}
         self._link_signals(now)
         if self.controller is not None:
             _drive(self.controller.tick(now, self.workers))
