@@ -155,6 +155,7 @@ class Simulation:
             self.mover = RoleMover(LongLoop(cfg.long_config), self.controller.base, self.dist, lambda addr: None,
                                    drain_timeout_s=cfg.drain_timeout_s)
         self.moving: dict[str, Any] | None = None
+        self.n_p = cfg.n_p  # PD-P workers now (role changes move it)
         self.role_changes: list[dict[str, Any]] = []
         self.timeline: list[dict[str, float]] = []
         self._link_prev = (0.0, 0.0)
@@ -300,7 +301,7 @@ class Simulation:
         if self.mover is not None:
             self._long_tick(now)
         self.timeline.append({"t": now, "threshold": float(self.threshold), "egress_gbps": self._egress / 1e9,
-                              "n_p": sum(1 for w in self.workers if w["cluster"] == "pd" and w["role"] == "prefill")})
+                              "n_p": self.n_p})
         if self.open or self.q.now < self._arrivals_end:
             self.q.after(rs, self._report)
 
@@ -371,6 +372,7 @@ class Simulation:
         self.dirty.add(w["name"])
         self.windex.rebuild(self.workers)
         self.mover.loop.ack(mv["epoch"], now)
+        self.n_p += 1 if w["role"] == "prefill" else -1
         self.role_changes.append({"t": now, "worker": w["name"], "to": w["role"], "drained_s": now - mv["since"],
                                   "reason": mv["reason"]})
         self.moving = None

@@ -80,9 +80,10 @@ NOMINAL_LINK_GBPS = 100.0  # Gbit/s assumed with neither a measurement nor a con
 
 
 def _prfaas_links(alive: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Per alive PrfaaS prefill worker, the snapshots of its KV links (one per decode peer)."""
-    return [list(((w.get("stats") or {}).get("links") or {}).values())
-            for w in alive if w["role"] == "prefill" and w["cluster"] == "prfaas"]
+    """Per alive PrfaaS prefill worker that reports KV links, the snapshots of its links (one per decode
+    peer); a worker without links is left out (every caller sums or maxes over the lists)."""
+    return [list(links.values()) for w in alive
+            if w["role"] == "prefill" and w["cluster"] == "prfaas" and (links := (w.get("stats") or {}).get("links"))]
 
 
 def measured_link_gbps(workers: list[dict[str, Any]]) -> float | None:
