@@ -46,6 +46,7 @@ agree, and a resumed stream (decode failover) gives the same tokens as an uninte
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -107,7 +108,7 @@ def _interp(x: float, xs: tuple[float, ...], ys: tuple[float, ...]) -> float:
     elif x >= xs[-1]:
         i = len(xs) - 2
     else:
-        i = int(np.searchsorted(xs, x)) - 1
+        i = bisect.bisect_left(xs, x) - 1  # np.searchsorted's side='left', without its per-call overhead
     x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 

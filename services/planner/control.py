@@ -41,32 +41,49 @@ log = logging.getLogger("prfaas.planner.control")
 
 
 def counts(workers: list[dict[str, Any]]) -> tuple[int, int, int]:
-    """Alive (PrfaaS prefill, PD-P prefill, PD-D decode) instance counts."""
-    alive = [w for w in workers if w.get("alive")]
-    n_prfaas = sum(1 for w in alive if w["role"] == "prefill" and w["cluster"] == "prfaas")
-    n_p = sum(1 for w in alive if w["role"] == "prefill" and w["cluster"] == "pd")
-    n_d = sum(1 for w in alive if w["role"] == "decode")
+    """Alive (PrfaaS prefill, PD-P prefill, PD-D decode) instance counts. One pass (it runs every tick
+    over every worker: thousands in a simulated 10,000-GPU deployment)."""
+    n_prfaas = n_p = n_d = 0
+    for w in workers:
+        if not w.get("alive"):
+            continue
+        if w["role"] == "decode":
+            n_d += 1
+        elif w["role"] == "prefill":
+            if w["cluster"] == "prfaas":
+                n_prfaas += 1
+            elif w["cluster"] == "pd":
+                n_p += 1
     return n_prfaas, n_p, n_d
 
 
 def queue_depths(workers: list[dict[str, Any]]) -> tuple[int, int, int]:
     """Requests waiting at alive (PrfaaS prefill, PD-P prefill) workers and at alive decode workers'
-    KV admission, from their load reports."""
-    alive = [w for w in workers if w.get("alive")]
-
-    def total(key: str, role: str, cluster: str | None = None) -> int:
-        return int(sum((w.get("stats") or {}).get(key, 0) for w in alive
-                       if w["role"] == role and (cluster is None or w["cluster"] == cluster)))
-    return total("waiting", "prefill", "prfaas"), total("waiting", "prefill", "pd"), total("admission_queue", "decode")
+    KV admission, from their load reports. One pass."""
+    q_prfaas = q_pdp = q_dec = 0.0
+    for w in workers:
+        if not w.get("alive"):
+            continue
+        role = w["role"]
+        if role == "prefill":
+            c = w["cluster"]
+            if c == "prfaas":
+                q_prfaas += (w.get("stats") or {}).get("waiting", 0)
+            elif c == "pd":
+                q_pdp += (w.get("stats") or {}).get("waiting", 0)
+        elif role == "decode":
+            q_dec += (w.get("stats") or {}).get("admission_queue", 0)
+    return int(q_prfaas), int(q_pdp), int(q_dec)
 
 
 NOMINAL_LINK_GBPS = 100.0  # Gbit/s assumed with neither a measurement nor a configured capacity
 
 
 def _prfaas_links(alive: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Per alive PrfaaS prefill worker, the snapshots of its KV links (one per decode peer)."""
-    return [list(((w.get("stats") or {}).get("links") or {}).values())
-            for w in alive if w["role"] == "prefill" and w["cluster"] == "prfaas"]
+    """Per alive PrfaaS prefill worker that reports KV links, the snapshots of its links (one per decode
+    peer); a worker without links is left out (every caller sums or maxes over the lists)."""
+    return [list(links.values()) for w in alive
+            if w["role"] == "prefill" and w["cluster"] == "prfaas" and (links := (w.get("stats") or {}).get("links"))]
 
 
 def measured_link_gbps(workers: list[dict[str, Any]]) -> float | None:

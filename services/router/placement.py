@@ -282,7 +282,7 @@ def choose_cluster(prompt_len: int, l_pd: int, l_prfaas: int, threshold: int,
 def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str, int], threshold: int,
                       workers: list[dict[str, Any]], inflight: dict[str, int], bandwidth_plentiful: bool,
                       exclude_decode: set[str] | frozenset[str] = frozenset(),
-                      prefill_work: dict[str, float] | None = None) -> Placement:
+                      prefill_work: dict[str, float] | None = None, index: Any = None) -> Placement:
     """Cache-aware placement, pure: route by the cached prefixes, then cache-affine workers.
 
     ``prefix_blocks`` maps node name -> leading blocks of the prompt cached there (from
@@ -295,9 +295,19 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
     :func:`place`) among those the load guard (in requests) lets through. ``prefill_prefix_tokens`` is capped like ``l_pd``
     (the last prompt token is always computed); ``decode_prefix_tokens`` is blocks x ``block_size``.
     Raises :class:`NoWorker`, or ``ValueError`` for lengths that do not fit the prompt.
+
+    ``index``: a :class:`~services.router.worker_index.WorkerIndex` over ``workers`` (placeable ones,
+    ``prefill_work`` its ``work``, no ``exclude_decode``): the same answer in O(log N) per picker.
     """
-    alive = [w for w in workers if w.get("alive")]
-    prefills = {c: [w for w in alive if w["role"] == "prefill" and w["cluster"] == c] for c in CLUSTERS}
+    if index is not None:
+        alive: list[dict[str, Any]] = []
+        prefills = {c: [index.by_name[n] for n in prefix_blocks if index.group.get(n) == ("prefill", c)]
+                    if index.size(("prefill", c)) else [] for c in CLUSTERS}
+        present = {c: index.size(("prefill", c)) > 0 for c in CLUSTERS}
+    else:
+        alive = [w for w in workers if w.get("alive")]
+        prefills = {c: [w for w in alive if w["role"] == "prefill" and w["cluster"] == c] for c in CLUSTERS}
+        present = {c: bool(prefills[c]) for c in CLUSTERS}
 
     def longest(ws: list[dict[str, Any]]) -> int:
         return max((prefix_blocks.get(w["name"], 0) for w in ws), default=0)
@@ -306,10 +316,10 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
     l_pd, l_prfaas = lens["l_pd"], lens["l_prfaas"]
     route, l, why = choose_cluster(prompt_len, l_pd, l_prfaas, threshold, bandwidth_plentiful)
     reason = f"prompt={prompt_len} l_pd={l_pd} l_prfaas={l_prfaas}; {why}"
-    fell_back = not prefills[CLUSTER_OF_ROUTE[route]]
+    fell_back = not present[CLUSTER_OF_ROUTE[route]]
     if fell_back:
         other = _other(route)
-        if not prefills[CLUSTER_OF_ROUTE[other]]:
+        if not present[CLUSTER_OF_ROUTE[other]]:
             raise NoWorker("prefill")
         cached = max(l_pd, l_prfaas) if bandwidth_plentiful else lens["l_" + CLUSTER_OF_ROUTE[other]]
         l = prompt_len - cached
@@ -326,9 +336,13 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
             best = max(holders, key=lambda w: (prefix_blocks[w["name"]], w["name"]))
             source = {"name": best["name"], "addr": best["addr"],
                       "tokens": min(prefix_blocks[best["name"]] * block_size, prompt_len - 1)}
-    pf = pick_affine(prefills[CLUSTER_OF_ROUTE[route]], prefix_blocks, inflight, prefill_work)
-    dec = pick_affine([w for w in alive if w["role"] == "decode" and w["name"] not in exclude_decode],
-                      prefix_blocks, inflight)
+    if index is not None:
+        pf = index.pick(("prefill", CLUSTER_OF_ROUTE[route]), prefix_blocks, prefill_work is not None)
+        dec = index.pick(("decode", None), prefix_blocks, False)
+    else:
+        pf = pick_affine(prefills[CLUSTER_OF_ROUTE[route]], prefix_blocks, inflight, prefill_work)
+        dec = pick_affine([w for w in alive if w["role"] == "decode" and w["name"] not in exclude_decode],
+                          prefix_blocks, inflight)
     if pf is None:  # unreachable: the route's cluster has an alive prefill worker
         raise NoWorker("prefill")
     if dec is None:
@@ -351,14 +365,21 @@ def place_request(prompt_len: int, threshold: int, workers: list[dict[str, Any]]
                   exclude_decode: set[str] | frozenset[str] = frozenset(),
                   exclude_prefill: set[str] | frozenset[str] = frozenset(),
                   block_size: int | None = None, prefix_blocks: dict[str, int] | None = None,
-                  bandwidth_plentiful: bool = False, prefill_work: dict[str, float] | None = None) -> Placement:
+                  bandwidth_plentiful: bool = False, prefill_work: dict[str, float] | None = None,
+                  index: Any = None) -> Placement:
     """The whole rule for one ``place`` call: :func:`placeable` (drop draining and excluded workers),
     then :func:`place_with_prefix` when the request came with block hashes (``prefix_blocks``: node ->
     cached leading blocks, from ``KvIndex.lookup``; ``block_size`` in tokens) and ``prompt_len >= 1``,
     else :func:`place` (the whole prompt is incremental). ``prefill_work``: outstanding prefill
     token-equivalents per prefill worker (:class:`services.router.leases.Leases`); prefill workers
-    are then chosen by work, not by request count. Raises :class:`NoWorker`, or ``ValueError``
-    for lengths that do not fit the prompt."""
+    are then chosen by work, not by request count. ``index``: a
+    :class:`~services.router.worker_index.WorkerIndex` kept current over ``workers``, ``inflight``
+    and ``prefill_work``: used (same answer, O(log N)) for a request with block hashes and no
+    exclusions. Raises :class:`NoWorker`, or ``ValueError`` for lengths that do not fit the prompt."""
+    if (index is not None and not exclude_decode and not exclude_prefill and prefix_blocks is not None
+            and block_size is not None and prompt_len >= 1 and prefill_work is index.work and inflight is index.inflight):
+        return place_with_prefix(prompt_len, block_size, prefix_blocks, threshold, workers, inflight, bandwidth_plentiful,
+                                 prefill_work=prefill_work, index=index)
     ws = placeable(workers, exclude_decode, exclude_prefill)
     if prefix_blocks is None or block_size is None or prompt_len < 1:
         return place(prompt_len, threshold, ws, inflight, prefill_work=prefill_work)

@@ -1,0 +1,407 @@
+"""A PrfaaS deployment on simulated time, driven by the project's own policy code.
+
+What runs here is the real code, called as the services call it:
+
+- the router's placement (``services/router/placement.py`` ``place_request``: threshold rule, the
+  short-timescale prefix rule, cache-affine load-guarded pickers), its book of placed requests
+  (``services/router/leases.py``: in-flight counts and queued prefill work, ``prefill_done`` at the
+  first token, ``release`` at the end) and the global KV index (``services/router/kv_index.py``) fed
+  with the prefill workers' prefix-cache events (``common/kv/prefix_cache.py``);
+- the planner's short loop through its live shell (``services/planner/control.py`` ``Controller``:
+  the worker view -> ``ShortSignals`` -> ``ShortLoop`` -> threshold and bandwidth flag at the router,
+  anchored on ``services/planner/throughput.py``), re-learning the workload every 30 s as the
+  planner does; the long loop (``services/planner/long_loop.py`` via ``RoleMover.signals``,
+  ``roles.pick_worker``), whose role change drains the worker (no new placements, in-flight requests
+  finish, at most ``drain_timeout_s``) before it flips.
+
+Modelled (``common/sim/instances.py``, ``common/sim/link.py``): prefill queues and compute, decode
+KV admission and batches, the shared cross-cluster link (the KVCache of a remote prefill streams while
+it computes and is capped by its production rate), prefix caches. Not modelled: the PD-P -> PD-D
+transfer inside the PD cluster (instant at prefill end), host overheads, failures. Load reports
+reach the router's and the planner's view every ``report_s`` seconds: prefill ``waiting``, decode
+``admission_queue`` (what the planner's loops read), the link's goodput, capacity, RTT and backlog;
+the router's load of a worker is then its own in-flight count (plus a prefill worker's queue), the
+decode workers' reported ``running``/``waiting`` (which the router adds to its in-flight count of
+the same requests) are left out.
+
+Units: seconds, tokens and bytes of the real (unscaled) system; link capacities in Gbit/s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.lab.emulated_load import Outcome
+from common.model.emulated import EmulatedProfile
+from common.sim.events import EventQueue
+from common.sim.instances import DecodeInstance, PrefillInstance, SimRequest
+from common.sim.link import SharedLink
+from common.transfer.estimators import Ewma, WindowedMax, WindowedMin
+from services.planner import throughput as tm
+from services.planner.control import Controller
+from services.planner.long_loop import LongConfig, LongLoop
+from services.planner.roles import RoleMover, pick_worker
+from services.router import placement
+from services.router.kv_index import KvIndex
+from services.router.leases import Leases
+from services.router.server import RECENT_LENGTHS
+from services.router.worker_index import WorkerIndex
+
+GBPS = 1e9 / 8  # bytes/s per Gbit/s
+
+
+@dataclass
+class SimConfig:
+    """One deployment: instance counts, hardware profile names (``services/planner/profiles``), the
+    link (Gbit/s, RTT s), routing (``threshold`` tokens, None: the model's optimum), the planner's
+    loops, ``l_out`` output tokens (``output_scale`` m: decode ``(round(l_out/m) - 1) * m`` steps after
+    the first token, as the emulated cluster does; 1 for the real system), per-instance prefix-cache
+    and decode-pool bytes, ``block_size`` tokens per KV block, the prompt-length distribution the
+    planner models (log-normal ``mu``, ``sigma`` on [``lo``, ``hi``])."""
+
+    n_prfaas: int
+    n_p: int
+    n_d: int
+    prfaas_profile: str = "h200_table5"
+    pd_profile: str = "h20_table6_fit"
+    link_gbps: float = 100.0
+    rtt_s: float = 0.0
+    threshold: float | None = None
+    planner_loop: bool = False
+    long_loop: bool = False
+    l_out: int = 1024
+    output_scale: int = 1
+    prefix_cache_bytes: float = 0.0
+    decode_pool_bytes: float = 4.5e11
+    block_size: int = 512
+    report_s: float = 1.0
+    drain_timeout_s: float = 60.0
+    link_buffer_bytes: float = 64 * 2**20
+    mu: float = 9.90
+    sigma: float = 1.00
+    lo: float = 128.0
+    hi: float = 131072.0
+    long_config: LongConfig = field(default_factory=lambda: LongConfig(period_s=60.0, hold_s=120.0, cooldown_s=300.0))
+
+
+def planner_profile(p: EmulatedProfile) -> dict[str, Any]:
+    """A hardware profile as the planner's throughput model reads it (unscaled; the KV table itself)."""
+    return {"name": p.name, "lengths": list(p.lengths), "prefill_s": [p.t_prefill(x) for x in p.lengths],
+            "kv_bytes": [p.s_kv(x) for x in p.lengths],
+            **({"decode_tokens_per_s": p.bs_max / p.t_decode()} if p.bs_max else {})}
+
+
+class _Router:
+    """The planner's RPC client to the router, in process: ``set_threshold`` and ``set_bandwidth``."""
+
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+
+    async def call(self, method: str, args: dict[str, Any], timeout: float = 0.0) -> dict[str, Any]:
+        if method == "set_threshold":
+            self.sim.threshold = int(args["threshold"])
+        elif method == "set_bandwidth":
+            self.sim.plentiful = bool(args["plentiful"])
+        return {}
+
+
+def _drive(coro: Any) -> Any:
+    """Run a coroutine that never suspends (the planner's shell over an in-process router) to its end."""
+    try:
+        coro.send(None)
+    except StopIteration as e:
+        return e.value
+    coro.close()
+    raise RuntimeError("the planner shell suspended: it awaited something other than the in-process router")
+
+
+class Simulation:
+    """See the module docstring. :meth:`run` takes the arrivals and returns one ``Outcome`` per request."""
+
+    def __init__(self, cfg: SimConfig):
+        self.cfg = cfg
+        self.q = EventQueue()
+        self.prfaas_hw = EmulatedProfile.from_file(cfg.prfaas_profile)
+        self.pd_hw = EmulatedProfile.from_file(cfg.pd_profile)
+        self.link = SharedLink(self.q, cfg.link_gbps * GBPS, cfg.rtt_s, cfg.link_buffer_bytes)
+        self.dist = tm.TruncatedLogNormal(cfg.mu, cfg.sigma, cfg.lo, cfg.hi)
+        self.leases = Leases()
+        self.index = KvIndex()
+        self.recent_lengths: deque[int] = deque(maxlen=RECENT_LENGTHS)
+        self.decisions: Counter[str] = Counter()
+        self.fixed = {"prfaas": self.prfaas_hw.prefill_fixed_tokens(), "pd": self.pd_hw.prefill_fixed_tokens()}
+        self.plentiful = False
+        self.workers: list[dict[str, Any]] = []
+        self.inst: dict[str, PrefillInstance | DecodeInstance] = {}
+        for k in range(cfg.n_prfaas):
+            self._add_worker(f"prfaas-{k}", "prfaas", "prefill")
+        for k in range(cfg.n_p + cfg.n_d):
+            self._add_worker(f"pd-{k}", "pd", "prefill" if k < cfg.n_p else "decode")
+        self.by_name = {w["name"]: w for w in self.workers}
+        self.dirty: set[str] = set()  # prefill workers whose queue changed since the last report
+        self.admitting: set[str] = set()  # decode workers with requests waiting for KV admission
+        self.windex = WorkerIndex(self.workers, self.leases.inflight, self.leases.prefill_work)
+        self.controller: Controller | None = None
+        self.mover: RoleMover | None = None
+        self.threshold = cfg.threshold if cfg.threshold is not None else self.model_threshold()
+        if cfg.planner_loop or cfg.long_loop:
+            self.controller = Controller(planner_profile(self.pd_hw), self.dist, cfg.link_gbps, cfg.l_out, _Router(self),
+                                         prfaas_profile=planner_profile(self.prfaas_hw))
+        if cfg.long_loop:
+            self.mover = RoleMover(LongLoop(cfg.long_config), self.controller.base, self.dist, lambda addr: None,
+                                   drain_timeout_s=cfg.drain_timeout_s)
+        self.moving: dict[str, Any] | None = None
+        self.n_p = cfg.n_p  # PD-P workers now (role changes move it)
+        self.role_changes: list[dict[str, Any]] = []
+        self.timeline: list[dict[str, float]] = []
+        self._link_prev = (0.0, 0.0)
+        self._goodput = Ewma(half_life_s=5.0)
+        self._capacity = WindowedMax(30.0)
+        self._rtt = Ewma(alpha=0.125)
+        self._floor = WindowedMin(3.0)
+        self._egress = 0.0
+        self._engine_backlogged_since: float | None = None
+        self._relearned_at = -math.inf
+        self.open = 0
+        self.outcomes: list[Outcome] = []
+
+    # ------------------------------------------------------------------ set-up
+    def model_threshold(self) -> float:
+        """The throughput model's optimum ``t`` (tokens) for this deployment (eq. 7)."""
+        c = self.cfg
+        if not (c.n_prfaas and c.n_p):
+            return 1 << 30 if not c.n_prfaas else 0
+        dep = tm.Deployment(c.n_prfaas, c.n_p, c.n_d, tm.HardwareProfile.from_dict(planner_profile(self.prfaas_hw)),
+                            tm.HardwareProfile.from_dict(planner_profile(self.pd_hw)),
+                            tm.HardwareProfile.from_dict(planner_profile(self.pd_hw)), c.link_gbps, c.l_out)
+        return tm.best_threshold(dep, self.dist).t
+
+    def _add_worker(self, name: str, cluster: str, role: str) -> None:
+        w = {"name": name, "cluster": cluster, "role": role, "alive": True, "addr": name, "stats": {}}
+        if cluster == "pd":
+            w["stats"]["epoch"] = 0
+        self.workers.append(w)
+        self.inst[name] = self._instance(name, cluster, role)
+
+    def _instance(self, name: str, cluster: str, role: str) -> PrefillInstance | DecodeInstance:
+        c = self.cfg
+        if role == "decode":
+            return DecodeInstance(self.q, name, self.pd_hw, c.decode_pool_bytes, self._admitted, self._finished)
+        hw = self.prfaas_hw if cluster == "prfaas" else self.pd_hw
+        per_block = hw.kv_affine()[1] * c.block_size
+        blocks = int(c.prefix_cache_bytes // per_block) if c.prefix_cache_bytes and per_block > 0 else 0
+        return PrefillInstance(self.q, name, cluster, hw, self._prefill_started, self._prefill_done, blocks, c.block_size)
+
+    # ------------------------------------------------------------------ request path
+    def _arrive(self, req: SimRequest) -> None:
+        bs = self.cfg.block_size
+        hashes = req.hashes[: req.length // bs] if req.hashes else []
+        req.hashes = hashes
+        blocks = self.index.lookup(hashes) if hashes else {}
+        p = placement.place_request(req.length, int(self.threshold), self.workers, self.leases.inflight, block_size=bs,
+                                    prefix_blocks=blocks, bandwidth_plentiful=self.plentiful,
+                                    prefill_work=self.leases.prefill_work, index=self.windex)
+        self.decisions[p.route] += 1
+        self.recent_lengths.append(p.incremental_len)
+        work = p.incremental_len + self.fixed[p.prefill["cluster"]]
+        self.leases.place(req.rid + 1, p.prefill["name"], p.decode["name"], work, self.q.now)
+        self.windex.touch(p.prefill["name"])
+        self.windex.touch(p.decode["name"])
+        req.route = p.route
+        req.prefill, req.decode = self.inst[p.prefill["name"]], self.inst[p.decode["name"]]
+        req.kv_bytes = self.pd_hw.s_kv(req.length)
+        self.open += 1
+        req.decode.reserve(req)
+        if req.decode.admit_q:
+            self.admitting.add(req.decode.name)
+
+    def _admitted(self, req: SimRequest) -> None:
+        self.dirty.add(req.prefill.name)
+        req.prefill.submit(req)
+
+    def _prefill_started(self, req: SimRequest, seconds: float) -> None:
+        self.dirty.add(req.prefill.name)
+        if req.prefill.cluster == "prfaas":
+            nbytes = self.prfaas_hw.s_kv(req.length)
+            req.flow = self.link.start(nbytes, lambda: self._kv_done(req), nbytes / seconds if seconds > 0 else math.inf)
+        else:
+            req.kv_done = True
+
+    def _prefill_done(self, req: SimRequest) -> None:
+        inst = req.prefill
+        if inst.cache is not None and inst.cache.seq > inst.published:
+            events, complete = inst.cache.events_since(inst.published)
+            if not self.index.apply(inst.name, inst.cluster, "prefill", inst.published + 1, events, complete):
+                seq, entries = inst.cache.snapshot()
+                self.index.resync(inst.name, inst.cluster, "prefill", seq, entries)
+            inst.published = inst.cache.seq
+        req.prefill_end = True
+        self.dirty.add(inst.name)
+        if req.flow >= 0 and not req.kv_done:
+            self.link.set_cap(req.flow, math.inf)  # the rest streams as fast as the link allows (maybe done now)
+            return
+        self._maybe_first(req)
+
+    def _kv_done(self, req: SimRequest) -> None:
+        req.kv_done = True
+        self._maybe_first(req)
+
+    def _maybe_first(self, req: SimRequest) -> None:
+        if req.prefill_end and req.kv_done:
+            if req.flow >= 0 and self.link.rtt > 0:
+                self.q.after(self.link.rtt / 2, self._first, req)
+            else:
+                self._first(req)
+
+    def _first(self, req: SimRequest) -> None:
+        req.t_first = self.q.now
+        self.leases.prefill_done(req.rid + 1)
+        self.windex.touch(req.prefill.name)
+        if req.steps > 0:
+            req.decode.join(req)
+        else:
+            self._finished(req)
+
+    def _finished(self, req: SimRequest) -> None:
+        req.t_end = self.q.now
+        self.leases.release(req.rid + 1)
+        self.windex.touch(req.decode.name)
+        self.open -= 1
+        o = self.outcomes[req.rid]
+        o.ttft = req.t_first - req.arrival
+        o.end = req.t_end
+        o.exact = True
+        o.tokens = req.steps + 1
+        if req.steps > 0 and req.t_end > req.t_first:
+            o.decode_rate = req.steps / (req.t_end - req.t_first)
+        o.prefix = req.hit
+
+    # ------------------------------------------------------------------ reports and the planner
+    def _report(self) -> None:
+        now, rs = self.q.now, self.cfg.report_s
+        for name in self.dirty:  # only the prefill workers whose queues changed since the last report
+            inst, st = self.inst[name], self.by_name[name]["stats"]
+            if isinstance(inst, PrefillInstance) and st.get("waiting") != len(inst.queue):
+                st["waiting"] = len(inst.queue)
+                self.windex.touch(name)
+        self.dirty.clear()
+        for name in self.admitting:  # decode workers whose KV admission queue is or was non-empty
+            self.by_name[name]["stats"]["admission_queue"] = len(self.inst[name].admit_q)
+        self.admitting = {n for n in self.admitting if self.inst[n].admit_q}
+        self._link_signals(now)
+        if self.controller is not None:
+            _drive(self.controller.tick(now, self.workers))
+            if now - self._relearned_at >= 30.0:
+                self._relearned_at = now
+                self.controller.relearn(list(self.recent_lengths)[-400:])
+        if self.mover is not None:
+            self._long_tick(now)
+        self.timeline.append({"t": now, "threshold": float(self.threshold), "egress_gbps": self._egress / 1e9,
+                              "n_p": self.n_p})
+        if self.open or self.q.now < self._arrivals_end:
+            self.q.after(rs, self._report)
+
+    def _link_signals(self, now: float) -> None:
+        """The KV senders' link snapshot (``common/transfer/link_stats.py`` keys and estimators): goodput
+        EWMA (half-life 5 s), capacity = the largest rate of a report interval the sender was backlogged
+        throughout, over the last 30 s (None without one), smoothed RTT and its 3 s floor. Between the
+        sender and the link sits a buffer of ``link_buffer_bytes`` (socket and middlebox buffers): the
+        bytes held back by the link fill it first, and only what exceeds it stays queued in the sender
+        (backlogged); the RTT grows by the buffer's queueing delay."""
+        link = self.link
+        b, t = link.delivered_now(), now
+        b0, t0 = self._link_prev
+        self._link_prev = (b, t)
+        rate = 8 * (b - b0) / (t - t0) if t > t0 else 0.0
+        self._goodput.update(rate, now)
+        held = link.held_now()
+        was = self._engine_backlogged_since
+        self._engine_backlogged_since = (was if was is not None else now) if held > link.buffer_bytes else None
+        if t > t0 and was is not None and self._engine_backlogged_since is not None:
+            self._capacity.update(rate, now)
+        rtt_min = max(link.rtt * 1e3, 0.1)
+        delay_ms = 1e3 * min(held, link.buffer_bytes) / link.capacity
+        rtt = self._rtt.update(rtt_min + delay_ms, now)
+        self._floor.update(rtt_min + delay_ms, now)
+        backlogged_s = 0.0 if self._engine_backlogged_since is None else now - self._engine_backlogged_since
+        self._egress = rate
+        if self.cfg.n_prfaas:
+            self.workers[0]["stats"]["links"] = {"kv": {
+                "goodput_bps": self._goodput.value or 0.0, "capacity_bps": self._capacity.value(now), "rtt_ms": rtt,
+                "rtt_min_ms": rtt_min, "rtt_floor_ms": self._floor.value(now), "backlogged_s": backlogged_s,
+                "stalls": 0, "retransmits": 0}}
+
+    def _long_tick(self, now: float) -> None:
+        m = self.mover
+        if self.moving is not None:
+            self._try_flip(now)
+            return
+        m.threshold, m.recent_lengths = float(self.threshold), list(self.recent_lengths)[-400:]
+        if not m.due(now):
+            return
+        rc = m.loop.tick(now, m.signals(self.workers))
+        if rc is None:
+            return
+        target = pick_worker(self.workers, rc.from_role)
+        if target is None:
+            m.loop.pending = None
+            return
+        target["stats"]["draining"] = True
+        self.windex.rebuild(self.workers)
+        self.moving = {"worker": target, "epoch": rc.epoch, "to": rc.to_role, "since": now, "reason": rc.reason}
+        self._try_flip(now)
+
+    def _try_flip(self, now: float) -> None:
+        mv = self.moving
+        w = mv["worker"]
+        inst = self.inst[w["name"]]
+        idle = (inst.busy is None and not inst.queue) if isinstance(inst, PrefillInstance) else \
+            not (inst.running or inst.ready_q or inst.admit_q)
+        if not idle and now - mv["since"] < self.cfg.drain_timeout_s:
+            return
+        if not idle:
+            return  # past the drain timeout the real worker hands requests off; here they finish where they are
+        self.index.forget(w["name"])
+        w["role"] = mv["to"]
+        w["stats"] = {"epoch": mv["epoch"]}
+        self.inst[w["name"]] = self._instance(w["name"], "pd", w["role"])
+        self.dirty.add(w["name"])
+        self.windex.rebuild(self.workers)
+        self.mover.loop.ack(mv["epoch"], now)
+        self.n_p += 1 if w["role"] == "prefill" else -1
+        self.role_changes.append({"t": now, "worker": w["name"], "to": w["role"], "drained_s": now - mv["since"],
+                                  "reason": mv["reason"]})
+        self.moving = None
+
+    # ------------------------------------------------------------------ run
+    def run(self, arrivals: Sequence[float], lengths: Sequence[int], hashes: Sequence[list[int]] | None = None,
+            link_phases: Sequence[tuple[float, float]] = (), t_pd=None) -> list[Outcome]:
+        """Simulate requests arriving at ``arrivals`` (s, non-decreasing) with ``lengths`` (tokens) and,
+        optionally, block ``hashes`` (one 64-bit int per ``block_size`` tokens, shared prefixes share
+        leading hashes); ``link_phases``: ``(start s, Gbit/s)`` link changes. Runs until every request
+        has finished. ``t_pd(l)``: the PD cluster's prefill seconds (for the TTFT SLO; default the PD
+        profile's). Returns the outcomes in arrival order (times unscaled seconds)."""
+        t_pd = t_pd or self.pd_hw.t_prefill
+        m = self.cfg.output_scale
+        steps = (max(1, round(self.cfg.l_out / m)) - 1) * m
+        self.outcomes = [Outcome(int(lengths[i]), float(arrivals[i]), t_pd(lengths[i])) for i in range(len(arrivals))]
+        self._arrivals_end = max(arrivals, default=0.0)
+        for start, gbps in link_phases:
+            self.q.at(start, self.link.set_capacity, gbps * GBPS)
+        self._feed(list(arrivals), list(lengths), hashes, steps, 0)
+        self.q.after(0.0, self._report)
+        self.q.run()
+        return self.outcomes
+
+    def _feed(self, arrivals: list[float], lengths: list[int], hashes, steps: int, i: int) -> None:
+        """Schedule arrivals lazily, a chunk at a time, so the heap stays small."""
+        end = min(len(arrivals), i + 256)
+        for k in range(i, end):
+            req = SimRequest(k, arrivals[k], int(lengths[k]), list(hashes[k]) if hashes is not None else None, steps)
+            self.q.at(arrivals[k], self._arrive, req)
+        if end < len(arrivals):
+            self.q.at(arrivals[end - 1], self._feed, arrivals, lengths, hashes, steps, end)

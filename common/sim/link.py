@@ -1,0 +1,192 @@
+"""A shared link (the PrfaaS -> PD cross-datacenter link) at flow level: max-min fair sharing.
+
+Every transfer is a *flow* of ``nbytes`` with a rate cap (bytes/s; ``inf`` for none). A KVCache
+streamed layer by layer while its prefill computes cannot go faster than it is produced, so its cap
+is ``S_kv / T_prefill`` until the prefill ends and ``inf`` after (:meth:`SharedLink.set_cap`). The link
+divides its capacity ``C`` (bytes/s) by water-filling: flows sorted by cap, each gets
+``min(cap, left / flows_left)``. Between changes every rate is constant, so completions are exact.
+
+Two regimes, for speed. While the caps fit the link (their sum at most ``C``) every flow runs at its
+cap, independently of the others: a flow that starts, ends or changes cap touches only itself (O(1)
+plus its own completion event). Once they do not, every change re-divides the link among all flows
+(O(F log F) for F flows) under one completion timer.
+
+Signals: ``delivered`` bytes, :meth:`held_now` (bytes of the flows held below their cap: what a
+sender would have queued), whether the link is *backlogged* (some flow is held) and since when.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from common.sim.events import EventQueue
+
+_EPS = 1e-3  # bytes: a flow with less left is done
+
+
+class Flow:
+    """One transfer: ``left`` bytes at time ``at``, ``cap`` and ``rate`` (bytes/s), ``on_done()``."""
+
+    __slots__ = ("left", "at", "cap", "rate", "on_done", "version", "size")
+
+    def __init__(self, left: float, at: float, cap: float, on_done: Callable[[], Any]):
+        self.left, self.at, self.cap, self.rate, self.on_done = left, at, cap, 0.0, on_done
+        self.version = 0
+        self.size = left
+
+    def left_at(self, now: float) -> float:
+        return self.left - self.rate * (now - self.at)
+
+
+class SharedLink:
+    """See the module docstring. ``capacity`` bytes/s (> 0), ``rtt`` seconds (one-way latency is
+    ``rtt / 2``), ``buffer_bytes`` a sender-side buffer (socket and middlebox) the caller's signals use."""
+
+    def __init__(self, q: EventQueue, capacity: float, rtt: float = 0.0, buffer_bytes: float = math.inf):
+        if not capacity > 0:
+            raise ValueError(f"link capacity must be > 0 bytes/s, got {capacity!r}")
+        self.q, self.capacity, self.rtt, self.buffer_bytes = q, float(capacity), float(rtt), buffer_bytes
+        self.flows: dict[int, Flow] = {}
+        self.done_bytes = 0.0  # bytes of completed flows
+        self.demand = 0.0  # sum of the flows' finite caps (bytes/s)
+        self.uncapped = 0  # flows without a cap
+        self.congested = False  # the caps exceed the capacity: shared by water-filling
+        self.backlogged_since: float | None = None
+        self._version = 0  # of the shared timer (congested regime)
+        self._next_id = 0
+
+    # ----------------------------------------------------------------- flows
+    def start(self, nbytes: float, on_done: Callable[[], Any], cap: float = math.inf) -> int:
+        """Start a flow of ``nbytes`` (>= 0) capped at ``cap`` bytes/s; returns its id. ``on_done`` is
+        called from the event queue when its last byte is delivered (an empty flow: now, never re-entrantly)."""
+        if not nbytes >= 0 or not cap > 0:
+            raise ValueError(f"a flow needs nbytes >= 0 and cap > 0, got {nbytes!r}, {cap!r}")
+        fid = self._next_id
+        self._next_id += 1
+        f = self.flows[fid] = Flow(float(nbytes), self.q.now, float(cap), on_done)
+        self._add_demand(f.cap, 1)
+        if not self.congested and self._fits():
+            f.rate = f.cap
+            self._arm(fid, f)
+        else:
+            self._reallocate()
+        return fid
+
+    def set_cap(self, fid: int, cap: float) -> None:
+        """Change flow ``fid``'s cap (bytes/s); a finished flow is ignored."""
+        f = self.flows.get(fid)
+        if f is None or f.cap == cap:
+            return
+        now = self.q.now
+        f.left, f.at = f.left_at(now), now
+        self._add_demand(f.cap, -1)
+        f.cap = float(cap)
+        self._add_demand(f.cap, 1)
+        if f.left <= _EPS:
+            self._complete(fid, f.version)
+        elif not self.congested and self._fits():
+            f.rate = f.cap
+            self._arm(fid, f)
+        else:
+            self._reallocate()
+
+    def set_capacity(self, capacity: float) -> None:
+        """Change the link's capacity (bytes/s, > 0), e.g. a bandwidth swing."""
+        if not capacity > 0:
+            raise ValueError(f"link capacity must be > 0 bytes/s, got {capacity!r}")
+        self.capacity = float(capacity)
+        self._reallocate()
+
+    # ----------------------------------------------------------------- signals
+    def held_now(self) -> float:
+        """Bytes left in the flows the link holds below their cap, at the current time."""
+        if not self.congested:
+            return 0.0
+        now = self.q.now
+        return sum(max(0.0, f.left_at(now)) for f in self.flows.values() if f.rate < f.cap)
+
+    def backlogged_s(self) -> float:
+        """Seconds the link has been backlogged without a break (0 when it is not)."""
+        return 0.0 if self.backlogged_since is None else self.q.now - self.backlogged_since
+
+    def delivered_now(self) -> float:
+        """Bytes delivered up to the current time."""
+        now = self.q.now
+        return self.done_bytes + sum(f.size - max(0.0, f.left_at(now)) for f in self.flows.values())
+
+    # ----------------------------------------------------------------- internals
+    def _add_demand(self, cap: float, sign: int) -> None:
+        if math.isinf(cap):
+            self.uncapped += sign
+        else:
+            self.demand += sign * cap
+
+    def _fits(self) -> bool:
+        return not self.uncapped and self.demand <= self.capacity
+
+    def _arm(self, fid: int, f: Flow) -> None:
+        """Uncongested: the flow's own completion event."""
+        f.version += 1
+        dt = f.left / f.rate if f.rate > 0 else math.inf
+        if math.isfinite(dt):
+            self.q.after(max(0.0, dt), self._complete, fid, f.version)
+
+    def _complete(self, fid: int, version: int) -> None:
+        f = self.flows.get(fid)
+        if f is None or f.version != version:
+            return
+        del self.flows[fid]
+        self._add_demand(f.cap, -1)
+        self.done_bytes += f.size
+        if not self.flows:
+            self.demand = 0.0  # no drift from float sums
+        if self.congested:
+            self._reallocate()
+        f.on_done()
+
+    def _reallocate(self) -> None:
+        """Settle every flow at now and divide the link anew (either regime)."""
+        now, flows, c = self.q.now, self.flows, self.capacity
+        self._version += 1
+        for f in flows.values():
+            f.left, f.at = max(0.0, f.left_at(now)), now
+        if self._fits() or not flows:
+            self.congested = False
+            self.backlogged_since = None
+            for fid, f in flows.items():
+                f.rate = f.cap
+                self._arm(fid, f)
+            return
+        if not self.congested:
+            self.backlogged_since = now
+        self.congested = True
+        left, k = c, len(flows)
+        for f in sorted(flows.values(), key=lambda f: f.cap):
+            share = left / k
+            f.rate = f.cap if f.cap <= share else share
+            f.version += 1  # void the flows' own events: the shared timer rules now
+            left -= f.rate
+            k -= 1
+        fid, f = min(flows.items(), key=lambda kv: kv[1].left / kv[1].rate if kv[1].rate > 0 else math.inf)
+        dt = f.left / f.rate if f.rate > 0 else math.inf
+        if math.isfinite(dt):
+            self.q.after(max(0.0, dt), self._shared, self._version)
+
+    def _shared(self, version: int) -> None:
+        if version != self._version:
+            return
+        now = self.q.now
+        done = [fid for fid, f in self.flows.items() if f.left_at(now) <= _EPS + 1e-9 * f.rate]
+        callbacks = []
+        for fid in done:
+            f = self.flows.pop(fid)
+            self._add_demand(f.cap, -1)
+            self.done_bytes += f.size
+            callbacks.append(f.on_done)
+        if not self.flows:
+            self.demand = 0.0
+        self._reallocate()
+        for cb in callbacks:
+            cb()

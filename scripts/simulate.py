@@ -1,0 +1,279 @@
+"""Plan a PrfaaS deployment on simulated time: the project's own router and planner code, modelled hardware.
+
+Usage:
+  python scripts/simulate.py [--validate] [--scale-test] [--plan ...] [--out runs/simulate]
+
+The simulator (``common/sim/``) runs the real placement, leases, KV index, prefix caches and the
+planner's short and long loops on a discrete-event clock, with the emulated backend's hardware
+profiles (``services/planner/profiles``). Nothing here measures a running system.
+
+``--validate``: the three Table 6 configurations and the bandwidth swing, side by side with the
+emulated cluster's measurement (``scripts/bench_cluster.py``'s ``results.json``). The simulator replays
+each measured point with the same rate, window and seeds (hence the same arrivals and lengths) and
+derives Lambda (90 % SLO attainment, interpolated) the same way. The results file is read from
+``--emulated`` (default ``runs/bench_cluster/results.json``; a newer ``swing.json`` beside it, from
+``bench_cluster.py --scenario swing``, replaces its swing); when absent, ``bench_cluster.py --quick``
+is run first to write it (about 10 minutes on 2 cores) and the output says which happened.
+
+``--scale-test``: 100, 1,000 and 10,000 GPUs (8-GPU instances, PrfaaS-PD split 4/3/5, 25 Gbit/s of
+link per PrfaaS instance) over one hour of Poisson arrivals of the paper's mix at 0.9 x the scaled
+model capacity: wall time, events, events/s.
+
+``--plan``: search N_prfaas / N_p / N_d and t for a GPU budget (model shortlist, then simulated
+capacity), print the best with its goodput and TTFT percentiles, and plot goodput against link
+bandwidth beside the closed-form model (``plan_bandwidth.png``).
+
+The last line, with ``--validate --scale-test``, is exactly:
+``gpus=10000 sim_hours=1 wall_s=<x> lambda_error_max=<y> p90_ttft_error_max=<z>``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_cluster import SLO, capacity, model_lambdas  # noqa: E402  (the emulated benchmark's SLO and Lambda rule)
+
+from common.lab.plots import progress, pyplot, run_dir, save  # noqa: E402
+from common.model.emulated import EmulatedModel, EmulatedProfile, Scales  # noqa: E402
+from common.sim import scenarios as sc  # noqa: E402
+from common.sim.engine import SimConfig, planner_profile  # noqa: E402
+from services.planner import throughput as tm  # noqa: E402
+
+NAMES = {"prfaas": "PrfaaS-PD", "homog": "Homogeneous PD", "naive": "Naive heterogeneous"}
+
+def emulated_base(scales: dict) -> SimConfig:
+    """The emulated cluster's settings in unscaled units: decode ``(16 - 1) x 64`` steps after the first
+    token (output x64), the link proxies' 4 MiB buffer and each worker's 32 MiB prefix cache and
+    64 MiB KV pool (``common/lab/emulated_cluster.py``) divided by the effective byte scale."""
+    s = Scales(**scales)
+    b = EmulatedModel(EmulatedProfile.from_file("h20_table6_fit"), s).byte_scale
+    return SimConfig(0, 0, 1, output_scale=s.output_scale, link_buffer_bytes=(4 << 20) / b,
+                     prefix_cache_bytes=(32 << 20) / b, decode_pool_bytes=(64 << 20) / b)
+
+
+def emulated_results(path: Path) -> tuple[dict, str]:
+    """The emulated measurement and a line saying where it came from (read, or run now)."""
+    if path.exists():
+        age = (time.time() - path.stat().st_mtime) / 60
+        emu, where = json.loads(path.read_text()), f"emulated results read from {path} (written {age:.0f} min ago)"
+        swing = path.with_name("swing.json")  # bench_cluster.py --scenario swing --out <same folder>: a newer swing
+        if swing.exists() and swing.stat().st_mtime > path.stat().st_mtime:
+            emu["swing"] = json.loads(swing.read_text())
+            where += f"; swing from {swing} (newer, written {(time.time() - swing.stat().st_mtime) / 60:.0f} min ago)"
+        return emu, where
+    out = path.parent
+    cmd = [sys.executable, str(Path(__file__).with_name("bench_cluster.py")), "--quick", "--out", str(out)]
+    print(f"no emulated results at {path}: running {' '.join(cmd)} (about 10 minutes)", file=sys.stderr)
+    t0 = time.monotonic()
+    subprocess.run(cmd, check=True, stdout=sys.stderr)
+    took = time.monotonic() - t0
+    return json.loads(path.read_text()), f"emulated results measured now by bench_cluster.py --quick ({took:.0f} s), {path}"
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a / b - 1) if b else math.inf
+
+
+def validate(emu: dict, out: Path) -> tuple[list[str], float, float, dict]:
+    """Replay every emulated point; the side-by-side table and the largest Lambda and P90 errors."""
+    t6, sw = emu["table6"], emu.get("swing")
+    base = emulated_base(emu.get("scales") or {"time_scale": 5.0, "token_scale": 32, "byte_scale": 1.5e-4, "output_scale": 64})
+    res: dict = {"table6": {}, "swing": {}}
+    lam_err, p90_err, ref_err, ref_p90 = [], [], [], []
+    lines = ["Table 6: emulated cluster (measured) vs simulator, same rates, windows and seeds",
+             f"{'configuration':22}{'Lambda emu':>11}{'sim':>8}{'err':>7}{'TTFT mean emu':>15}{'sim':>7}"
+             f"{'P90 emu':>9}{'sim':>7}{'err':>7}"]
+    n_pts = sum(len(t6[k]["points"]) for k in sc.SHAPES) + (3 if sw else 0)
+    with progress(n_pts, "simulating the emulated points") as bar:
+        for key in sc.SHAPES:
+            cfg = sc.config_for(key, base)
+            pts = []
+            for k, ep in enumerate(t6[key]["points"]):
+                pts.append(sc.point(cfg, ep["rate"], ep["window_s"], 11 + k, SLO))
+                bar.update()
+            cap, note = capacity(pts)
+            common = min(pts, key=lambda p: abs(p["rate"] - t6["common_rate"]))
+            e_cap, e_c = t6[key]["capacity"], t6[key]["at_common"]
+            res["table6"][key] = {"capacity": cap, "note": note, "points": pts, "at_common": common}
+            lam_err.append(rel(cap, e_cap))
+            p90_err.append(rel(common["ttft_p90"], e_c["ttft_p90"]))
+            lines.append(f"{NAMES[key]:22}{t6[key]['capacity_note'] + format(e_cap, '.2f'):>11}{note + format(cap, '.2f'):>8}"
+                         f"{lam_err[-1]:>7.1%}{e_c['ttft_mean']:>13.2f} s{common['ttft_mean']:>6.2f}s"
+                         f"{e_c['ttft_p90']:>8.2f}s{common['ttft_p90']:>6.2f}s{p90_err[-1]:>7.1%}")
+        lines.append(f"(TTFT at the common rate {t6['common_rate']:.2f} req/s; Lambda: 90 % of requests meet the SLO)")
+        if sw:
+            lines += ["", f"Bandwidth swing at {sw['rate']:.2f} req/s: goodput (req/s) and TTFT P90 (s) per phase, emu / sim",
+                      f"{'run':9}" + "".join(f"{n + ' goodput':>22}{'P90':>23}" for n, _g, _d in sw["phases"])]
+            for mode, run in sw["runs"].items():
+                s = sc.swing(replace(base, n_prfaas=4, n_p=3, n_d=5), mode, sw["rate"], sw["phases"], sw["t_full"], sw["t_low"], SLO)
+                bar.update()
+                res["swing"][mode] = s
+                row = f"{mode:9}"
+                for name, _g, _d in sw["phases"]:
+                    e, m = run["phases"][name], s["phases"][name]
+                    le, pe = rel(m["goodput"], e["goodput"]), rel(m["ttft_p90"], e["ttft_p90"])
+                    (ref_err if mode == "oracle" else lam_err).append(le)
+                    (ref_p90 if mode == "oracle" else p90_err).append(pe)
+                    row += (f"{e['goodput']:>9.3f} /{m['goodput']:>6.3f} ({le:>4.0%})"
+                            f"{e['ttft_p90']:>7.1f} /{m['ttft_p90']:>5.1f} ({pe:>4.0%})")
+                lines.append(row)
+            lines.append("The swing's Lambda is each phase's goodput; the errors taken are the dynamic and static runs (the scenario's "
+                         "comparison). The oracle run is a reference: its t = t_low puts PD-P at 93 % of its modelled capacity "
+                         "in the 16 Gbit/s phases, where a few % of host overhead decides whether its queue grows without bound")
+            if ref_err:
+                lines.append(f"oracle run alone: goodput error max {max(ref_err):.3f}, P90 error max {max(ref_p90):.3f}")
+    (out / "validate.json").write_text(json.dumps(res, default=float))
+    return lines, max(lam_err), max(p90_err), res
+
+
+def scale_test(out: Path) -> tuple[list[str], dict]:
+    lam12 = model_lambdas()["prfaas"]["lambda"] / 12  # the model's capacity per instance of PrfaaS-PD 4/3/5
+    lines = ["", "Scale test: one hour of arrivals (paper mix, 0.9 x scaled model capacity), PrfaaS-PD 4/3/5 split",
+             f"{'GPUs':>7}{'instances':>10}{'requests':>10}{'events':>11}{'wall s':>9}{'CPU s':>8}{'events/s':>11}{'attain':>8}{'t':>8}"]
+    runs = {}
+    with progress(3, "scale test") as bar:
+        for gpus in (100, 1000, 10000):
+            r = sc.scale_run(gpus, 1.0, 0.9, SLO, lam12)
+            runs[gpus] = r
+            bar.update()
+            lines.append(f"{gpus:>7}{r['instances']:>10}{r['requests']:>10}{r['events']:>11}{r['wall_s']:>9.1f}{r['cpu_s']:>8.1f}"
+                         f"{r['events_per_s']:>11.0f}{r['attainment']:>8.3f}{r['t']:>8.0f}")
+    lines.append("(events/s: events fired per wall second; CPU s: this process's CPU time, which the machine's other load "
+                 "does not inflate as much as the wall time)")
+    (out / "scale.json").write_text(json.dumps(runs, default=float))
+    return lines, runs
+
+
+def plan(args, out: Path) -> list[str]:
+    """Search the split and t for a GPU budget: the model's best split per N_prfaas shortlists, the
+    simulator's capacity decides; then goodput against link bandwidth, simulated and modelled."""
+    slo = replace(SLO, ttft_base_s=args.slo_ttft_base, ttft_factor=args.slo_ttft_factor, decode_tokens_per_s=args.slo_decode_tps)
+    mu, sigma = args.mu, args.sigma
+    if args.trace:
+        from common.lab import trace as tr
+        logs = [math.log(max(1, r["input_length"])) for r in tr.load_trace()]
+        mu = sum(logs) / len(logs)
+        sigma = math.sqrt(sum((x - mu) ** 2 for x in logs) / len(logs))
+    dist = tm.TruncatedLogNormal(mu, sigma, args.lo, args.hi)
+    hw = {k: tm.HardwareProfile.from_dict(planner_profile(EmulatedProfile.from_file(p)))
+          for k, p in (("prfaas", args.prfaas_profile), ("pd", args.pd_profile))}
+    n = args.gpu_budget // args.gpus_per_instance
+    base = SimConfig(0, 0, 1, prfaas_profile=args.prfaas_profile, pd_profile=args.pd_profile, link_gbps=args.link_gbps,
+                     rtt_s=args.rtt_ms / 1e3, l_out=args.l_out, mu=mu, sigma=sigma, lo=args.lo, hi=args.hi)
+    ops = []
+    for n_prfaas in range(0, n):
+        op = tm.optimize(n_prfaas, n - n_prfaas, hw["prfaas"] if n_prfaas else None, hw["pd"], dist,
+                         link_gbps=args.link_gbps, l_out=args.l_out)
+        ops.append(op)
+    ops.sort(key=lambda o: -o.evaluation.lambda_max)
+    cands = []
+    for op in ops[: args.shortlist]:
+        ts = [op.evaluation.t] if not (op.n_prfaas and op.n_p) else [op.evaluation.t * f for f in (0.7, 1.0, 1.4)]
+        cands += [(op, t) for t in ts]
+    lines = [f"Plan: {args.gpu_budget} GPUs ({n} instances of {args.gpus_per_instance}), link {args.link_gbps:g} Gbit/s, "
+             f"RTT {args.rtt_ms:g} ms, workload log-normal({mu:.2f}, {sigma:.2f}) on [{args.lo:g}, {args.hi:g}], L_out {args.l_out}",
+             f"{'N_prfaas/N_p/N_d':>18}{'t':>9}{'model Lambda':>14}{'sim Lambda':>12}{'TTFT p50':>10}{'p90':>8}"]
+    best = None
+    with progress(len(cands), "plan: simulated capacity") as bar:
+        for op, t in cands:
+            cfg = replace(base, n_prfaas=op.n_prfaas, n_p=op.n_p, n_d=op.n_d, threshold=t)
+            lam = op.evaluation.lambda_max
+            cap, pt = sc.capacity_search(cfg, slo, 0.3 * lam, 1.3 * lam, window_s=args.window)
+            bar.update()
+            lines.append(f"{op.n_prfaas:>6}/{op.n_p}/{op.n_d:<9}{t:>9.0f}{lam:>14.2f}{cap:>12.2f}{pt['ttft_p50']:>9.2f}s{pt['ttft_p90']:>7.2f}s")
+            if best is None or cap > best[0]:
+                best = (cap, op, t, pt)
+    cap, op, t, pt = best
+    lines.append(f"best: N_prfaas={op.n_prfaas} N_p={op.n_p} N_d={op.n_d} t={t:.0f} goodput={cap:.2f} req/s "
+                 f"(model {op.evaluation.lambda_max:.2f}) TTFT p50={pt['ttft_p50']:.2f} s p90={pt['ttft_p90']:.2f} s at that rate")
+    if op.n_prfaas:
+        lines += bandwidth_sweep(base, op, dist, hw, slo, args, out)
+    return lines
+
+
+def bandwidth_sweep(base: SimConfig, op, dist, hw: dict, slo, args, out: Path) -> list[str]:
+    """Goodput of the chosen split against link bandwidth: simulated capacity (t re-optimised by the
+    model at each bandwidth) beside the closed-form model; writes ``plan_bandwidth.png``."""
+    gbps = [args.link_gbps * f for f in (0.05, 0.1, 0.25, 0.5, 1.0, 2.0)]
+    model, sim = [], []
+    lines = ["", f"{'link Gbit/s':>12}{'t':>9}{'model':>8}{'sim':>8}"]
+    with progress(len(gbps), "plan: bandwidth sweep") as bar:
+        for g in gbps:
+            dep = tm.Deployment(op.n_prfaas, op.n_p, op.n_d, hw["prfaas"], hw["pd"] if op.n_p else None, hw["pd"], g, args.l_out)
+            ev = tm.best_threshold(dep, dist)
+            cfg = replace(base, n_prfaas=op.n_prfaas, n_p=op.n_p, n_d=op.n_d, threshold=ev.t, link_gbps=g)
+            cap, _ = sc.capacity_search(cfg, slo, 0.2 * ev.lambda_max, 1.3 * ev.lambda_max, window_s=args.window)
+            bar.update()
+            model.append(ev.lambda_max)
+            sim.append(cap)
+            lines.append(f"{g:>12.1f}{ev.t:>9.0f}{ev.lambda_max:>8.2f}{cap:>8.2f}")
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(gbps, model, "o--", label="closed-form model (eqs. 3-7)")
+    ax.plot(gbps, sim, "s-", label="simulated (90 % SLO attainment)")
+    ax.set_xscale("log")
+    ax.set_xlabel("cross-cluster link (Gbit/s)")
+    ax.set_ylabel("goodput (req/s)")
+    ax.set_title(f"N_prfaas/N_p/N_d = {op.n_prfaas}/{op.n_p}/{op.n_d}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    lines.append(f"plot: {save(fig, out / 'plan_bandwidth.png')}")
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--validate", action="store_true", help="Table 6 and the bandwidth swing beside the emulated cluster")
+    p.add_argument("--emulated", default="runs/bench_cluster/results.json",
+                   help="bench_cluster.py's results.json (run with --quick into its folder when absent)")
+    p.add_argument("--scale-test", action="store_true", help="100, 1,000 and 10,000 GPUs over one hour of arrivals")
+    p.add_argument("--plan", action="store_true", help="search N_prfaas/N_p/N_d and t for a GPU budget")
+    p.add_argument("--gpu-budget", type=int, default=96)
+    p.add_argument("--gpus-per-instance", type=int, default=8)
+    p.add_argument("--prfaas-profile", default="h200_table5", help="PrfaaS cluster hardware (a profile name or JSON path)")
+    p.add_argument("--pd-profile", default="h20_table6_fit", help="PD cluster hardware (a profile name or JSON path)")
+    p.add_argument("--link-gbps", type=float, default=100.0)
+    p.add_argument("--rtt-ms", type=float, default=0.0)
+    p.add_argument("--mu", type=float, default=9.90, help="log-normal prompt lengths (tokens), paper section 5")
+    p.add_argument("--sigma", type=float, default=1.00)
+    p.add_argument("--lo", type=float, default=128.0)
+    p.add_argument("--hi", type=float, default=131072.0)
+    p.add_argument("--trace", action="store_true", help="fit the length distribution to the shipped Mooncake trace")
+    p.add_argument("--l-out", type=int, default=1024)
+    p.add_argument("--slo-ttft-base", type=float, default=5.0, help="TTFT SLO: base + factor x T_PD(l) seconds")
+    p.add_argument("--slo-ttft-factor", type=float, default=2.0)
+    p.add_argument("--slo-decode-tps", type=float, default=40.0)
+    p.add_argument("--shortlist", type=int, default=3, help="model-best splits the simulator evaluates")
+    p.add_argument("--window", type=float, default=300.0, help="simulated seconds of arrivals per capacity probe")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    out = run_dir("simulate", args.out)
+    lam_err = p90_err = wall = math.nan
+    if args.validate:
+        emu, where = emulated_results(Path(args.emulated))
+        print(where)
+        lines, lam_err, p90_err, _ = validate(emu, out)
+        print("\n".join(lines))
+        print(f"lambda_error_max={lam_err:.3f} p90_ttft_error_max={p90_err:.3f}")
+    if args.plan:
+        print("\n".join(plan(args, out)))
+    if args.scale_test:
+        lines, runs = scale_test(out)
+        print("\n".join(lines))
+        wall = runs[10000]["wall_s"]
+    print(f"gpus=10000 sim_hours=1 wall_s={wall:.1f} lambda_error_max={lam_err:.3f} p90_ttft_error_max={p90_err:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

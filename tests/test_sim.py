@@ -1,0 +1,190 @@
+"""The simulator core (common/sim): event ordering, flow-level link sharing, decode batching, and the
+engine end to end on small deployments. Pure and quick (no sockets, no processes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from common.model.emulated import EmulatedProfile
+from common.sim.engine import SimConfig, Simulation
+from common.sim.events import EventQueue
+from common.sim.instances import DecodeInstance, SimRequest
+from common.sim.link import SharedLink
+
+
+def test_events_fire_in_time_order_and_fifo_at_equal_times():
+    q, seen = EventQueue(), []
+    q.at(2.0, seen.append, "c")
+    q.at(1.0, seen.append, "a")
+    q.at(1.0, seen.append, "b")  # same time: in scheduling order
+    q.at(1.0, lambda: q.after(0.0, seen.append, "a2"))  # scheduled from a callback at the current time
+    q.run()
+    assert seen == ["a", "b", "a2", "c"]
+    assert q.now == 2.0 and q.fired == 5
+
+
+def test_events_refuse_the_past_and_stop_at_until():
+    q, seen = EventQueue(), []
+    q.at(1.0, seen.append, 1)
+    q.at(5.0, seen.append, 5)
+    q.run(until=3.0)
+    assert seen == [1] and q.now == 3.0 and len(q) == 1
+    with pytest.raises(ValueError):
+        q.at(2.0, seen.append, 2)
+    with pytest.raises(ValueError):
+        q.at(math.nan, seen.append, 2)
+
+
+def _done_times(q: EventQueue, link: SharedLink, flows: list[tuple[float, float, float]]) -> dict[int, float]:
+    """Start each ``(at, nbytes, cap)`` flow; the time each one ends."""
+    out: dict[int, float] = {}
+    for i, (at, n, cap) in enumerate(flows):
+        q.at(at, lambda i=i, n=n, cap=cap: link.start(n, lambda: out.__setitem__(i, q.now), cap))
+    q.run()
+    return out
+
+
+def test_link_shares_fairly_between_uncapped_flows():
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    # 100 B each from t=0 on a 10 B/s link: 5 B/s each, both end at 20 s
+    assert _done_times(q, link, [(0, 100, math.inf), (0, 100, math.inf)]) == pytest.approx({0: 20.0, 1: 20.0})
+    assert link.delivered_now() == pytest.approx(200.0)
+
+
+def test_link_water_fills_capped_flows_and_follows_late_arrivals():
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    # flow 0 capped at 2 B/s takes 2, flow 1 the other 8: 80 B in 10 s; flow 0 (40 B) alone is then held
+    # at its cap: 20 B left at 10 s -> 20 s
+    t = _done_times(q, link, [(0, 40, 2.0), (0, 80, math.inf)])
+    assert t == pytest.approx({0: 20.0, 1: 10.0})
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    # a second flow arriving at 5 s halves the first one's rate: 50 B left at 5 s, 5 B/s -> 15 s
+    t = _done_times(q, link, [(0, 100, math.inf), (5, 50, math.inf)])
+    assert t == pytest.approx({0: 15.0, 1: 15.0})
+
+
+def test_link_uncongested_flows_run_at_their_caps_and_capacity_changes_apply():
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    t = _done_times(q, link, [(0, 30, 3.0), (0, 20, 4.0)])  # 7 B/s of caps fit: each at its own cap
+    assert t == pytest.approx({0: 10.0, 1: 5.0}) and not link.congested
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    q.at(5.0, link.set_capacity, 5.0)  # 50 B delivered by 5 s, the other 50 B at 5 B/s
+    assert _done_times(q, link, [(0, 100, math.inf)]) == pytest.approx({0: 15.0})
+
+
+def test_link_reports_backlog_only_when_flows_are_held():
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    link.start(100, lambda: None, 4.0)
+    assert not link.congested and link.held_now() == 0.0
+    link.start(100, lambda: None, 8.0)  # 12 B/s of caps on 10: max-min fair, 4 and 6 B/s; the second is held
+    assert link.congested and link.held_now() == pytest.approx(100.0)
+    q.run(until=4.0)
+    assert link.held_now() == pytest.approx(76.0) and link.backlogged_s() == pytest.approx(4.0)
+
+
+PROFILE = EmulatedProfile.from_dict({"name": "t", "lengths": [1, 2], "prefill_s": [1, 1], "kv_bytes_fixed": 0,
+                                     "kv_bytes_per_token": 1, "decode": {"bs_max": 2, "batch": [1, 2], "step_s": [0.1, 0.2]}})
+
+
+def test_decode_batch_caps_rows_and_steps_at_the_batch_time():
+    q = EventQueue()
+    ends: dict[int, float] = {}
+    dec = DecodeInstance(q, "d", PROFILE, 1e9, lambda r: None, lambda r: ends.__setitem__(r.rid, q.now))
+    reqs = [SimRequest(i, 0.0, 10, None, steps=10) for i in range(3)]
+    for r in reqs:
+        q.at(0.0, dec.join, r)
+    q.run()
+    # rows 0 and 1 run together at 0.2 s/step: 10 steps -> 2 s; row 2 waits for a slot, then runs alone
+    # at 0.1 s/step: 1 s more
+    assert ends == pytest.approx({0: 2.0, 1: 2.0, 2: 3.0})
+
+
+def test_decode_rows_joining_mid_run_slow_the_batch():
+    q = EventQueue()
+    ends: dict[int, float] = {}
+    dec = DecodeInstance(q, "d", PROFILE, 1e9, lambda r: None, lambda r: ends.__setitem__(r.rid, q.now))
+    q.at(0.0, dec.join, SimRequest(0, 0.0, 10, None, steps=10))
+    q.at(0.5, dec.join, SimRequest(1, 0.0, 10, None, steps=2))
+    q.run()
+    # row 0 alone for 0.5 s (5 steps), then both at 0.2 s/step: row 1 ends after 2 steps (0.9 s),
+    # row 0 has 3 steps left alone: 0.3 s
+    assert ends == pytest.approx({1: 0.9, 0: 1.2})
+
+
+def test_decode_pool_admits_fifo():
+    q = EventQueue()
+    admitted: list[int] = []
+    dec = DecodeInstance(q, "d", PROFILE, 100.0, lambda r: admitted.append(r.rid), lambda r: None)
+    for i, b in enumerate((60.0, 60.0, 10.0)):
+        r = SimRequest(i, 0.0, 10, None, steps=1)
+        r.kv_bytes = b
+        dec.reserve(r)
+    assert admitted == [0]  # request 2 would fit but waits behind request 1 (FIFO)
+    dec._unreserve(60.0)
+    assert admitted == [0, 1, 2]
+
+
+def _paper_run(cfg: SimConfig, n: int = 120, rate: float = 1.0, seed: int = 3):
+    from common.lab.emulated_load import poisson_arrivals, sample_lengths
+
+    arr = poisson_arrivals(rate, n / rate, seed)
+    ls = sample_lengths(len(arr), 9.9, 1.0, 128, 131072, seed + 1)
+    sim = Simulation(cfg)
+    return sim, sim.run(arr, ls)
+
+
+def test_engine_routes_by_threshold_and_finishes_every_request():
+    sim, outs = _paper_run(SimConfig(2, 2, 3, threshold=20000))
+    assert all(o.ttft is not None and o.ttft > 0 and o.end is not None for o in outs)
+    long_ = sum(o.length > 20000 for o in outs)
+    assert sim.decisions["remote"] == long_ and sim.decisions["local"] == len(outs) - long_
+    assert not sim.leases.by_req and not sim.leases.prefill_work  # every lease released
+    assert sim.link.done_bytes > 0 and not sim.link.flows
+
+
+def test_engine_planner_loop_sets_the_model_threshold():
+    sim, outs = _paper_run(SimConfig(4, 3, 5, planner_loop=True), n=200, rate=1.5)
+    assert sim.controller is not None and sim.controller.loop is not None
+    assert sim.threshold == pytest.approx(sim.controller.loop.t, rel=0, abs=1)
+    assert 10000 < sim.threshold < 40000  # the model's optimum for 4/3/5 at 100 Gbps (x 0.8): ~19.8K
+    assert 0.3 < sim.decisions["remote"] / len(outs) < 0.7
+
+
+def test_engine_prefix_cache_hits_and_index_routing():
+    cfg = SimConfig(1, 2, 2, threshold=10**9, prefix_cache_bytes=5e12)
+    sim = Simulation(cfg)
+    shared = list(range(1, 41))  # 40 blocks of 512 tokens
+    hashes = [shared + [1000 + i] for i in range(6)]
+    outs = sim.run([0.0, 50.0, 100.0, 150.0, 200.0, 250.0], [41 * 512] * 6, hashes=hashes)
+    assert outs[0].prefix == 0
+    assert all(o.prefix == 40 * 512 for o in outs[1:])  # the KV index sends them to the worker that cached it
+    assert outs[1].ttft < outs[0].ttft
+
+
+def test_engine_link_swing_slows_remote_transfers():
+    base = SimConfig(2, 0, 4, threshold=0)
+    _, fast = _paper_run(base, n=40, rate=0.2)
+    _, slow = _paper_run(SimConfig(2, 0, 4, threshold=0, link_gbps=2.0), n=40, rate=0.2)
+    assert sum(o.ttft for o in slow) > 1.5 * sum(o.ttft for o in fast)
+
+
+def test_engine_long_loop_moves_a_worker_after_it_drains():
+    from services.planner.long_loop import LongConfig
+
+    cfg = SimConfig(1, 1, 6, threshold=30000, planner_loop=True, long_loop=True,
+                    long_config=LongConfig(period_s=10.0, hold_s=20.0, cooldown_s=60.0))
+    sim, outs = _paper_run(cfg, n=400, rate=1.0)
+    assert sim.role_changes, "PD-P is the bottleneck (1 PD-P for 6 PD-D): the long loop moves a decoder"
+    first = sim.role_changes[0]
+    assert first["to"] == "prefill" and first["drained_s"] >= 0.0
+    moved = next(w for w in sim.workers if w["name"] == first["worker"])
+    assert moved["role"] == "prefill" and not moved["stats"].get("draining")
+    assert all(o.ttft is not None for o in outs) and not sim.leases.by_req
