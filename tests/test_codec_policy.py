@@ -77,6 +77,25 @@ def test_planner_ladders_per_link_only_for_auto_workers():
                                                                              "links": {"a:1": 3}}}])
 
 
+def test_planner_link_capacity_stands_in_for_and_caps_the_measured_one():
+    # a link that measured no capacity yet (no backlogged sample): 40 Mbit/s of goodput on a configured
+    # 8 Mbit/s link is pressure; without the configured capacity there is nothing to compare with
+    unmeasured = auto_worker(util=0.0)
+    unmeasured["stats"]["links"]["10.0.0.2:9"].update(goodput_bps=40e6, capacity_bps=None)
+    blind, told = CodecPlanner(LadderConfig(up_ticks=2)), CodecPlanner(LadderConfig(up_ticks=2))
+    for t in range(4):
+        blind.tick(float(t), [unmeasured])
+        told.tick(float(t), [unmeasured], link_gbps=0.008)
+    assert blind.codecs_for("p0") == {"10.0.0.2:9": "none"} and told.codecs_for("p0") == {"10.0.0.2:9": "lossless"}
+    # a measured capacity above the configured link is capped by it (util 40e6 / 8e6, not 40e6 / 1e9)
+    fast = auto_worker(util=0.04, cap_bps=1e9)
+    capped, free = CodecPlanner(LadderConfig(up_ticks=2)), CodecPlanner(LadderConfig(up_ticks=2))
+    for t in range(4):
+        capped.tick(float(t), [fast], link_gbps=0.008)
+        free.tick(float(t), [fast])
+    assert capped.codecs_for("p0")["10.0.0.2:9"] == "lossless" and free.codecs_for("p0")["10.0.0.2:9"] == "none"
+
+
 def test_prefill_wire_codec_modes():
     with pytest.raises(ValueError, match="lossy-ok"):
         WireCodec("fp8")

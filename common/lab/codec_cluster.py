@@ -107,7 +107,7 @@ async def lambda_per_codec(rates: dict[str, dict[str, float]], scales: Scales, o
     used, model_lambda, model_t, model_bottleneck, lambda, lambda_note, points}}`` (unscaled req/s,
     tokens, Gbps). Raises what :meth:`EmulatedCluster.start` raises."""
     prfaas_path, pd_path = await asyncio.to_thread(dense_profiles, out_dir)
-    factors = (0.75, 0.95) if quick else (0.6, 0.75, 0.9, 1.05)
+    factors = (0.55, 0.75, 0.95) if quick else (0.5, 0.65, 0.8, 0.95, 1.1)
     window = 60.0 if quick else 200.0
     res: dict[str, dict] = {}
     for codec, r in {"none": {"ratio": 1.0, "encode_gbps": math.inf}, **rates}.items():
