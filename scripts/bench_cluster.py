@@ -64,7 +64,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from common.lab.emulated_cluster import PAPER_SHAPES, EmulatedCluster, Shape, Workload
-from common.lab.emulated_load import Slo, drive, on_off_arrivals, poisson_arrivals, prompt_tokens, sample_lengths, summarize
+from common.lab.emulated_load import Slo, capacity, drive, on_off_arrivals, poisson_arrivals, prompt_tokens, sample_lengths, summarize
 from common.model.emulated import Scales
 from services.planner import throughput as tm
 
@@ -140,23 +140,6 @@ class Runner:
                 "p": remote / total if total else math.nan,
                 "t_tokens": st1["threshold_tokens"] * c.scales.token_scale if c.shape.n_prfaas and c.shape.n_p else None,
                 "egress_gbps": c.unscaled_gbps(b1 - b0, wall), "outcomes": [asdict(o) for o in outs]}
-
-
-def capacity(points: list[dict], target: float = 0.9) -> tuple[float, str]:
-    """Highest rate meeting ``target`` attainment, interpolated between bracketing points; the note says
-    whether it is bracketed (``""``), a lower bound (``">="``) or an upper bound (``"<="``)."""
-    pts = sorted(points, key=lambda p: p["rate"])
-    ok = [p for p in pts if p["attainment"] >= target]
-    if not ok:
-        return pts[0]["rate"], "<="
-    best = max(ok, key=lambda p: p["rate"])
-    above = [p for p in pts if p["rate"] > best["rate"]]
-    if not above:
-        return best["rate"], ">="
-    nxt = above[0]
-    a0, a1 = best["attainment"], nxt["attainment"]
-    frac = (a0 - target) / (a0 - a1) if a0 > a1 else 0.0
-    return best["rate"] + frac * (nxt["rate"] - best["rate"]), ""
 
 
 async def table6(args, scales: Scales, model: dict, out: Path) -> dict:

@@ -12,6 +12,10 @@
    with the KV bytes on the wire (:func:`common.lab.codec_bench.ttft_per_codec`).
 4. **Lambda per codec** for a dense-attention profile whose PrfaaS link binds without compression
    (the throughput model, eqs. 3-8, with the ratios of section 1's bf16 row).
+5. **Lambda per codec measured** on the emulated cluster (the real services, accelerators emulated):
+   PrfaaS-PD 4/3/5 with the dense KV of Qwen3-235B-A22B on a 20 Gbps link, where the model's optimum
+   without a codec fills the link. The codecs are *modelled* there, not run (the emulated KV bytes
+   are filler): each by its bf16 ratio and encode rate from section 1 (:mod:`common.lab.codec_cluster`).
 
 Writes ``runs/bench_codec-<time>.json`` and ``.png``. The last line is
 ``lossless_ratio=<x> fp8_ratio=<y> fp8_token_agreement=<z> fp8_kl=<w> ttft_gain_100mbit=<v> encode_gbps_min=<u>``:
@@ -19,25 +23,29 @@ the ratios on the real model's KVCache (float32, as served), fp8's teacher-force
 on the real model, TTFT with ``none`` over TTFT with ``fp8`` at 100 Mbit/s, and the slowest codec's
 encode rate (Gbit/s, one core, real model).
 
-Usage: python scripts/bench_codec.py [--quick] [--prompts N]
-(--quick: 24/16 prompts and a 3000-token TTFT prompt, ~6 min; without: 200 prompts per model, 6000 tokens)
+Usage: python scripts/bench_codec.py [--quick] [--prompts N] [--no-cluster]
+(--quick: 24/16 prompts, a 3000-token TTFT prompt and two rates per codec on the cluster, ~12 min;
+without: 200 prompts per model, 6000 tokens, four rates per codec)
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import inspect
 import json
 import os
 import random
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from common.lab import codec_bench
-from common.lab.codec_quality import kv_ratio, measure
+from common.lab import codec_bench, codec_cluster
+from common.lab.codec_quality import kv_ratio, measure, prefill_states
 from common.model.backend import make_backend
+from common.model.emulated import Scales
 from common.model.loader import load_model
 from services.planner import throughput as tm
 
@@ -45,7 +53,7 @@ from services.planner import throughput as tm
 # KV size of a dense-attention model of the paper's Table 3: Qwen3-235B-A22B (94 layers, 4 KV heads of
 # 128, bf16 K/V: 192,512 bytes per token, no fixed part). Each codec's ratio is the one measured in this
 # run on the real model's K/V cast to bf16 (the dtype such a deployment serves).
-QWEN3_235B_KV_BYTES_PER_TOKEN = 94 * 4 * 128 * 2 * 2  # layers x KV heads x head dim x (K, V) x bf16 bytes
+QWEN3_235B_KV_BYTES_PER_TOKEN = codec_cluster.DENSE_KV_BYTES_PER_TOKEN
 
 MODELS = ("tiny-hybrid", "tiny-dense", "smollm2-135m")
 LOSSY = ["fp8", "int4"]
@@ -81,21 +89,30 @@ def byte_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-def bf16_ratios(backend, ids: list[int]) -> dict[str, float]:
-    """Each codec's ratio over the real model's K/V cast to bf16 (states none here: a dense model)."""
+def bf16_rates(backend, ids: list[int]) -> dict[str, dict[str, float]]:
+    """Each codec's ``ratio`` and one core's ``encode_gbps`` (raw Gbit/s) over the real model's K/V cast
+    to bf16, chunked as the sender chunks (states none here: a dense model)."""
     from common.kv.layout import make_layout
-    from common.lab.codec_quality import coded_state, prefill_states
+    from common.lab.codec_quality import chunks
+    from common.transfer import codecs
+    from common.transfer.coded import span_for
 
     states, _ = prefill_states(backend, ids)
     out = {}
     for codec in CODECS:
         raw = wire = 0
+        enc = 0.0
         for st in states:
             st16 = {k: v.to(torch.bfloat16).contiguous() for k, v in st.items()}
             lay = make_layout([(k, "bfloat16", list(v.shape)) for k, v in st16.items()])
-            raw += lay["total"]
-            wire += coded_state(lay, st16, codec)[1]
-        out[codec] = raw / wire
+            for name, off, view in chunks(lay, st16):
+                c = codecs.frame_codec(codec, name)
+                t0 = time.thread_time()
+                n = len(codecs.encode(c, view, span_for(lay, off, view.nbytes, c)))
+                enc += time.thread_time() - t0
+                raw += view.nbytes
+                wire += n if c in codecs.LOSSY else min(n, view.nbytes)
+        out[codec] = {"ratio": raw / wire, "encode_gbps": raw * 8 / max(enc, 1e-9) / 1e9}
     return out
 
 
@@ -126,6 +143,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--prompts", type=int, default=None, help="quality prompts per model (default 24/16 with --quick, else 200)")
+    p.add_argument("--no-cluster", action="store_true", help="skip section 5 (Lambda per codec on the emulated cluster)")
     args = p.parse_args()
     torch.set_num_threads(1)
     quick = args.quick
@@ -158,7 +176,7 @@ def main() -> None:
                         for c, x in q.items()},
         }
         if spec == "smollm2-135m":
-            result["bf16_ratios"] = bf16_ratios(backend, long_ids)
+            result["bf16"] = bf16_rates(backend, long_ids)
     bar.close()
 
     print("\n== Codec ratio and speed (whole KVCache of one prompt, one core) ==")
@@ -168,7 +186,8 @@ def main() -> None:
         for c, r in m["rates"].items():
             print(f"{spec:<14}{c:<10}{r['ratio']:>7.2f}{r['encode_gbps']:>13.2f}{r['decode_gbps']:>13.2f}"
                   f"{r['encode_gbps'] / 8:>13.2f}{r['encode_gbps'] / 0.1:>26.0f}")
-    print("smollm2-135m K/V as bf16: " + ", ".join(f"{c} {r:.2f}" for c, r in result["bf16_ratios"].items()))
+    print("smollm2-135m K/V as bf16 (ratio, encode Gbps): "
+          + ", ".join(f"{c} {r['ratio']:.2f} {r['encode_gbps']:.2f}" for c, r in result["bf16"].items()))
     print("\n== Quality against the exact path (64 positions; teacher-forced agreement, free-running identical) ==")
     print(f"{'model':<14}{'codec':<7}{'prompts':>8}{'agree':>8}{'identical':>10}{'mean KL':>11}{'worst KL':>10}{'worst prompt':>13}")
     for spec, m in result["models"].items():
@@ -188,7 +207,7 @@ def main() -> None:
               f"{r['prefill_s']:>10.2f}")
 
     # 4: Lambda per codec, dense profile
-    ratios = {"none": 1.0, **result["bf16_ratios"]}
+    ratios = {"none": 1.0, **{c: r["ratio"] for c, r in result["bf16"].items()}}
     ops = lambda_per_codec(ratios)
     result["lambda_dense"] = {c: {"ratio": ratios[c], "lambda_max": op.evaluation.lambda_max, "t": op.evaluation.t,
                                   "bottleneck": op.evaluation.bottleneck, "egress_gbps": op.evaluation.egress_gbps,
@@ -200,7 +219,17 @@ def main() -> None:
         print(f"{c:<10}{r['ratio']:>7.2f}{r['lambda_max']:>14.3f}{r['lambda_max'] / lam0:>8.2f}{r['t']:>10.0f}"
               f"{r['bottleneck']:>16}{r['egress_gbps']:>13.1f}")
 
+    # 5: Lambda per codec measured on the emulated cluster (codecs modelled by section 1's bf16 figures)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    if not args.no_cluster:
+        scales = Scales(time_scale=5.0, token_scale=32, byte_scale=1.5e-4, output_scale=64)
+        result["lambda_emulated"] = asyncio.run(codec_cluster.lambda_per_codec(
+            result["bf16"], scales, Path(f"runs/bench_codec-{stamp}-cluster"), quick=quick))
+        print(f"\n== Lambda per codec measured on the emulated cluster (common/lab/codec_cluster.py): PrfaaS-PD 4/3/5, dense KV "
+              f"({QWEN3_235B_KV_BYTES_PER_TOKEN:,} B/token), {codec_cluster.LINK_GBPS:g} Gbps; codecs modelled by the bf16 "
+              f"ratio and encode rate x {codec_cluster.ENCODE_CORES} cores ==")
+        print("\n".join(codec_cluster.table(result["lambda_emulated"])))
+
     os.makedirs("runs", exist_ok=True)
     with open(f"runs/bench_codec-{stamp}.json", "w") as f:
         json.dump(result, f, indent=1, default=float)
@@ -225,9 +254,16 @@ def plot(result: dict, path: str) -> None:
     ax[0].set_title("TTFT, tiny-dense long prompt, 100 Mbit/s")
     ax[0].set_ylabel("s")
     lam = result["lambda_dense"]
-    ax[1].bar(list(lam), [r["lambda_max"] for r in lam.values()])
-    ax[1].set_title("Lambda_max, dense profile (model)")
+    emu = result.get("lambda_emulated")
+    x = range(len(lam))
+    ax[1].bar([i - 0.2 for i in x], [r["lambda_max"] for r in lam.values()], 0.4, label="model, 4 PrfaaS + 8 PD, 40 Gbps")
+    if emu:
+        ax[1].bar([i + 0.2 for i in x], [emu[c]["lambda"] if c in emu else 0 for c in lam], 0.4,
+                  label=f"emulated cluster 4/3/5, {codec_cluster.LINK_GBPS:g} Gbps")
+    ax[1].set_xticks(list(x), list(lam))
+    ax[1].set_title("Lambda, dense KV (Qwen3-235B)")
     ax[1].set_ylabel("req/s")
+    ax[1].legend(fontsize=7)
     for spec, m in result["models"].items():
         ax[2].plot(LOSSY, [m["quality"][c]["token_agreement"] for c in LOSSY], marker="o", label=spec)
     ax[2].set_title("teacher-forced greedy agreement")

@@ -69,3 +69,16 @@ def test_overlap_plot(tmp_path):
                               "send_window_s": 4.0}
     results = {"chunked": [rep(5.5, 0.06), rep(5.6, 0.07)], "layer": [rep(6.1, 2.2)], "after": [rep(8.4, 4.1), rep(8.3, 4.2)]}
     assert is_png(overlap.plot(results, 3.9, 4.15, "overlap", tmp_path / "overlap.png"))
+
+
+def test_codec_plot(tmp_path):
+    from scripts import bench_codec
+
+    q = {c: {"token_agreement": a} for c, a in (("fp8", 0.98), ("int4", 0.95))}
+    result = {"ttft_100mbit": {c: {"ttft_s": s} for c, s in (("none", 3.0), ("fp8", 2.5))},
+              "lambda_dense": {c: {"lambda_max": x} for c, x in (("none", 4.5), ("fp8", 5.4))},
+              "models": {"tiny-dense": {"quality": q}, "smollm2-135m": {"quality": q}}}
+    bench_codec.plot(result, str(tmp_path / "a.png"))
+    result["lambda_emulated"] = {"none": {"lambda": 0.9}, "fp8": {"lambda": 1.3}}
+    bench_codec.plot(result, str(tmp_path / "b.png"))
+    assert is_png(tmp_path / "a.png") and is_png(tmp_path / "b.png")

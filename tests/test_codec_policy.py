@@ -77,6 +77,25 @@ def test_planner_ladders_per_link_only_for_auto_workers():
                                                                              "links": {"a:1": 3}}}])
 
 
+def test_planner_link_capacity_stands_in_for_and_caps_the_measured_one():
+    # a link that measured no capacity yet (no backlogged sample): 40 Mbit/s of goodput on a configured
+    # 8 Mbit/s link is pressure; without the configured capacity there is nothing to compare with
+    unmeasured = auto_worker(util=0.0)
+    unmeasured["stats"]["links"]["10.0.0.2:9"].update(goodput_bps=40e6, capacity_bps=None)
+    blind, told = CodecPlanner(LadderConfig(up_ticks=2)), CodecPlanner(LadderConfig(up_ticks=2))
+    for t in range(4):
+        blind.tick(float(t), [unmeasured])
+        told.tick(float(t), [unmeasured], link_gbps=0.008)
+    assert blind.codecs_for("p0") == {"10.0.0.2:9": "none"} and told.codecs_for("p0") == {"10.0.0.2:9": "lossless"}
+    # a measured capacity above the configured link is capped by it (util 40e6 / 8e6, not 40e6 / 1e9)
+    fast = auto_worker(util=0.04, cap_bps=1e9)
+    capped, free = CodecPlanner(LadderConfig(up_ticks=2)), CodecPlanner(LadderConfig(up_ticks=2))
+    for t in range(4):
+        capped.tick(float(t), [fast], link_gbps=0.008)
+        free.tick(float(t), [fast])
+    assert capped.codecs_for("p0")["10.0.0.2:9"] == "lossless" and free.codecs_for("p0")["10.0.0.2:9"] == "none"
+
+
 def test_prefill_wire_codec_modes():
     with pytest.raises(ValueError, match="lossy-ok"):
         WireCodec("fp8")
@@ -146,3 +165,35 @@ async def test_planner_answers_reports_with_the_links_codecs():
     finally:
         await agent.close()
         await planner.close()
+
+
+def test_controller_measures_the_wire_ratio_and_moves_the_threshold_with_it():
+    """The short loop's model takes the KV wire codecs' measured ratio into S_kv(l) (re-solved past a
+    10 % change, over at least 1 MiB on the wire), so the anchor t* moves: a link carrying a quarter of
+    the bytes lets more prompts go remote (lower t*) at the same capacity."""
+    import json
+    from pathlib import Path
+
+    from services.planner.control import Controller
+    from services.planner.short_loop import ShortLoop
+
+    profile = json.loads((Path(__file__).resolve().parent.parent / "services/planner/profiles/h200_table5.json").read_text())
+    profile["decode_tokens_per_s"] = 800.0
+    dist = tm.TruncatedLogNormal(mu=9.90, sigma=1.00, lo=128, hi=131072)
+    ctl = Controller(profile, dist, 4.0, 1024, None)
+    ctl.shape = (4, 3, 5)
+    ctl.loop = ShortLoop(ctl.config, ctl._solver(ctl.shape))
+    before = ctl.loop.anchor_at(4.0)
+
+    def view(raw: float, wire: float) -> list[dict]:
+        return [{"name": "p", "role": "prefill", "cluster": "prfaas", "alive": True,
+                 "stats": {"links": {"x:1": {"kv_raw_bytes": raw, "kv_wire_bytes": wire}}}}]
+
+    ctl._track_kv_ratio(view(0.0, 0.0))
+    ctl._track_kv_ratio(view(1e5, 2.5e4))  # under 1 MiB on the wire: not yet a measurement
+    assert ctl.kv_ratio == 1.0
+    ctl._track_kv_ratio(view(8e6, 2e6))
+    assert ctl.kv_ratio == pytest.approx(4.0)
+    assert ctl.loop.anchor_at(4.0) < before  # the re-solved model
+    ctl._track_kv_ratio(view(16e6, 4.1e6))  # within 10 %: kept
+    assert ctl.kv_ratio == pytest.approx(4.0)

@@ -8,8 +8,7 @@ from statistics import NormalDist
 
 import pytest
 
-from common.lab.emulated_load import Outcome, Slo, on_off_arrivals, poisson_arrivals, sample_lengths, summarize
-from scripts.bench_cluster import capacity
+from common.lab.emulated_load import Outcome, Slo, capacity, on_off_arrivals, poisson_arrivals, sample_lengths, summarize
 from services.planner import throughput as tm
 
 

@@ -48,6 +48,7 @@ from common.lab.cluster import free_port
 from common.lab.procs import ROOT, stop
 from common.lab.topology import WanLink
 from common.model.emulated import EmulatedModel, EmulatedProfile, Scales
+from common.model.emulated_codec import ENV_ENCODE_GBPS
 from common.rpc.client import RpcClient
 
 LOCAL = "127.0.0.1"
@@ -90,7 +91,10 @@ class EmulatedCluster:
     """See the module docstring. ``threshold``: the router's static threshold in carried tokens (and
     its initial one when the planner loop runs); ``planner_loop``/``long_loop``: the dual-timescale
     planner; ``long_period_s``/``long_hold_s``/``long_cooldown_s``: the long loop's timing in
-    unscaled seconds; ``decode_pool_bytes``: each PD worker's KV pool (wire bytes)."""
+    unscaled seconds; ``decode_pool_bytes``: each PD worker's KV pool (wire bytes of uncoded K/V; a
+    modelled codec, ``scales.kv_ratio``, shrinks it and the prefix caches by its ratio, so they hold
+    the same tokens); ``encode_gbps``: the modelled codec's encode rate per PrfaaS instance (raw
+    Gbit/s, unscaled; None: free), see :mod:`common.model.emulated_codec`."""
 
     shape: Shape
     scales: Scales
@@ -106,6 +110,7 @@ class EmulatedCluster:
     long_cooldown_s: float = 300.0
     decode_pool_bytes: int = 64 << 20
     prefix_cache_bytes: int = 32 << 20
+    encode_gbps: float | None = None
     log_dir: Path | None = None
     link: WanLink = field(default_factory=lambda: WanLink(max_buffer_bytes=4 << 20))
     procs: dict[str, Any] = field(default_factory=dict)
@@ -178,7 +183,8 @@ class EmulatedCluster:
             "gateway": py + ["services.gateway", "--host", LOCAL, "--port", gw_port, "--router", a["router"],
                              "--planner", a["planner"], "--model", "emulated", "--max-inflight", "4096"],
         }
-        common = ["--backend", "emulated", "--kv-connections", "2", "--prefix-cache-bytes", str(self.prefix_cache_bytes),
+        r = self.model.kv_ratio
+        common = ["--backend", "emulated", "--kv-connections", "2", "--prefix-cache-bytes", str(round(self.prefix_cache_bytes / r)),
                   "--report-interval", "0.25"]
         prfaas: list[str] = []
         for k in range(self.shape.n_prfaas):
@@ -192,7 +198,7 @@ class EmulatedCluster:
             pd += ["--", "pd", "--name", n, "--role", "prefill" if k < self.shape.n_p else "decode", "--listen", a[n],
                    "--kv-listen", a[f"{n}:kv"], "--kv-advertise-remote", a[f"kv:{n}"], "--planner", a["planner"],
                    "--router", a["router"], "--emulated-profile", self.pd_profile,
-                   "--max-num-seqs", str(self.pd_hw.bs_max), "--kv-budget-bytes", str(self.decode_pool_bytes),
+                   "--max-num-seqs", str(self.pd_hw.bs_max), "--kv-budget-bytes", str(round(self.decode_pool_bytes / r)),
                    "--max-waiting", "4096", "--admission-timeout", "600", *common]
         if prfaas:
             cmds["host-prfaas"] = py + ["common.lab.emulated_host", *prfaas[1:]]
@@ -237,13 +243,21 @@ class EmulatedCluster:
         # the KV links' measurement windows (capacity, RTT floor, goodput) are emulated seconds too
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.scales.env(), PRFAAS_LINK_STATS_TIME_SCALE=repr(self.scales.time_scale))
         # the emulated KV bytes are synthetic: a wire codec would change the emulated link's load by
-        # however well it compresses filler, so the emulated cluster always sends them as they are
+        # however well it compresses filler, so the emulated cluster always sends them as they are (a
+        # codec is modelled instead: scales.kv_ratio and encode_gbps, common/model/emulated_codec.py)
         env["PRFAAS_KV_WIRE_CODEC"] = "none"
         env.pop("PRFAAS_MODEL", None)
+        env.pop(ENV_ENCODE_GBPS, None)
         for name, cmd in self.commands().items():
+            own = self.env_for(name, env)
             with open(self.log_dir / f"{name}.log", "wb") as log:
-                self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=own, stdout=log, stderr=subprocess.STDOUT,
                                                     start_new_session=True)
+
+    def env_for(self, name: str, env: dict[str, str]) -> dict[str, str]:
+        """Process ``name``'s environment: ``env``, plus the modelled encoder for the PrfaaS host (the
+        only instances whose KV crosses the link)."""
+        return dict(env, **{ENV_ENCODE_GBPS: repr(self.encode_gbps)}) if name == "host-prfaas" and self.encode_gbps else env
 
     async def _wait_healthy(self, timeout: float) -> None:
         want = self.shape.n_prfaas + self.shape.n_p + self.shape.n_d

@@ -1,7 +1,7 @@
 """Load for the emulated cluster: arrival processes, prompt lengths, a streaming driver, and the SLO.
 
 Pure parts (no sockets): :func:`poisson_arrivals`, :func:`on_off_arrivals`, :func:`sample_lengths`,
-:func:`prompt_tokens`, :class:`Slo` and :func:`summarize`. :func:`drive` sends the requests through
+:func:`prompt_tokens`, :class:`Slo`, :func:`summarize` and :func:`capacity`. :func:`drive` sends the requests through
 the gateway at their arrival times (real seconds = emulated / ``time_scale``) and records each one's
 :class:`Outcome`. All times in an :class:`Outcome` are unscaled (emulated) seconds.
 """
@@ -210,3 +210,20 @@ def summarize(outs: Sequence[Outcome], slo: Slo, window_s: float) -> Summary:
         ttft_p50=float(np.percentile(ttft, 50, method="inverted_cdf")), ttft_p90=float(np.percentile(ttft, 90, method="inverted_cdf")),
         exact=sum(o.exact for o in outs), errors=len(errs),
         decode_rate_p10=float(np.percentile(rates, 10)) if rates else math.nan, errors_seen=errs[:3])
+
+
+def capacity(points: list[dict], target: float = 0.9) -> tuple[float, str]:
+    """Highest rate meeting ``target`` attainment, interpolated between bracketing points; the note says
+    whether it is bracketed (``""``), a lower bound (``">="``) or an upper bound (``"<="``)."""
+    pts = sorted(points, key=lambda p: p["rate"])
+    ok = [p for p in pts if p["attainment"] >= target]
+    if not ok:
+        return pts[0]["rate"], "<="
+    best = max(ok, key=lambda p: p["rate"])
+    above = [p for p in pts if p["rate"] > best["rate"]]
+    if not above:
+        return best["rate"], ">="
+    nxt = above[0]
+    a0, a1 = best["attainment"], nxt["attainment"]
+    frac = (a0 - target) / (a0 - a1) if a0 > a1 else 0.0
+    return best["rate"] + frac * (nxt["rate"] - best["rate"]), ""

@@ -33,6 +33,10 @@ a benchmark reports is converted back to unscaled units.
 - ``byte_scale`` b: KV bytes on the wire per profiled byte. The link's capacity is scaled by ``b * S``
   so transfer time keeps its ratio to compute. The layout is rounded to whole fp16 elements, so the
   effective ``b`` (:attr:`EmulatedModel.byte_scale`) may differ slightly from the one asked for.
+- ``kv_ratio`` r: a KV wire codec modelled by its measured ratio: attention K/V are laid out (and
+  sent) at ``1/r`` of their bytes, ``b`` and the link stay those of the raw bytes, and the planner's
+  scaled profile carries the coded size; with an encode rate (``PRFAAS_EMU_ENCODE_GBPS``) the
+  prefill also waits for the encoder (:mod:`common.model.emulated_codec`).
 - ``output_scale`` m: each generated token stands for m decode steps of the profile (the step waits m
   times its time). With output ``L_out / m`` the decode time of a request and eq. 5's
   ``Theta_pdd = N_d * BS_max / (T_decode * L_out)`` are unchanged; the per-request decode rate in
@@ -64,6 +68,7 @@ import torch
 from common.kv.layout import make_layout
 from common.kv.paged_store import PagedKvStore
 from common.model.backend import Backend, LayerState, OnLayer, PrefillCancelled, chunk_bounds
+from common.model.emulated_codec import EncodeModel, handoff_s
 from common.model.loader import LoadedModel
 from common.model.tokenizer import VOCAB_SIZE, build_byte_tokenizer
 
@@ -254,15 +259,17 @@ class EmulatedProfile:
 class Scales:
     """Clock and size compression (see the module docstring): ``time_scale`` (emulated s per real s),
     ``token_scale`` (profile tokens per carried prompt token), ``byte_scale`` (wire bytes per profiled
-    byte, before rounding), ``output_scale`` (decode steps per generated token)."""
+    byte, before rounding), ``output_scale`` (decode steps per generated token), ``kv_ratio`` (raw
+    K/V bytes per wire byte of a modelled codec; 1 = none)."""
 
     time_scale: float = 1.0
     token_scale: int = 1
     byte_scale: float = 1e-3
     output_scale: int = 1
+    kv_ratio: float = 1.0
 
     def __post_init__(self) -> None:
-        for k in ("time_scale", "byte_scale"):
+        for k in ("time_scale", "byte_scale", "kv_ratio"):
             v = getattr(self, k)
             if not (math.isfinite(v) and v > 0):
                 raise ProfileError(f"{k} must be a positive number, got {v!r}")
@@ -273,31 +280,38 @@ class Scales:
     @classmethod
     def from_env(cls) -> Scales:
         """From ``PRFAAS_EMU_TIME_SCALE``, ``PRFAAS_EMU_TOKEN_SCALE``, ``PRFAAS_EMU_BYTE_SCALE``,
-        ``PRFAAS_EMU_OUTPUT_SCALE`` (defaults 1, 1, 1e-3, 1)."""
+        ``PRFAAS_EMU_OUTPUT_SCALE``, ``PRFAAS_EMU_KV_RATIO`` (defaults 1, 1, 1e-3, 1, 1)."""
         e = os.environ.get
         return cls(float(e("PRFAAS_EMU_TIME_SCALE", "1")), int(e("PRFAAS_EMU_TOKEN_SCALE", "1")),
-                   float(e("PRFAAS_EMU_BYTE_SCALE", "1e-3")), int(e("PRFAAS_EMU_OUTPUT_SCALE", "1")))
+                   float(e("PRFAAS_EMU_BYTE_SCALE", "1e-3")), int(e("PRFAAS_EMU_OUTPUT_SCALE", "1")),
+                   float(e("PRFAAS_EMU_KV_RATIO", "1")))
 
     def env(self) -> dict[str, str]:
         """The environment variables :meth:`from_env` reads."""
         return {"PRFAAS_EMU_TIME_SCALE": repr(self.time_scale), "PRFAAS_EMU_TOKEN_SCALE": str(self.token_scale),
-                "PRFAAS_EMU_BYTE_SCALE": repr(self.byte_scale), "PRFAAS_EMU_OUTPUT_SCALE": str(self.output_scale)}
+                "PRFAAS_EMU_BYTE_SCALE": repr(self.byte_scale), "PRFAAS_EMU_OUTPUT_SCALE": str(self.output_scale),
+                "PRFAAS_EMU_KV_RATIO": repr(self.kv_ratio)}
 
     def describe(self) -> str:
         return (f"time x{self.time_scale:g}, tokens x{self.token_scale}, bytes x{self.byte_scale:g}, "
-                f"output x{self.output_scale}")
+                f"output x{self.output_scale}" + (f", K/V coded /{self.kv_ratio:.3g}" if self.kv_ratio != 1 else ""))
 
 
 class EmulatedModel:
     """The emulated model's KVCache layout: ``attn_layers`` attention layers (``k``/``v``
     ``[1, 1, seq, d]`` fp16) and ``linear_layers`` linear layers (``rec.0`` ``[1, w]`` fp16), 3:1 by
     default (the paper's KDA:MLA ratio), interleaved like tiny-hybrid. ``d`` and ``w`` carry the
-    profile's per-token and fixed KV bytes times ``byte_scale`` (and ``token_scale`` per carried token)."""
+    profile's per-token and fixed KV bytes times ``byte_scale`` (and ``token_scale`` per carried token);
+    ``d`` is divided by ``kv_ratio`` (a modelled codec: :attr:`kv_ratio` is the ratio after rounding,
+    :attr:`raw_per_token_bytes` the uncoded size)."""
 
     def __init__(self, profile: EmulatedProfile, scales: Scales, attn_layers: int = 2, linear_layers: int = 6):
         fixed, per_token = profile.kv_affine()
         self.scales = scales
-        self.d = max(1, round(per_token * scales.token_scale * scales.byte_scale / (4 * attn_layers)))
+        d_raw = max(1, round(per_token * scales.token_scale * scales.byte_scale / (4 * attn_layers)))
+        self.d = max(1, round(d_raw / scales.kv_ratio))
+        self.kv_ratio = d_raw / self.d
+        self.raw_per_token_bytes = 4 * d_raw * attn_layers
         self.w = max(1, round(fixed * scales.byte_scale / (2 * linear_layers))) if linear_layers else 0
         group = linear_layers // attn_layers if attn_layers else 0
         kinds: list[str] = []
@@ -307,7 +321,7 @@ class EmulatedModel:
         self.layer_types = kinds
         self.per_token_bytes = 4 * self.d * attn_layers  # per carried token, on the wire
         self.fixed_bytes = 2 * self.w * linear_layers
-        self.byte_scale = self.per_token_bytes / max(1e-9, per_token * scales.token_scale) if per_token else scales.byte_scale
+        self.byte_scale = self.raw_per_token_bytes / max(1e-9, per_token * scales.token_scale) if per_token else scales.byte_scale
         self.specs: list[dict[str, tuple[str, list[int]]]] = [
             {"k": ("float16", [1, 1, -1, self.d]), "v": ("float16", [1, 1, -1, self.d])} if k == "attention"
             else {"rec.0": ("float16", [1, self.w])} for k in kinds]
@@ -340,11 +354,14 @@ def _logits_for(tokens: list[int]) -> torch.Tensor:
 class EmulatedBackend(Backend):
     """See the module docstring. ``profile``: this instance's hardware; ``scales``: shared by every
     instance of a run (they must agree, or their KV layouts do); ``clock``/``sleep``: injectable for tests.
-    Counters: ``prefills``, ``prefill_wait_s`` and ``steps``, ``step_wait_s`` (real seconds waited)."""
+    Counters: ``prefills``, ``prefill_wait_s`` and ``steps``, ``step_wait_s`` (real seconds waited).
+    ``encode``: a modelled KV encoder (each attention layer is handed over once encoded, see
+    :func:`common.model.emulated_codec.handoff_s`); None: none."""
 
     def __init__(self, profile: EmulatedProfile, scales: Scales, served_name: str | None = None,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic):
-        self.profile, self.scales = profile, scales
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+                 encode: EncodeModel | None = None):
+        self.profile, self.scales, self.encode = profile, scales, encode
         self.model = EmulatedModel(profile, scales)
         self.loaded = emulated_loaded(self.model, served_name)
         self.state_specs = self.model.specs
@@ -381,6 +398,8 @@ class EmulatedBackend(Backend):
         bounds, marks = chunk_bounds(n, prefix_len, chunk_tokens, checkpoints)
         per_chunk = len(bounds) > 1 or prefix_len > 0
         total = self.prefill_seconds(n - prefix_len)
+        enc = self.encode.encode_seconds(self.profile.kv_affine()[1] * (n - prefix_len) * self.scales.token_scale,
+                                         self.scales.time_scale) if self.encode else 0.0
         kinds = self.model.layer_types
         kv = {"k": torch.zeros((1, 1, n, self.model.d), dtype=torch.float16)}
         kv["v"] = kv["k"]
@@ -395,6 +414,8 @@ class EmulatedBackend(Backend):
                 for i, kind in enumerate(kinds):
                     done += share
                     self._wait_until(t0 + done)
+                    if kind == "attention" and enc and (per_chunk or b == n):
+                        self._wait_until(t0 + handoff_s(done / total if total else 1.0, total, enc, self.encode.layers))
                     if kind == "attention" and per_chunk:
                         on_layer(i, {k: t[:, :, :b] for k, t in kv.items()}, a)
                     elif b == n:
@@ -454,9 +475,11 @@ def emulated_backend(loaded: LoadedModel | None = None, *, profile: str | None =
                      **_: Any) -> EmulatedBackend:
     """Factory for :data:`common.model.backend.BACKENDS`: ``profile`` (a path or a name in
     ``services/planner/profiles``; default ``$PRFAAS_EMU_PROFILE``), scales from the environment
-    (:meth:`Scales.from_env`). ``loaded`` is ignored (the emulated model has no weights).
+    (:meth:`Scales.from_env`), a modelled KV encoder from ``PRFAAS_EMU_ENCODE_GBPS`` (unset: none).
+    ``loaded`` is ignored (the emulated model has no weights).
     Raises ``OSError``, :class:`ProfileError`."""
     path = profile or os.environ.get("PRFAAS_EMU_PROFILE")
     if not path:
         raise ProfileError("the emulated backend needs a hardware profile: --emulated-profile or PRFAAS_EMU_PROFILE")
-    return EmulatedBackend(EmulatedProfile.from_file(path), Scales.from_env(), served_name=served_name)
+    return EmulatedBackend(EmulatedProfile.from_file(path), Scales.from_env(), served_name=served_name,
+                           encode=EncodeModel.from_env())

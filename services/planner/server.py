@@ -62,10 +62,12 @@ class Planner:
     def __init__(self, name: str = "planner", dead_after: float = 3.0, controller: Any = None, loop_interval: float = 1.0,
                  mover: RoleMover | None = None, router: RpcClient | None = None, workload_refresh: float = 30.0,
                  workload_samples: int = 400, forget_after: float = 300.0, insecure: Any = None,
-                 topology: Topology | None = None, pair_planner: PairPlanner | None = None):
+                 topology: Topology | None = None, pair_planner: PairPlanner | None = None,
+                 link_gbps: float | None = None):
         self.topology = topology or default_topology()
         self.pair_planner = pair_planner  # per-pair thresholds (eq. 7 per pair), with --profile and a topology file
         self.pair_thresholds: dict[str, int] = {}  # "src->dst" -> t last sent to the router
+        self.link_gbps = link_gbps  # --link-gbps: the codec ladders' link capacity when no scheduling loop runs
         self.registry = WorkerRegistry(dead_after=dead_after, forget_after=forget_after)
         self.controller = controller  # a services.planner.control.Controller, or None (no scheduling loop)
         self.workers = ClientPool(service="planner", name=name, connect_timeout=2.0, peer="PD worker")
@@ -147,7 +149,7 @@ class Planner:
             now = time.monotonic()
             view = self.registry.view(now)
             try:
-                self.codecs.tick(now, view, self.controller.link_gbps_used if self.controller is not None else None)
+                self.codecs.tick(now, view, self.controller.link_gbps_used if self.controller is not None else self.link_gbps)
             except Exception:
                 self.loop_errors += 1
                 log.exception("KV codec tick failed")
@@ -298,7 +300,8 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         pair_planner = pair_planner_from(topology, profile, dist, args.l_out, args.pair_hold)
     planner = Planner(args.name, args.dead_after, controller=controller, loop_interval=args.loop_interval, mover=mover,
                       router=router, workload_refresh=args.workload_refresh, workload_samples=args.workload_samples,
-                      forget_after=args.forget_after, insecure=args.insecure, topology=topology, pair_planner=pair_planner)
+                      forget_after=args.forget_after, insecure=args.insecure, topology=topology, pair_planner=pair_planner,
+                      link_gbps=args.link_gbps)
     host, port = parse_addr(service.require(args, "listen", "PRFAAS_PLANNER_ADDR"))
     await planner.server.start(host, port)
     planner.start()
@@ -356,7 +359,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "(--profile); default: --profile for both")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="cross-cluster link capacity, Gbit/s: a cap on the capacity the KV senders measure, and the "
-                        "capacity used until they measure one (default: measured only, 100 before a measurement)")
+                        "capacity used until they measure one (default: measured only, 100 before a measurement); "
+                        "without --profile, the KV codec ladders' (auto) cap and fallback alone")
     p.add_argument("--l-out", type=float, default=256.0, help="mean output length, tokens (paper: L_out)")
     p.add_argument("--length-mu", type=float, default=None, help="prompt lengths ~ log-normal: mu (default ln(max/4))")
     p.add_argument("--length-sigma", type=float, default=1.0, help="prompt lengths ~ log-normal: sigma")

@@ -2,8 +2,9 @@
 
 On each short-loop tick, for every alive PrfaaS prefill worker that reports ``kv_codec.mode ==
 "auto"``, and each of its KV links, one :class:`~common.transfer.codec_policy.CodecLadder` reads the
-link's wire utilisation (``goodput_bps / capacity_bps``; the loop's link capacity when the link has
-measured none), its backlog and the worker's measured codec rates, and may move the link's codec one
+link's wire utilisation (``goodput_bps / capacity_bps``: the measured capacity capped by the loop's
+link capacity, ``--link-gbps``, which stands in while the link has measured none), its backlog and
+the worker's measured codec rates, and may move the link's codec one
 rung (``none`` when plentiful, ``lossless`` next, lossy codecs only where the worker was started with
 ``--kv-wire-lossy-ok``). The worker learns its links' codecs from the answer to its next load report
 (``kv_codecs``); the worker still refuses a codec whose encoder would not beat the link.
@@ -72,7 +73,8 @@ class CodecPlanner:
                     if len(self.ladders) >= MAX_LADDERS:
                         self.ladders.pop(next(iter(self.ladders)))
                     ladder = self.ladders[key] = CodecLadder(self.config, lossy_ok=lossy_ok)
-                cap_bps = _num(snap.get("capacity_bps")) or ((link_gbps or 0) * 1e9) or None
+                measured, configured = _num(snap.get("capacity_bps")), (link_gbps or 0) * 1e9 or None
+                cap_bps = min(measured, configured) if measured and configured else (measured or configured)
                 util = (_num(snap.get("goodput_bps")) or 0.0) / cap_bps if cap_bps else 0.0
                 got = ladder.tick(util, cap_bps / 1e9 if cap_bps else None, _num(snap.get("backlogged_s")) or 0.0, rates)
                 if got is not None:
