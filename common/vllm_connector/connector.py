@@ -33,7 +33,10 @@ with Mamba/linear-attention state is refused at start-up, since this connector d
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +55,7 @@ from common.rpc.handshake import parse_addr
 from common.vllm_connector import plan
 from common.vllm_connector.engine import BlockAssembly, EarlyReceiver, LoopThread, Pusher
 
-log = logging.getLogger("prfaas.vllm")
+log = logging.getLogger("vllm.prfaas")  # under vLLM's logger, so its handlers print ours
 
 
 @dataclass
@@ -140,6 +143,8 @@ class PrfaasConnector(KVConnectorBase_V1):
                                      lease_s=float(self.extra.get("lease_s", 120.0)), secret=secret)
             bound = self._lt.call(self._rx.start(host, port))
             log.info("PrfaaS KV listener on %s:%d (%d layers, blocks of %s)", host, bound, len(names), list(t.shape[1:]))
+        if self.extra.get("stats_path"):
+            self._lt.submit(self._stats_loop(str(self.extra["stats_path"])))
 
     def _layouts(self, prompt_len: int):
         t = self._layers[0]
@@ -201,6 +206,25 @@ class PrfaasConnector(KVConnectorBase_V1):
             del self._active[req_id]
             self._lt.call(_release(self._rx, tid, "load ended"))
         return res
+
+    def stats(self) -> dict[str, Any]:
+        """The worker's transfer state: active loads, the receiver's counters and reservations, the
+        pusher's pending bytes and counters (for leak checks and the PrfaaS worker adapter's load)."""
+        out: dict[str, Any] = {"role": "consumer" if self.consumer else "producer", "active_loads": len(self._active)}
+        if self._rx is not None:
+            out["receiver"] = self._rx.stats()
+        if self._pusher is not None:
+            out["pusher"] = {**self._pusher.stats, "pending_bytes": self._pusher.pending, "open": len(self._pusher.pushes)}
+        return out
+
+    async def _stats_loop(self, path: str) -> None:
+        """Write :meth:`stats` as JSON to ``path`` (atomically) every 0.25 s, on the engine's loop."""
+        while True:
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.stats(), f)
+            os.replace(tmp, path)
+            await asyncio.sleep(0.25)
 
     def shutdown(self) -> None:
         if self._lt is not None:

@@ -38,7 +38,7 @@ from common.transfer.receiver import KvReceiver
 from common.transfer.sender import KvLink
 from proto.frames import Kind, encode_frame
 
-log = logging.getLogger("prfaas.vllm")
+log = logging.getLogger("vllm.prfaas")  # under vLLM's logger, so its handlers print ours
 
 
 class LoopThread:
