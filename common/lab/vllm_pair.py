@@ -118,3 +118,30 @@ def vllm_python() -> str | None:
     """The vLLM venv's interpreter from ``PRFAAS_VLLM_PYTHON`` or ``~/venvs/vllm/bin/python``, if it exists."""
     p = os.environ.get("PRFAAS_VLLM_PYTHON") or os.path.expanduser("~/venvs/vllm/bin/python")
     return p if os.path.exists(p) else None
+
+
+def reset_caches(*servers: VllmServer) -> None:
+    """Empty every server's prefix cache (``dev_mode`` servers), so the next request computes cold."""
+    for s in servers:
+        s.reset_prefix_cache()
+
+
+def compare(prefill: VllmServer, decode: VllmServer, name: str, prompts: list[list[int]], max_tokens: int, push_to: str,
+            progress=None) -> list[dict]:
+    """Greedy tokens of each prompt from the prefill server alone, then through the pair (both
+    caches emptied before each pass, so neither pass reuses the other's KV). One dict per prompt:
+    ``alone`` and ``pair`` (:func:`complete`/:func:`disagg` results) and ``exact`` (same tokens)."""
+    reset_caches(prefill, decode)
+    alone = []
+    for p in prompts:
+        alone.append(complete(prefill.url, name, p, max_tokens))
+        if progress is not None:
+            progress()
+    reset_caches(prefill, decode)
+    out = []
+    for p, a in zip(prompts, alone):
+        r = disagg(prefill.url, decode.url, name, p, max_tokens, push_to)
+        out.append({"alone": a, "pair": r, "exact": r["tokens"] == a["tokens"] and len(a["tokens"]) == max_tokens})
+        if progress is not None:
+            progress()
+    return out
