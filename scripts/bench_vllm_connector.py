@@ -7,9 +7,10 @@ joined by our transfer engine. Baselines are run in the same script, on the same
    ``--long-tokens`` tokens) from the prefill server alone, then through prefill -> our link -> decode
    (both prefix caches emptied before each pass); then a subset across the userspace link proxy
    (common/lab/link_proxy.py) with ``--delay-ms`` one-way delay.
-2. TTFT of the long prompt, cold: vLLM alone (the prefill server, one core), the pair through our
-   connector, and the same pair with vLLM's file-based ``ExampleConnector`` (prefill to files, then
-   decode from them; started after ours is stopped).
+2. TTFT of the long prompts, cold (best of the ``--long`` ones in the exactness pass): vLLM alone
+   (the prefill server, one core), the pair through our connector, and a pair joined by vLLM's
+   file-based ``ExampleConnector`` (prefill to files, then decode from them; started after ours is
+   stopped, with ``--max-num-batched-tokens 8192``: that connector keeps only a request's first chunk).
 3. Goodput: the connector's transfer path (Pusher -> BlockAssembly, common/lab/connector_goodput.py)
    against raw TCP, the long prompt's KV bytes, on loopback.
 
@@ -36,7 +37,7 @@ from common.lab.cluster import free_port
 from common.lab.connector_goodput import engine_goodput, raw_goodput
 from common.lab.link_proxy import LinkProxy
 from common.lab.real_prompts import CHAT_QUESTIONS, chat_ids, document_ids
-from common.lab.vllm_pair import compare, complete, example_config, pair, prfaas_config, reset_caches
+from common.lab.vllm_pair import compare, complete, example_config, pair, prfaas_config
 from common.vllm_connector.engine import LoopThread
 
 
@@ -59,8 +60,9 @@ def ttft_example(py: str, mdir: str, tok_prompt: list[int], logs: Path, max_toke
     """Cold TTFT of ``tok_prompt`` through a pair joined by vLLM's ExampleConnector: prefill
     (``max_tokens=1``, saves per-layer files), then decode (loads them)."""
     with tempfile.TemporaryDirectory(prefix="example-kv-") as store:
+        # one prefill step for the whole prompt: ExampleConnector keeps only a request's first chunk
         p, d = pair(py, mdir, "m", (free_port(), free_port()), logs, example_config("kv_producer", store),
-                    example_config("kv_consumer", store))
+                    example_config("kv_consumer", store), extra_args=["--max-num-batched-tokens", "8192"])
         bar.update()
         try:
             complete(p.url, "m", tok_prompt[:64], 2)  # warm both
@@ -100,7 +102,7 @@ def main() -> None:
     long_prompt = prompts[0]
     print(f"model {a.model} ({mdir}); {n} prompts ({n_long} of {len(long_prompt)} tokens); {max_tokens} new tokens", flush=True)
     kv = free_port()
-    steps = 2 + 2 * n + 2 * n_proxy + 4 + (0 if a.skip_example else 1)
+    steps = 2 + 2 * n + 2 * n_proxy + (0 if a.skip_example else 1)
     with plots.progress(steps, "bench_vllm_connector", "step") as bar:
         p, d = pair(a.vllm_python, mdir, "m", (free_port(), free_port()), out,
                     prfaas_config("kv_producer"), prfaas_config("kv_consumer", listen=f"127.0.0.1:{kv}"))
@@ -117,17 +119,20 @@ def main() -> None:
                               f"127.0.0.1:{pport}", bar.update)
             finally:
                 lt.close(proxy.close)
-            alone_l, pair_l = [], []
-            for _ in range(2):  # cold TTFT of the long prompt, best of 2
-                reset_caches(p, d)
-                alone_l.append(complete(p.url, "m", long_prompt, max_tokens)["ttft_s"])
-                reset_caches(p, d)
-                pair_l.append(compare(p, d, "m", [long_prompt], max_tokens, f"127.0.0.1:{kv}")[0]["pair"]["ttft_s"])
-                bar.update(2)
         finally:
             p.stop()
             d.stop()
-        ex = float("nan") if a.skip_example else ttft_example(a.vllm_python, mdir, long_prompt, out, max_tokens, bar)
+        alone_l = [r["alone"]["ttft_s"] for r in direct[:n_long]]  # cold: caches emptied, no shared prefix
+        pair_l = [r["pair"]["ttft_s"] for r in direct[:n_long]]
+        print(f"long prompts: TTFT alone {[round(x, 3) for x in alone_l]} s, through the PrfaaS pair "
+              f"{[round(x, 3) for x in pair_l]} s; exact direct {sum(r['exact'] for r in direct)}/{len(direct)}, "
+              f"through the proxy {sum(r['exact'] for r in via)}/{len(via)}", flush=True)
+        ex = float("nan")
+        if not a.skip_example:
+            try:
+                ex = ttft_example(a.vllm_python, mdir, long_prompt, out, max_tokens, bar)
+            except (RuntimeError, TimeoutError, OSError) as e:
+                print(f"ExampleConnector pair failed: {e}", flush=True)
         layers, shape = kv_geometry(mdir)
         blocks = -(-len(long_prompt) // shape[1])
         nbytes = layers * blocks * shape[0] * shape[1] * shape[2] * 4

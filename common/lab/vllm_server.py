@@ -47,6 +47,7 @@ class VllmServer:
     project_path: str | None = None  # put this project on the venv's PYTHONPATH (the PrfaaS connector)
     omp_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (default: ``cores``)
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1 (POST /reset_prefix_cache)
+    extra_args: list[str] = field(default_factory=list)  # more server flags
     startup_s: float = float("nan")
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
@@ -60,7 +61,7 @@ class VllmServer:
                "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(self.max_model_len)]
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
-        return cmd + (["--enforce-eager"] if self.eager else [])
+        return cmd + (["--enforce-eager"] if self.eager else []) + list(self.extra_args)
 
     def start(self, timeout: float = 900.0) -> VllmServer:
         """Launch and wait until ``/health`` is 200. Raises ``RuntimeError`` if the server exits first
