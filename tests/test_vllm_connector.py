@@ -134,3 +134,48 @@ def test_cut_mid_transfer_reprefills_and_leaks_nothing(vpair):
         assert ds["active_loads"] == 0 and ds["receiver"]["transfers"] == 0 and ds["receiver"]["reserved_bytes"] == 0
     finally:
         lt.close(proxy.close)
+
+
+def test_vllm_workers_behind_the_gateway(vpair, tmp_path):
+    """The planner, router and gateway unchanged, with the vLLM engines behind adapters
+    (services.vllm_worker): both register, the gateway's answers equal vLLM alone for a long
+    (l > t: the PrfaaS cluster) and a short prompt, the load reports reach the planner, and the
+    decode adapter drains and exits cleanly on SIGTERM."""
+    import signal
+    import sys
+    import urllib.request
+
+    from common.lab.cluster import Cluster
+    p, d, kv, stats = vpair
+    model = str(next(stats["prefill"].parent.glob("tiny-dense")))
+
+    def adapters(a):
+        py = [sys.executable, "-m", "services.vllm_worker", "--planner", a["planner"], "--model-name", "tiny",
+              "--report-interval", "0.3", "--drain-timeout", "5"]
+        return {"prefill_local": None,
+                "prefill_remote": py + ["--name", "vllm-prefill-0", "--role", "prefill", "--cluster", "prfaas", "--listen",
+                                        a["prefill_remote"], "--vllm-url", p.url, "--connector-stats", str(stats["prefill"])],
+                "decode": py + ["--name", "decode-0", "--role", "decode", "--listen", a["decode"], "--vllm-url", d.url,
+                                "--kv-addr", kv, "--connector-stats", str(stats["decode"])]}
+    c = Cluster(model, threshold=256, log_dir=tmp_path, override=adapters)
+    c.start(timeout=120)
+    try:
+        for n in (900, 40):
+            prompt = _prompts(1, [n], seed=n)[0]
+            reset_caches(p, d)
+            want = complete(p.url, "tiny", prompt, 8)["tokens"]
+            reset_caches(p, d)
+            body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                               "return_token_ids": True}).encode()
+            req = urllib.request.Request(c.url + "/v1/completions", data=body, headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                got = json.loads(r.read())["choices"][0]["token_ids"]
+            assert got == want, n
+        health = json.loads(c.health()[1])
+        assert health["workers"]["vllm-prefill-0"]["alive"] and health["workers"]["decode-0"]["alive"]
+        st = c.log("decode")
+        assert "READY vllm decode" in st
+        c.kill("decode", signal.SIGTERM)
+        assert c.procs["decode"].wait(20) == 0
+    finally:
+        c.stop()
