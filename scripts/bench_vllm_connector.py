@@ -10,7 +10,9 @@ joined by our transfer engine. Baselines are run in the same script, on the same
 2. TTFT of the long prompts, cold (best of the ``--long`` ones in the exactness pass): vLLM alone
    (the prefill server, one core), the pair through our connector, and a pair joined by vLLM's
    file-based ``ExampleConnector`` (prefill to files, then decode from them; started after ours is
-   stopped, with ``--max-num-batched-tokens 8192``: that connector keeps only a request's first chunk).
+   stopped). Every engine runs with ``--max-num-batched-tokens`` ``--batched-tokens`` (8192): that
+   connector keeps only a request's first prefill chunk, so the long prompt is one step everywhere
+   (tests/test_vllm_connector.py covers our connector with chunked prefill).
 3. Goodput: the connector's transfer path (Pusher -> BlockAssembly, common/lab/connector_goodput.py)
    against raw TCP, the long prompt's KV bytes, on loopback.
 
@@ -56,13 +58,12 @@ def kv_geometry(path: str, block_size: int = 128) -> tuple[int, list[int]]:
     return cfg["num_hidden_layers"], [cfg["num_key_value_heads"], block_size, 2 * head]
 
 
-def ttft_example(py: str, mdir: str, tok_prompt: list[int], logs: Path, max_tokens: int, bar) -> float:
+def ttft_example(py: str, mdir: str, tok_prompt: list[int], logs: Path, max_tokens: int, bar, batched: int) -> float:
     """Cold TTFT of ``tok_prompt`` through a pair joined by vLLM's ExampleConnector: prefill
     (``max_tokens=1``, saves per-layer files), then decode (loads them)."""
     with tempfile.TemporaryDirectory(prefix="example-kv-") as store:
-        # one prefill step for the whole prompt: ExampleConnector keeps only a request's first chunk
         p, d = pair(py, mdir, "m", (free_port(), free_port()), logs, example_config("kv_producer", store),
-                    example_config("kv_consumer", store), extra_args=["--max-num-batched-tokens", "8192"])
+                    example_config("kv_consumer", store), extra_args=["--max-num-batched-tokens", str(batched)])
         bar.update()
         try:
             complete(p.url, "m", tok_prompt[:64], 2)  # warm both
@@ -85,6 +86,9 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=None, help="how many of the prompts are long documents")
     ap.add_argument("--long-tokens", type=int, default=4096)
     ap.add_argument("--delay-ms", type=float, default=5.0, help="one-way delay of the link proxy")
+    ap.add_argument("--batched-tokens", type=int, default=8192,
+                    help="vLLM --max-num-batched-tokens of every engine (ExampleConnector keeps only a request's first "
+                         "prefill chunk, so the whole long prompt must fit one step for it; the same for all, like for like)")
     ap.add_argument("--skip-example", action="store_true", help="skip the ExampleConnector pair (a third start)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -104,8 +108,9 @@ def main() -> None:
     kv = free_port()
     steps = 2 + 2 * n + 2 * n_proxy + (0 if a.skip_example else 1)
     with plots.progress(steps, "bench_vllm_connector", "step") as bar:
-        p, d = pair(a.vllm_python, mdir, "m", (free_port(), free_port()), out,
-                    prfaas_config("kv_producer"), prfaas_config("kv_consumer", listen=f"127.0.0.1:{kv}"))
+        p, d = pair(a.vllm_python, mdir, "m", (free_port(), free_port()), out, prfaas_config("kv_producer"),
+                    prfaas_config("kv_consumer", listen=f"127.0.0.1:{kv}"),
+                    extra_args=["--max-num-batched-tokens", str(a.batched_tokens)])
         bar.update()
         try:
             complete(p.url, "m", long_prompt[:64], 2)  # warm both
@@ -130,7 +135,7 @@ def main() -> None:
         ex = float("nan")
         if not a.skip_example:
             try:
-                ex = ttft_example(a.vllm_python, mdir, long_prompt, out, max_tokens, bar)
+                ex = ttft_example(a.vllm_python, mdir, long_prompt, out, max_tokens, bar, a.batched_tokens)
             except (RuntimeError, TimeoutError, OSError) as e:
                 print(f"ExampleConnector pair failed: {e}", flush=True)
         layers, shape = kv_geometry(mdir)

@@ -165,7 +165,7 @@ def test_vllm_workers_behind_the_gateway(vpair, tmp_path):
             reset_caches(p, d)
             want = complete(p.url, "tiny", prompt, 8)["tokens"]
             reset_caches(p, d)
-            body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            body = json.dumps({"model": "tiny-dense", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                                "return_token_ids": True}).encode()
             req = urllib.request.Request(c.url + "/v1/completions", data=body, headers={"content-type": "application/json"})
             with urllib.request.urlopen(req, timeout=120) as r:
