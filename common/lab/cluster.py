@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,8 @@ class Cluster:
     preset_addrs: dict[str, str] = field(default_factory=dict)  # host:port per address name instead of a free loopback port
     extra_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # flags appended to a service's command (last wins)
     wrap: dict[str, tuple[str, ...]] = field(default_factory=dict)  # argv prefix per service (e.g. ip netns exec NS)
+    # commands to replace (a list) or leave out (None) once the addresses are known: override(addrs) -> {name: ...}
+    override: Callable[[dict[str, str]], dict[str, list[str] | None]] | None = None
     cmds: dict[str, list[str]] = field(default_factory=dict)  # the commands start() ran; restart() runs them again
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     addrs: dict[str, str] = field(default_factory=dict)
@@ -105,6 +108,11 @@ class Cluster:
             cmds["decode2"] = py + ["services.decode", "--name", "decode-1", "--listen", a["decode2"], "--kv-listen",
                                     a["decode2_kv"], "--planner", a["planner"], "--router", a["router"]] + model \
                 + list(self.second_decode_args)
+        for n, c in (self.override(self.addrs) if self.override is not None else {}).items():
+            if c is None:
+                cmds.pop(n, None)
+            else:
+                cmds[n] = c
         return {n: list(self.wrap.get(n, ())) + c + list(self.extra_args.get(n, ())) for n, c in cmds.items()}
 
     def start(self, timeout: float = 180.0) -> Cluster:

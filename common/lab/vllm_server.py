@@ -13,6 +13,7 @@ and keeps the next for its front end).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -42,6 +43,11 @@ class VllmServer:
     kv_gib: int = 2
     max_model_len: int = 8192
     eager: bool = False
+    kv_config: dict | None = None  # --kv-transfer-config (a KV connector), or None
+    project_path: str | None = None  # put this project on the venv's PYTHONPATH (the PrfaaS connector)
+    omp_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND (default: ``cores``)
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1 (POST /reset_prefix_cache)
+    extra_args: list[str] = field(default_factory=list)  # more server flags
     startup_s: float = float("nan")
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
@@ -53,14 +59,20 @@ class VllmServer:
         cmd = ["taskset", "-c", self.cores, self.python, "-m", "vllm.entrypoints.openai.api_server",
                "--model", self.model_dir, "--served-model-name", self.served_name, "--dtype", "float32",
                "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(self.max_model_len)]
-        return cmd + (["--enforce-eager"] if self.eager else [])
+        if self.kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
+        return cmd + (["--enforce-eager"] if self.eager else []) + list(self.extra_args)
 
     def start(self, timeout: float = 900.0) -> VllmServer:
         """Launch and wait until ``/health`` is 200. Raises ``RuntimeError`` if the server exits first
         and ``TimeoutError`` after ``timeout`` seconds (the log's path in both)."""
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=self.cores, VLLM_CPU_KVCACHE_SPACE=str(self.kv_gib),
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=self.omp_bind or self.cores, VLLM_CPU_KVCACHE_SPACE=str(self.kv_gib),
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-        env.pop("PYTHONPATH", None)  # the venv must not import this project's packages
+        env.pop("PYTHONPATH", None)  # the venv imports no package of this project but the connector's
+        if self.project_path is not None:
+            env["PYTHONPATH"] = self.project_path
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         t0 = time.monotonic()
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -73,6 +85,12 @@ class VllmServer:
             time.sleep(1.0)
         self.stop()
         raise TimeoutError(f"vLLM not healthy within {timeout:.0f} s; log {self.log_path}")
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's prefix cache (needs ``dev_mode``). Raises ``urllib.error.URLError``."""
+        req = urllib.request.Request(self.url + "/reset_prefix_cache", method="POST", data=b"")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
 
     def _healthy(self) -> bool:
         try:

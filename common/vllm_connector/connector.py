@@ -1,0 +1,323 @@
+"""``PrfaasConnector``: vLLM's ``KVConnectorBase_V1`` on this project's transfer engine.
+
+Start vLLM with (this project on the venv's ``PYTHONPATH``)::
+
+    --kv-transfer-config '{"kv_connector": "PrfaasConnector",
+                           "kv_connector_module_path": "common.vllm_connector.connector",
+                           "kv_role": "kv_producer" | "kv_consumer",
+                           "kv_load_failure_policy": "recompute" | "fail",
+                           "kv_connector_extra_config": {"listen": "127.0.0.1:PORT", "connections": 4,
+                                                         "stall_s": 10, "admit_s": 30}}'
+
+``listen`` (consumer only) is the KV listener's address; requests opt in through
+``kv_transfer_params`` (:mod:`common.vllm_connector.plan`). Roles:
+
+* Producer. The scheduler side tracks each opted-in request's block table and tells the worker, per
+  step, which blocks that step completes (:func:`~common.vllm_connector.plan.blocks_to_send`).
+  ``save_kv_layer`` gathers those blocks of the layer just computed (one copy) and hands them to
+  the sender, which streams them while the forward computes the next layer. The blocks are free to
+  reuse at once (``request_finished`` returns ``False``).
+* Consumer. ``get_num_new_matched_tokens`` reports every prompt token beyond the local prefix-cache
+  hit as an asynchronous load (``(n, True)``); ``update_state_after_alloc`` records the blocks vLLM
+  allocated; the worker's ``start_load_kv`` reserves them as the transfer's destination, and the
+  receiver's connections write each arriving layer into them in place. ``get_transfer_results``
+  reports a load finished once every byte and ``KV_DONE`` are in, or failed (aborted, or no progress
+  for ``stall_s``); vLLM then recomputes or fails the request by ``kv_load_failure_policy``. A request
+  finished while loading keeps its blocks until the reservation is released (never a byte into a
+  freed block). ``wait_for_layer_load`` checks the layer's flag: an async load is whole before its
+  request is scheduled, so it does not block.
+
+Hybrid models: only attention layers (one KV cache group of ``AttentionSpec``) are carried; a model
+with Mamba/linear-attention state is refused at start-up, since this connector does not move that state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from common.kv.layout import dtype_name
+from common.rpc.handshake import parse_addr
+from common.vllm_connector import plan
+from common.vllm_connector.engine import BlockAssembly, EarlyReceiver, LoopThread, Pusher
+
+log = logging.getLogger("vllm.prfaas")  # under vLLM's logger, so its handlers print ours
+
+
+@dataclass
+class _Save:
+    req_id: str
+    tid: str
+    push_to: str
+    prompt_len: int
+    first_block: int  # wire block of block_ids[0]
+    block_ids: list[int]
+    last: bool  # this step reaches the end of the prompt
+
+
+@dataclass
+class _Load:
+    req_id: str
+    tid: str
+    prompt_len: int
+    base_block: int
+    block_ids: list[int]
+
+
+@dataclass
+class PrfaasMeta(KVConnectorMetadata):
+    """One step's work for the worker: saves (producer), loads to start and cancels (consumer)."""
+
+    saves: list[_Save] = field(default_factory=list)
+    loads: list[_Load] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+
+class PrfaasConnector(KVConnectorBase_V1):
+    """The PrfaaS KV connector (module docstring). One instance per role (scheduler, worker)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tc = self._kv_transfer_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.producer, self.consumer = tc.is_kv_producer, tc.is_kv_consumer
+        self.extra = dict(tc.kv_connector_extra_config or {})
+        self.model = str(vllm_config.model_config.model).rstrip("/").rsplit("/", 1)[-1]
+        if kv_cache_config is not None:
+            groups = kv_cache_config.kv_cache_groups
+            if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+                raise ValueError("PrfaasConnector carries attention KV only (one AttentionSpec group); "
+                                 "this model has other state (hybrid/linear attention)")
+        # scheduler side
+        self._params: dict[str, plan.RemoteParams] = {}
+        self._matched: dict[str, int] = {}  # consumer: local prefix-cache tokens at the match
+        self._blocks: dict[str, list[int]] = {}  # producer: each opted-in request's block table
+        self._loads: list[_Load] = []
+        self._cancels: list[str] = []
+        self._loading: set[str] = set()
+        self._prompt_len: dict[str, int] = {}
+        # worker side
+        self._lt: LoopThread | None = None
+        self._layers: list[torch.Tensor] = []
+        self._index: dict[str, int] = {}
+        self._fingerprint: dict[str, Any] = {}
+        self._pusher: Pusher | None = None
+        self._rx: EarlyReceiver | None = None
+        self._active: dict[str, tuple[str, BlockAssembly]] = {}  # vLLM req id -> (transfer id, destination)
+        self._done_cancels: set[str] = set()
+        self.stall_s = float(self.extra.get("stall_s", 10.0))
+
+    # ============================ worker side ============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=plan.layer_index)
+        self._layers = [kv_caches[n] for n in names]
+        self._index = {n: i for i, n in enumerate(names)}
+        t = self._layers[0]
+        if not all(x[0].is_contiguous() for x in self._layers):
+            raise ValueError("PrfaasConnector needs each KV block's tile contiguous")
+        self._fingerprint = {"model": self.model, "dtype": dtype_name(t.dtype), "block_size": self.block_size,
+                             "layers": len(names), "block_shape": list(t.shape[1:])}
+        self._lt = LoopThread("prfaas-kv")
+        secret = self.extra.get("secret")
+        if self.producer:
+            self._pusher = Pusher(self._lt, self._fingerprint, connections=int(self.extra.get("connections", 4)),
+                                  admit_s=float(self.extra.get("admit_s", 30.0)), secret=secret)
+        if self.consumer:
+            host, port = parse_addr(str(self.extra["listen"]))
+            budget = int(self.extra.get("budget_bytes", sum(x.numel() * x.element_size() for x in self._layers)))
+            self._rx = EarlyReceiver("vllm-decode", self._fingerprint, len(names), budget_bytes=budget,
+                                     lease_s=float(self.extra.get("lease_s", 120.0)), secret=secret)
+            bound = self._lt.call(self._rx.start(host, port))
+            log.info("PrfaaS KV listener on %s:%d (%d layers, blocks of %s)", host, bound, len(names), list(t.shape[1:]))
+        if self.extra.get("stats_path"):
+            self._lt.submit(self._stats_loop(str(self.extra["stats_path"])))
+
+    def _layouts(self, prompt_len: int):
+        t = self._layers[0]
+        return plan.wire_layouts(len(self._layers), prompt_len, self.block_size, list(t.shape[1:]), dtype_name(t.dtype))
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._rx is None or not isinstance(meta, PrfaasMeta):
+            return
+        for ld in meta.loads:
+            asm = BlockAssembly(ld.tid, self._layers, ld.block_ids, ld.base_block, self._layouts(ld.prompt_len))
+            try:
+                self._lt.call(_expect(self._rx, ld.tid, asm))
+            except Exception as e:  # noqa: BLE001 - over budget or a duplicate id: this load fails alone
+                asm.abort(f"cannot reserve: {e}")
+            self._active[ld.req_id] = (ld.tid, asm)
+        for req_id in meta.cancels:
+            entry = self._active.pop(req_id, None)
+            if entry is not None:
+                self._lt.call(_release(self._rx, entry[0], "the request finished while its KV was arriving"))
+            self._done_cancels.add(req_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # async loads are whole before their request runs (module docstring)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._pusher is None or not isinstance(meta, PrfaasMeta) or not meta.saves:
+            return
+        layer = self._index.get(layer_name)
+        if layer is None:
+            return
+        bb = kv_layer[0].numel() * kv_layer.element_size()
+        last_layer = layer == len(self._layers) - 1
+        for s in meta.saves:
+            piece = None
+            if s.block_ids:
+                piece = kv_layer.index_select(0, torch.tensor(s.block_ids, dtype=torch.long))
+            if piece is not None or (s.last and last_layer):
+                self._pusher.push(s.tid, s.push_to, self._layouts(s.prompt_len), s.prompt_len, layer,
+                                  s.first_block * bb, piece, s.last and last_layer)
+
+    def wait_for_save(self) -> None:
+        return  # pushes are asynchronous and own their copies
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        res = KVConnectorTransferResults()
+        res.finished_recving |= self._done_cancels
+        self._done_cancels = set()
+        now = time.monotonic()
+        for req_id, (tid, asm) in list(self._active.items()):
+            outcome = plan.load_outcome(asm.done.is_set(), asm.error, asm.complete, now - asm.progress_at, self.stall_s)
+            if outcome == "wait":
+                continue
+            if outcome == "failed":
+                log.warning("PrfaaS load of %s failed: %s", tid, asm.error or f"no progress for {self.stall_s}s")
+                res.failed_recving.add(req_id)
+            res.finished_recving.add(req_id)
+            del self._active[req_id]
+            self._lt.call(_release(self._rx, tid, "load ended"))
+        return res
+
+    def stats(self) -> dict[str, Any]:
+        """The worker's transfer state: active loads, the receiver's counters and reservations, the
+        pusher's pending bytes and counters (for leak checks and the PrfaaS worker adapter's load)."""
+        out: dict[str, Any] = {"role": "consumer" if self.consumer else "producer", "active_loads": len(self._active)}
+        if self._rx is not None:
+            out["receiver"] = self._rx.stats()
+        if self._pusher is not None:
+            out["pusher"] = {**self._pusher.stats, "pending_bytes": self._pusher.pending, "open": len(self._pusher.pushes)}
+        return out
+
+    async def _stats_loop(self, path: str) -> None:
+        """Write :meth:`stats` as JSON to ``path`` (atomically) every 0.25 s, on the engine's loop."""
+        tmp = f"{path}.tmp"
+        while True:
+            Path(tmp).write_text(json.dumps(self.stats()))  # small: a few hundred bytes  # noqa: ASYNC240
+            os.replace(tmp, path)
+            await asyncio.sleep(0.25)
+
+    def shutdown(self) -> None:
+        if self._lt is not None:
+            async def closer():
+                if self._pusher is not None:
+                    await self._pusher.close()
+                if self._rx is not None:
+                    await self._rx.close()
+            self._lt.close(closer)
+
+    # ============================ scheduler side ============================
+    def on_new_request(self, request) -> None:
+        try:
+            p = plan.parse_params(request.kv_transfer_params)
+        except ValueError as e:
+            log.warning("request %s: %s; served without PrfaaS", request.request_id, e)
+            return
+        if p is not None and ((p.pull and self.consumer) or (p.push_to and self.producer)):
+            self._params[request.request_id] = p
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        p = self._params.get(request.request_id)
+        if p is None or not p.pull or request.request_id in self._loading:
+            return 0, False
+        n = plan.remote_tokens(len(request.prompt_token_ids or ()), num_computed_tokens)
+        self._matched[request.request_id] = num_computed_tokens
+        return n, n > 0
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        p = self._params.get(rid)
+        if p is None or not p.pull or num_external_tokens == 0 or rid in self._loading:
+            return
+        base = self._matched.pop(rid, 0) // self.block_size
+        self._loads.append(_Load(rid, p.id, len(request.prompt_token_ids), base, list(blocks.get_block_ids()[0])))
+        self._loading.add(rid)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = PrfaasMeta(loads=self._loads, cancels=self._cancels)
+        self._loads, self._cancels = [], []
+        sched = scheduler_output.num_scheduled_tokens
+        for r in scheduler_output.scheduled_new_reqs:
+            p = self._params.get(r.req_id)
+            if p is not None and p.push_to:
+                self._blocks[r.req_id] = list(r.block_ids[0])
+                self._add_save(meta, r.req_id, p, len(r.prompt_token_ids or ()), r.num_computed_tokens, sched.get(r.req_id, 0), True)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            p = self._params.get(rid)
+            if p is None or not p.push_to or rid not in self._blocks:
+                continue
+            new = cached.new_block_ids[i]
+            resumed = rid in cached.resumed_req_ids
+            if resumed:
+                self._blocks[rid] = list(new[0]) if new else []
+            elif new:
+                self._blocks[rid] += list(new[0])
+            prompt_len = self._prompt_len.get(rid, 0)
+            self._add_save(meta, rid, p, prompt_len, cached.num_computed_tokens[i], sched.get(rid, 0), resumed)
+        return meta
+
+    def _add_save(self, meta: PrfaasMeta, rid: str, p: plan.RemoteParams, prompt_len: int, start: int, n: int, first: bool) -> None:
+        if prompt_len:
+            self._prompt_len[rid] = prompt_len
+        prompt_len = self._prompt_len.get(rid, prompt_len)
+        if start >= prompt_len:
+            return  # decoding: the prompt's KV went already
+        a, b = plan.blocks_to_send(start, start + n, prompt_len, self.block_size, first)
+        last = start + n >= prompt_len
+        if b > a or last:
+            meta.saves.append(_Save(rid, p.id, p.push_to, prompt_len, a, self._blocks[rid][a:b], last))
+
+    def update_connector_output(self, connector_output) -> None:
+        for rid in connector_output.finished_recving or ():
+            self._loading.discard(rid)
+        for rid in connector_output.failed_recving or ():
+            self._params.pop(rid, None)  # a retry (policy "recompute") prefills here, not remotely again
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._params.pop(rid, None)
+        self._blocks.pop(rid, None)
+        self._prompt_len.pop(rid, None)
+        self._matched.pop(rid, None)
+        if rid in self._loading:  # still arriving: free the blocks only once the worker let go of them
+            self._cancels.append(rid)
+            return True, None
+        return False, None
+
+
+async def _expect(rx: EarlyReceiver, tid: str, asm: BlockAssembly) -> None:
+    rx.expect(tid, asm.reserved_bytes, asm)
+
+
+async def _release(rx: EarlyReceiver, tid: str, reason: str) -> None:
+    rx.release(tid, recycle=False, reason=reason)

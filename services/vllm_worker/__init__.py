@@ -1,0 +1,1 @@
+"""A vLLM engine as a PrfaaS worker (see ``__main__``)."""
