@@ -29,12 +29,14 @@ MAX_LINE = 1 << 16
 @dataclass
 class Timed:
     """One streamed request, monotonic seconds: sent, first ``data:`` chunk, ``[DONE]``; ``chunks``
-    is the number of ``data:`` events before ``[DONE]``."""
+    is the number of ``data:`` events before ``[DONE]`` (the usage chunk included), ``tokens`` the
+    completion tokens of the final usage chunk (0 without one)."""
 
     sent: float
     first: float
     done: float
     chunks: int
+    tokens: int = 0
 
 
 async def _request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes, body: bytes) -> Timed:
@@ -50,7 +52,7 @@ async def _request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, h
             chunked = True
     if not chunked:
         raise RuntimeError("the stream is not chunked")
-    first, chunks = 0.0, 0
+    first, chunks, last = 0.0, 0, b""
     while True:
         size = int((await reader.readline()).split(b";")[0], 16)
         if size == 0:
@@ -62,7 +64,13 @@ async def _request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, h
             if not first:
                 first = time.monotonic()
             chunks += n - (b"data: [DONE]" in data)
-    return Timed(t0, first, time.monotonic(), chunks)
+            if b'"usage":{' in data:
+                last = data
+    tokens = 0
+    if last:
+        at = last.index(b'"completion_tokens":') + len(b'"completion_tokens":')
+        tokens = int(last[at:].split(b",")[0].split(b"}")[0])
+    return Timed(t0, first, time.monotonic(), chunks, tokens)
 
 
 async def drive(host: str, port: int, body_of: Callable[[int], dict], requests: int, concurrency: int,
@@ -116,6 +124,9 @@ async def null_server(tokens: int) -> AsyncIterator[int]:
                     writer.write(b"%x\r\n%s\r\n" % (len(ev), ev))
                     await writer.drain()
                     await asyncio.sleep(0)
+                ev = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":%d,"total_tokens":%d}}\n\n' % (
+                    tokens, tokens + 1)
+                writer.write(b"%x\r\n%s\r\n" % (len(ev), ev))
                 ev = b"data: [DONE]\n\n"
                 writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(ev), ev))
                 await writer.drain()
@@ -151,7 +162,8 @@ def summarise(rows: list[Timed], engine_ttft_s: float = 0.0) -> dict:
     span = max(r.done for r in rows) - min(r.sent for r in rows)
     ttft = sorted((r.first - r.sent) * 1e3 for r in rows)
     return {"requests": len(rows), "span_s": span, "req_per_s": len(rows) / span,
-            "stream_tok_per_s": sum(r.chunks for r in rows) / span,
+            "stream_tok_per_s": sum(r.tokens for r in rows) / span, "chunks_per_s": sum(r.chunks for r in rows) / span,
             "ttft_ms_p50": statistics.median(ttft), "ttft_ms_p99": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
             "ttft_overhead_ms_p50": statistics.median(ttft) - engine_ttft_s * 1e3,
-            "chunks_per_request": statistics.mean(r.chunks for r in rows)}
+            "chunks_per_request": statistics.mean(r.chunks for r in rows),
+            "tokens_per_request": statistics.mean(r.tokens for r in rows)}
