@@ -78,14 +78,11 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -96,79 +93,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.lab.cluster import free_port  # noqa: E402
 from common.lab.completions import TimedStream, stream_timed  # noqa: E402
 from common.lab.dynamo_mocker import MockerDeployment, export_model_dir, kv_bytes_per_token, tokens_in_text  # noqa: E402
+from common.lab.emulated_pd import OurSystem  # noqa: E402
 from common.lab.link_proxy import LinkProxy  # noqa: E402
 from common.lab.procs import ROOT  # noqa: E402
-from common.lab.procs import stop as stop_procs  # noqa: E402
-from common.lab.scrape import sample_value  # noqa: E402
 from common.model.emulated import EmulatedModel, EmulatedProfile, Scales, expected_tokens  # noqa: E402
 
 PROFILE = "dynamo_mocker"
 CELLS = ("agg_seq", "agg_c8", "disagg_seq", "disagg_c8")
 OUR_MODEL = "emulated"
-
-
-# ----------------------------------------------------------------------------- our system
-@dataclass
-class OurSystem:
-    """Planner, router, gateway and one emulated host (aggregated: PD-P + PD-D; disaggregated: a
-    PrfaaS prefill worker + PD-D, its KV through ``proxy``). Owns its processes; :meth:`stop` ends them."""
-
-    log_dir: Path
-    scales: Scales
-    procs: list[subprocess.Popen] | None = None
-    url: str = ""
-
-    def start(self, disaggregated: bool, proxy: LinkProxy | None, decode_kv_port: int) -> None:
-        tag = "disagg" if disaggregated else "agg"
-        planner, router, gw = (f"127.0.0.1:{free_port()}" for _ in range(3))
-        self.url = f"http://{gw}"
-        py = [sys.executable, "-m"]
-        common = ["--planner", planner, "--router", router, "--backend", "emulated", "--emulated-profile", PROFILE]
-        decode = ["pd", "--name", "pd-d", "--role", "decode", "--listen", f"127.0.0.1:{free_port()}",
-                  "--kv-listen", f"127.0.0.1:{decode_kv_port}", *common, "--max-num-seqs", "256",
-                  "--kv-budget-bytes", str(256 << 20)]
-        if disaggregated:
-            decode += ["--kv-advertise-remote", f"127.0.0.1:{proxy.port}"]
-            prefill = ["prefill", "--name", "prfaas-0", "--cluster", "prfaas", "--listen", f"127.0.0.1:{free_port()}", *common]
-        else:
-            prefill = ["pd", "--name", "pd-p", "--role", "prefill", "--listen", f"127.0.0.1:{free_port()}",
-                       "--kv-listen", f"127.0.0.1:{free_port()}", *common]
-        cmds = {"planner": py + ["services.planner", "--listen", planner],
-                "router": py + ["services.router", "--listen", router, "--planner", planner, "--threshold", "1"],
-                "gateway": py + ["services.gateway", "--host", "127.0.0.1", "--port", gw.rsplit(":", 1)[1],
-                                 "--router", router, "--planner", planner, "--model", OUR_MODEL],
-                "host": py + ["common.lab.emulated_host", *prefill, "--", *decode]}
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.scales.env())
-        self.procs = []
-        for name, cmd in cmds.items():
-            with open(self.log_dir / f"ours-{tag}-{name}.log", "wb") as out:
-                self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))
-
-    async def wait_healthy(self, session: aiohttp.ClientSession, disaggregated: bool, timeout: float = 120.0) -> None:
-        want = ("prefill_remote", "decode") if disaggregated else ("prefill_local", "decode")
-        deadline = time.monotonic() + timeout
-        while True:
-            if any(p.poll() is not None for p in self.procs):
-                raise RuntimeError(f"one of our services exited during start-up; logs in {self.log_dir}")
-            try:
-                async with session.get(self.url + "/health") as r:
-                    report = await r.json(content_type=None)
-                    if r.status == 200 and all(report.get(k) for k in want):
-                        return
-            except (aiohttp.ClientError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"our system not healthy within {timeout}s; logs in {self.log_dir}")
-            await asyncio.sleep(0.25)
-
-    async def step_gauge_s(self, session: aiohttp.ClientSession) -> float | None:
-        """The decode worker's own step time (EWMA, s), from the gateway's /metrics."""
-        async with session.get(self.url + "/metrics") as r:
-            return sample_value(await r.text(), "prfaas_decode_step_time_s", worker="pd-d")
-
-    def stop(self) -> None:
-        stop_procs(*(self.procs or []), grace=10.0)
-        self.procs = None
 
 
 # ----------------------------------------------------------------------------- workload

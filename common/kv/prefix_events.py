@@ -10,6 +10,7 @@ is ahead, i.e. saw an earlier incarnation) must resync from the cache's snapshot
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 
 __all__ = ["Event", "EventLog"]
 
@@ -55,8 +56,10 @@ class EventLog:
         if seq > self._seq:
             return [], False
         oldest = self._events[0][0] if self._events else self._seq + 1
-        events = [ev for ev in self._events if ev[0] > seq] if seq >= oldest - 1 else list(self._events)
-        return events, seq >= oldest - 1
+        if seq < oldest - 1:
+            return list(self._events), False
+        # seqs are consecutive up to self._seq: the events after seq are the newest self._seq - seq (O(those))
+        return list(islice(reversed(self._events), self._seq - seq))[::-1], True
 
     def consecutive(self) -> bool:
         """Whether the kept events are numbered consecutively up to :attr:`seq` (a consistency check)."""

@@ -351,6 +351,9 @@ def _logits_for(tokens: list[int]) -> torch.Tensor:
     return out
 
 
+INLINE_STEP_S = 2e-4  # real seconds: a decode step whose longest wait is below this may run on the event loop
+
+
 class EmulatedBackend(Backend):
     """See the module docstring. ``profile``: this instance's hardware; ``scales``: shared by every
     instance of a run (they must agree, or their KV layouts do); ``clock``/``sleep``: injectable for tests.
@@ -370,10 +373,19 @@ class EmulatedBackend(Backend):
         self.prefills = self.steps = 0
         self._last_step_end: float | None = None  # clock at the end of the latest decode step
         self.prefill_wait_s = self.step_wait_s = 0.0
+        # A step that only waits a few microseconds (a large time scale) costs less than the hop to a
+        # compute thread: the decode loop may then run it on the event loop (services/decode/batch.py).
+        self.inline_steps = bool(profile.bs_max) and max(
+            self.step_seconds(profile.bs_max, c) for c in (0, 1 << 12, 1 << 16, 1 << 20)) < INLINE_STEP_S
 
     def _wait_until(self, deadline: float) -> None:
         left = deadline - self._clock()
-        if left > 0:
+        if left <= 0:
+            return
+        if self.inline_steps and left < INLINE_STEP_S and self._sleep is time.sleep:
+            while time.monotonic() < deadline:  # a few microseconds: time.sleep would oversleep by ~50 us
+                pass
+        else:
             self._sleep(left)
 
     def prefill_seconds(self, new_tokens: int) -> float:

@@ -62,6 +62,7 @@ Handler = Callable[[dict[str, Any]], Awaitable[Any]]
 StreamHandler = Callable[[dict[str, Any]], AsyncIterator[Any]]
 FrameHandler = Callable[["ServerConnection", Frame], Awaitable[None]]
 OPERATOR = "operator"  # the role every method is served to
+CORK_BYTES = 64 << 10  # corked stream frames past this are written at once
 
 
 class ServerConnection:
@@ -77,10 +78,47 @@ class ServerConnection:
         self.role: str | None = None
         self.tasks: dict[Any, asyncio.Task] = {}
         self.last_rx = time.monotonic()
+        self._corked: list[bytes] = []  # stream frames made in this event-loop iteration, written together
+        self._corked_bytes = 0
+
+    def flush(self) -> None:
+        """Write the corked frames (see :meth:`send_corked`) as one buffer; a no-op when none are."""
+        if not self._corked:
+            return
+        data = b"".join(self._corked)
+        self._corked, self._corked_bytes = [], 0
+        if self.writer.is_closing():
+            return
+        self.writer.write(data)
+        if self.writer.transport.get_write_buffer_size() > self.limits.max_write_buffer:
+            log.warning("peer %s does not read: over %d bytes queued; cutting it off", self.peer_name, self.limits.max_write_buffer)
+            self.writer.transport.abort()
+
+    async def send_corked(self, data: bytes) -> None:
+        """Send one small frame (a stream item) together with the others of this event-loop iteration.
+
+        A decode step yields one token per running request, each a frame on the same connection; one
+        write per frame was the biggest cost of a decode worker whose engine is fast. The frame is
+        queued and :meth:`flush` runs once the loop has run what is ready now (``call_soon``), or
+        at once past ``CORK_BYTES``; any other write on the connection flushes first, so frames keep
+        their order. When the transport is already backlogged this is :meth:`send` (write and drain)."""
+        if self.writer.is_closing():
+            raise ConnectionResetError(f"connection to {self.peer_name} is closed")
+        if self.writer.transport.get_write_buffer_size():
+            await self.send(data)
+            return
+        if not self._corked:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._corked.append(data)
+        self._corked_bytes += len(data)
+        if self._corked_bytes >= CORK_BYTES:
+            self.flush()
 
     def post(self, data: bytes | list) -> None:
-        """Write one frame without waiting; a peer whose unread bytes pass ``max_write_buffer`` is
-        cut off (``ConnectionError``), so a client that never reads cannot grow our memory."""
+        """Write one frame without waiting (corked frames first); a peer whose unread bytes pass
+        ``max_write_buffer`` is cut off (``ConnectionError``), so a client that never reads cannot
+        grow our memory."""
+        self.flush()
         if isinstance(data, list):
             self.writer.writelines(data)
         else:
@@ -247,6 +285,8 @@ class RpcServer:
                 finally:  # even if close() cancels us while we wait for the calls
                     if self.on_disconnect is not None:
                         self.on_disconnect(conn)
+                    with contextlib.suppress(Exception):
+                        conn.flush()
                     writer.close()
                     self._conns.pop(task, None)
                 with contextlib.suppress(Exception):
@@ -358,10 +398,10 @@ class RpcServer:
                 gen = stream(convert_call(stream, method, args))
                 try:
                     async for item in gen:
-                        await conn.send(self._answer(Kind.STREAM_ITEM, {"id": call_id, "item": to_wire(item)}))
+                        await conn.send_corked(self._answer(Kind.STREAM_ITEM, {"id": call_id, "item": to_wire(item)}))
                 finally:
                     await gen.aclose()
-                await conn.send(encode_frame(Kind.STREAM_END, {"id": call_id}))
+                await conn.send_corked(encode_frame(Kind.STREAM_END, {"id": call_id}))
             else:
                 await conn.send(encode_error(ErrorCode.UNKNOWN_METHOD, f"{self.name} has no method {method!r}", id=call_id))
         except asyncio.CancelledError:

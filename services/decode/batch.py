@@ -215,8 +215,12 @@ class BatchLoop:
         self.max_batch_size = max(self.max_batch_size, len(reqs))
         t = time.monotonic()
         try:
-            logits = await asyncio.to_thread(self.backend.paged_step, self.store, [r.seq for r in reqs],
-                                             [r.generated[-1] for r in reqs], wait_layer)
+            step_args = (self.store, [r.seq for r in reqs], [r.generated[-1] for r in reqs], wait_layer)
+            if wait_layer is None and getattr(self.backend, "inline_steps", False):  # cheaper than a thread hop
+                logits = self.backend.paged_step(*step_args)
+                await asyncio.sleep(0)  # one turn of the loop, as the thread hop gave: streams and transfers run
+            else:
+                logits = await asyncio.to_thread(self.backend.paged_step, *step_args)
             tokens = sample_rows(logits, [r.sampling for r in reqs], [len(r.generated) for r in reqs],
                                  [r.history for r in reqs])
         except LayerNotReady:

@@ -89,7 +89,7 @@ from services.decode.batch import BatchLoop
 from services.decode.branches import branch_pages, branches_demand, fork, reserve_branches
 from services.decode.messages import MAX_BRANCHES, GenerateArgs
 from services.decode.prefill_leg import PrefillCall, PrefillLeg
-from services.decode.request import DecodeRequest, StreamError, resume_of
+from services.decode.request import MAX_COALESCE, DecodeRequest, StreamError, coalesce, resume_of
 from services.decode.scheduler import DecodeScheduler, Refuse
 
 log = logging.getLogger("prfaas.decode")
@@ -402,12 +402,15 @@ class DecodeWorker:
             self.batch.wake()
             left = len(live)
             while left:
-                item = await out.get()
-                if isinstance(item, StreamError):
-                    raise item.to_rpc()
-                yield item
-                if item["finish_reason"] is not None:
-                    left -= 1
+                items = [await out.get()]
+                while not out.empty() and len(items) < MAX_COALESCE:  # queued while the consumer lagged: one item
+                    items.append(out.get_nowait())
+                for item in coalesce(items):
+                    if isinstance(item, StreamError):
+                        raise item.to_rpc()
+                    yield item
+                    if item["finish_reason"] is not None:
+                        left -= 1
         finally:  # 5. finish or cancel
             for r in reqs:
                 r.cancelled = True

@@ -297,6 +297,10 @@ class Gateway:
                                            REQUEST_ID_HEADER: req.request_id})
 
         async def write(data: bytes) -> None:  # a client that stops reading is cut off, and frees its slot
+            t = request.transport
+            if t is not None and not t.get_write_buffer_size():  # nothing backlogged: the write cannot wait, so no
+                await resp.write(data)  # timer per chunk (one asyncio.timeout per token was a tenth of the gateway)
+                return
             try:
                 async with asyncio.timeout(self.limits.write_timeout_s):
                     await resp.write(data)

@@ -407,14 +407,15 @@ class PrefillWorker:
             finally:
                 if delivered is not None:
                     delivered[0] = transfer.done_sent
+                if transfer.done_sent:  # computed and delivered: count it and keep the prompt's blocks, even
+                    self.prefix_hit_tokens += hit.tokens  # if the caller leaves now (a request done at its first token)
+                    self.hist.compute.labels(self.cluster).observe(timings["prefill_s"])
+                    self.hist.hit.labels(self.cluster).observe(hit.tokens)
+                    if self.prefix is not None:
+                        self.prefix.store_prompt(hit, final_kv, checkpoints)
             timings["acked_at"] = time.monotonic()
-            self.prefix_hit_tokens += hit.tokens
-            self.hist.compute.labels(self.cluster).observe(timings["prefill_s"])
             log.info("prefilled %d tokens (%d from the prefix cache, %d already at the receiver) in %.3fs; KVCache to %s",
                      n_in, hit.tokens, kv_from, timings["prefill_s"], link.addr)
-            self.hist.hit.labels(self.cluster).observe(hit.tokens)
-            if self.prefix is not None:
-                self.prefix.store_prompt(hit, final_kv, checkpoints)
             result = {"first_token": first, "prompt_len": n_in, "timings": timings}
             if k is not None:
                 result["prompt_logprobs"] = PromptLogprobs.cat(prompt_lps, k).to_wire()

@@ -189,6 +189,11 @@ class KvIndex:
         nc = self._nodes.get(node)
         return frozenset(nc.hashes) if nc is not None else frozenset()
 
+    def cached(self, node: str) -> set[int] | frozenset[int]:
+        """``node``'s hash set itself (empty if unknown), not a copy: read it, never change it. O(1)."""
+        nc = self._nodes.get(node)
+        return nc.hashes if nc is not None else frozenset()
+
     def prefix_len(self, node: str, hashes: list[int]) -> int:
         """Leading blocks of ``hashes`` cached on ``node`` (0 if unknown). Stops at the first miss."""
         nc = self._nodes.get(node)

@@ -59,6 +59,7 @@ from services.router.messages import (
 )
 from services.router.multi import place_multi
 from services.router.pairs import LinkState
+from services.router.tentative import Tentative
 
 log = logging.getLogger("prfaas.router")
 
@@ -119,6 +120,7 @@ class Router:
         self.class_decisions: Counter[str] = Counter()  # "<priority class>/<route>" -> placements
         self.fallbacks = 0
         self.index = KvIndex()
+        self.tentative = Tentative()  # placements made, not yet confirmed by the workers' events
         self.kv_epochs: dict[str, str] = {}  # node -> epoch of the cache the index holds (every indexed node has one)
         self.kv_block_size: dict[str, int] = {}  # node -> block size its publisher reported
         self._pending: dict[str, _PendingSnapshot] = {}
@@ -166,10 +168,12 @@ class Router:
         for req_id in [r for r, lease in self.leases.by_req.items() if now - lease.at > self.release_after]:
             log.warning("lease of %s expired without release", req_id)
             self._end(req_id)
+        self.tentative.expire(now)
 
     # -- global KVCache index ----------------------------------------------------------------
     def _forget(self, node: str) -> None:
         self.index.forget(node)
+        self.tentative.forget(node)
         self.kv_epochs.pop(node, None)
         self.kv_block_size.pop(node, None)
         self._pending.pop(node, None)
@@ -209,6 +213,9 @@ class Router:
 
     def _indexed(self, args: KvEventsArgs | KvResyncArgs) -> None:
         """The index now holds ``args.node``'s cache of ``args.epoch`` (hashed in ``block_size`` blocks)."""
+        old = self.kv_epochs.get(args.node)
+        if old is not None and old != args.epoch:  # the node's cache was replaced (e.g. it left its role)
+            self.tentative.forget(args.node)
         self.kv_epochs[args.node] = args.epoch
         if args.block_size is not None:
             self.kv_block_size[args.node] = args.block_size
@@ -233,6 +240,8 @@ class Router:
         if not ok:
             return {"resync": True}
         self._indexed(args)
+        if args.events:  # each hash named is now known for sure: stored (indexed) or evicted
+            self.tentative.confirm(node, [ev[2] for ev in args.events])
         return {"ok": True, "seq": self.index.last_seq(node)}
 
     @takes(KvResyncArgs)
@@ -263,6 +272,7 @@ class Router:
         except ValueError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed kv_resync snapshot: {e}") from None
         self._indexed(args)
+        self.tentative.confirm(node, [h for h, _parent in pending.entries])
         log.info("resynced %s (%s/%s): %d blocks as of seq %d", node, args.cluster, args.role, len(pending.entries), seq)
         return {"ok": True, "entries": len(pending.entries)}
 
@@ -283,11 +293,13 @@ class Router:
         if not self.workers or time.monotonic() - self.view_at > 2.0:
             with contextlib.suppress(RpcError, asyncio.TimeoutError, OSError):
                 await self.refresh_view()
+        self._end(args.req_id)  # the same request placed again: its old lease (and unconfirmed entry) ends here
+        now = time.monotonic()
+        self.tentative.expire(now)
         blocks = None
         if args.block_hashes is not None:
             self._check_block_size(args.block_size)
-            blocks = self.index.lookup(args.block_hashes)
-        self._end(args.req_id)  # the same request placed again: its old lease ends here, and any probe it was
+            blocks = self.tentative.overlay(args.block_hashes, self.index.lookup(args.block_hashes), self.index.cached)
         try:
             p = self._place(args, blocks)
         except placement.NoWorker as e:
@@ -302,7 +314,8 @@ class Router:
         self.fallbacks += p.fell_back
         self._count_prefix(args.prompt_len, p)
         work = p.incremental_len + self.prefill_fixed_tokens.get(p.prefill["cluster"], 0.0)
-        now = time.monotonic()
+        if args.req_id and args.block_hashes:
+            self._record(args.req_id, args.block_hashes, (p.prefill["name"], p.decode["name"]), now)
         if args.req_id:  # only a lease can be released: without one nothing is counted, and nothing probes
             if len(self.leases.by_req) >= MAX_PLACED:
                 self._end(next(iter(self.leases.by_req)))
@@ -326,6 +339,11 @@ class Router:
             "prefix_source": p.prefix_source,
             **({"multi": True} if not self.topology.is_default else {}),
         }
+
+    def _record(self, req_id: str, hashes: list[int], nodes: tuple[str, str], now: float) -> None:
+        """Record the placement in the tentative layer: the prompt's full blocks that the chosen prefill
+        and decode workers will hold once it is prefilled, less what the index already has there."""
+        self.tentative.record(req_id, [(n, [h for h in hashes if h not in self.index.cached(n)]) for n in dict.fromkeys(nodes)], now)
 
     def _place(self, args: PlaceArgs, blocks: dict[str, int] | None) -> placement.Placement:
         """:func:`placement.place_request` avoiding the request's exclusions and the workers whose
@@ -401,6 +419,7 @@ class Router:
 
     def _end(self, req_id: str, outcome: str | None = None) -> bool:
         """End ``req_id``'s lease, feeding ``outcome`` to its workers' breakers; False when not held."""
+        self.tentative.release(req_id, outcome == "ok", time.monotonic())
         lease = self.leases.by_req.get(req_id)
         if lease is None:
             return False
@@ -418,6 +437,7 @@ class Router:
     async def prefill_done(self, args: ReleaseArgs) -> dict[str, Any]:
         """Request ``req_id``'s prefill has ended (its first token arrived): lower its prefill worker's
         in-flight count and queued work (``done`` False when no open prefill is held for it)."""
+        self.tentative.done(args.req_id, time.monotonic())
         return {"done": self.leases.prefill_done(args.req_id)}
 
     @takes(StatsArgs)
@@ -447,6 +467,7 @@ class Router:
                 "decode_hit_tokens": c["decode_hit_tokens"], "moves": c["moves"], "guard_skips": c["guard_skips"],
                 "bandwidth_plentiful": self.bandwidth_plentiful,
             },
+            "kv_tentative": self.tentative.stats(),
             "kv_index": {**self.index.stats(), "epochs": dict(sorted(self.kv_epochs.items())), "forgotten": self.forgotten,
                          "block_size": dict(sorted(self.kv_block_size.items()))},
         }
