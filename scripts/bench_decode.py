@@ -371,7 +371,7 @@ def run_grid(args) -> None:
                 r = {m: combine(batch, rs) for m, rs in runs.items()}
                 r["same"] = agreement(r["worker"]["tokens"], r["static"]["tokens"])
                 rows[(model, batch, ctx)] = r
-                print(f"{model} {batch}x{ctx}: ratio {r['worker']['tok_s'] / r['static']['tok_s']:.3f}", file=sys.stderr)
+                print(grid_table({(model, batch, ctx): r})[1], file=sys.stderr, flush=True)  # each point as it is done
     print("\n== Decode grid: worker = DecodeWorker batch loop over its paged pool; static = plain loop over a "
           "preallocated StaticCache ==")
     print("\n".join(grid_table(rows)))
