@@ -5,8 +5,7 @@ prompt's KVCache takes about as long as computing it; the same prompt is then se
 streaming, layer-only streaming and the send after the whole prefill, each measured as TTFT (see
 :mod:`common.lab.overlap`). ``scripts/bench_transfer.py`` runs this as its third section.
 
-The last line is ``overlap_ratio=<x>``: the median over interleaved rounds of chunked TTFT / max(prefill,
-transfer), all three from the same round.
+The last line is ``overlap_ratio=<x>``: chunked TTFT / max(prefill, transfer), both measured in this run.
 
 It writes ``overlap.png`` (TTFT by mode against the bounds) and ``overlap.json`` under ``--out``
 (default ``runs/bench_overlap``).
@@ -24,7 +23,7 @@ from common.lab.plots import run_dir
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a 6000-token prompt, 3 interleaved rounds (default 8000, 5)")
+    p.add_argument("--quick", action="store_true", help="a 6000-token prompt, 3 repetitions per mode (default 8000, 5)")
     p.add_argument("--out", default=None, help="folder for overlap.png and overlap.json (default runs/bench_overlap)")
     args = p.parse_args()
     print(f"overlap_ratio={overlap(args.quick, run_dir('bench_overlap', args.out)):.3f}")

@@ -6,11 +6,10 @@ is then served three ways, each measured as TTFT at a client beside the decode w
 - chunked: a chunked prefill; each chunk's K/V leaves while the next chunk computes;
 - layer: one-pass prefill; each layer's state leaves as soon as that layer is done;
 - after: the whole KVCache is sent once prefill ends (no pipelining).
-``overlap_ratio`` = the median over rounds of chunked TTFT / max(prefill, transfer), where prefill is
-the compute time of the one-pass prefill and transfer the time the non-pipelined send took, all
-three from the same round: the three modes' prefill workers run at once and their requests alternate
-(the order rotating round by round, a settle pause before each), so load from elsewhere on the machine
-falls on the request and on its bounds alike instead of on one mode's whole section.
+``overlap_ratio`` = chunked TTFT / max(prefill, transfer), where prefill is the compute time of the
+one-pass prefill and transfer the time the non-pipelined send took, both measured in this run; each
+figure is the median of its mode's repetitions, after one unreported warm-up request over the shaped
+link and with a settle pause before every request (:data:`SETTLE_S`).
 
 The link is two network namespaces with ``tc`` tbf when root and ``ip netns`` are available, and a
 userspace rate-capped proxy on loopback otherwise. :func:`overlap` runs it all (used by
@@ -41,15 +40,13 @@ from common.lab.plots import progress, pyplot, save, save_json
 from common.lab.procs import spawn, stop, wait_line
 
 MODEL = "tiny-hybrid"
-SETTLE_S = 0.5  # pause before each measured request: the previous transfer's tail drains, queues empty
+SETTLE_S = 1.0  # pause before each measured request: the previous transfer's tail drains, queues empty
 ROLES = "common.lab.overlap"  # this module, run as the role processes (see main)
 
 
-async def client(decode: str, prefill: str, prompt_len: int, reps: int, settle_s: float = 0.0) -> None:
+async def client(decode: str, prefill: str, prompt_len: int, reps: int, settle_s: float = 0.0, warmup: int = 0) -> None:
     """Role: time ``generate`` (max_tokens 1) against the decode worker; prints one JSON line.
-    ``prefill``: one or more prefill workers' addresses, comma-separated: each repetition sends one
-    request through each, in an order that rotates from one repetition to the next (so load from
-    elsewhere falls on every worker alike); each result names its ``worker`` (index) and ``rep``.
+    ``warmup``: requests sent first and not reported (the first transfers over a freshly shaped link);
     ``settle_s``: a pause before each request, so the previous transfer's tail has drained."""
     from common.model.sampling import SamplingParams
     from common.rpc.client import RpcClient
@@ -57,12 +54,10 @@ async def client(decode: str, prefill: str, prompt_len: int, reps: int, settle_s
     c = RpcClient(decode, service="bench", name="bench-client", connect_timeout=120)
     out = []
     rng = random.Random(0)
-    addrs = prefill.split(",")
-    order = [(r, (r + j) % len(addrs)) for r in range(reps) for j in range(len(addrs))]
-    for r, w in order:
+    for r in range(warmup + reps):
         await asyncio.sleep(settle_s)
         prompt = [rng.randrange(256) for _ in range(prompt_len)]
-        args = {"req_id": f"ov-{r}-{w}-{time.monotonic()}", "input_ids": prompt, "prefill_addr": addrs[w],
+        args = {"req_id": f"ov-{r}-{time.monotonic()}", "input_ids": prompt, "prefill_addr": prefill,
                 "sampling": SamplingParams(max_tokens=1, temperature=0).to_wire()}
         t0 = time.monotonic()
         async for item in c.stream("generate", args, connect_timeout=120):
@@ -72,7 +67,9 @@ async def client(decode: str, prefill: str, prompt_len: int, reps: int, settle_s
             # None when the first token came while the transfer's tail was still landing: the time
             # the token reached us bounds it (CLOCK_MONOTONIC is one clock for processes on a host).
             t["last_received_at"] = t["last_received_at"] or now
-            out.append({"rep": r, "worker": w, "ttft_s": ttft, "prefill_s": t["prefill_s"], "kv_bytes": t["kv_bytes"],
+            if r < warmup:
+                continue
+            out.append({"ttft_s": ttft, "prefill_s": t["prefill_s"], "kv_bytes": t["kv_bytes"],
                         "kv_wire_bytes": t.get("kv_wire_bytes", t["kv_bytes"]), "kv_codec": t.get("kv_codec", "none"),
                         "transfer_tail_s": t["last_received_at"] - t["last_computed_at"],
                         "send_window_s": t["last_received_at"] - (t["last_computed_at"] - t["prefill_s"])})
@@ -142,23 +139,14 @@ class Site:
         wait_line(self.proxy, "READY", 60)
 
 
-def run_client(site: Site, prefills: list[str], prompt_len: int, reps: int, settle_s: float = 0.0) -> list[dict]:
+def run_client(site: Site, prompt_len: int, reps: int, settle_s: float = 0.0, warmup: int = 0) -> list[dict]:
     p = spawn([sys.executable, "-m", ROLES, "--role", "client", "--decode", site.decode,
-                  "--prefill", ",".join(prefills), "--prompt-len", str(prompt_len), "--reps", str(reps),
-                  "--settle", str(settle_s)], "local", site.lab)
+                  "--prefill", site.prefill, "--prompt-len", str(prompt_len), "--reps", str(reps),
+                  "--settle", str(settle_s), "--warmup", str(warmup)], "local", site.lab)
     try:
         return json.loads(wait_line(p, "RESULT ", 900))
     finally:
         stop(p)
-
-
-def paired_ratios(results: dict[str, list[dict]]) -> list[float]:
-    """Per repetition (the three modes' requests of one round, adjacent in time): chunked TTFT over
-    max(that round's one-pass prefill compute, its non-pipelined transfer time), seconds over seconds.
-    Pure; raises ``KeyError`` when a mode lacks a round another has."""
-    by = {m: {r["rep"]: r for r in rs} for m, rs in results.items()}
-    return [by["chunked"][k]["ttft_s"] / max(by["layer"][k]["prefill_s"], by["after"][k]["transfer_tail_s"])
-            for k in sorted(by["chunked"])]
 
 
 MODES = ("chunked", "layer", "after")
@@ -205,32 +193,26 @@ def overlap(quick: bool, out: Path | None = None) -> float:
         site.start("local", ["services.decode", "--name", "decode-ovl", "--listen", site.decode, "--kv-listen", site.kv,
                              "--kv-advertise", site.kv_public, *common])
         site.shape(10e9 if site.lab is None else 10_000_000_000)
-        flags = {"layer": ["--kv-stream", "layer"], "after": ["--kv-stream", "after"],
-                 "chunked": ["--kv-stream", "layer", "--prefill-chunk-tokens", "512"]}
-        with progress(3, "overlap", unit="stage") as bar:
-            # all three prefill workers up at once; their requests alternate (see client), so a
-            # noisy neighbour slows every mode of a round alike
-            addrs = {}
-            for k, (mode, f) in enumerate(flags.items()):
-                host, port = site.prefill.rsplit(":", 1)
-                addrs[mode] = site.prefill if k == 0 else f"{host}:{free_port() if site.lab is None else int(port) + k}"
-                site.start("prfaas", ["services.prefill", "--name", f"prefill-{mode}", "--cluster", "prfaas",
-                                      "--listen", addrs[mode], *common, *f])
-            bar.set_postfix_str("calibrate")  # on an unshaped link: the compute time and the KV size
-            cal = run_client(site, [addrs["layer"]], prompt_len, 2)
-            bar.update()
-            prefill_s = statistics.median(r["prefill_s"] for r in cal)
-            kv_bytes = cal[-1]["kv_bytes"]
-            rate = kv_bytes * 8 / prefill_s / 0.95  # TCP payload is ~95% of the tbf rate
-            site.shape(rate)
-            bar.set_postfix_str("warm-up")  # one round through the shaped link, not counted
-            run_client(site, list(addrs.values()), prompt_len, 1, SETTLE_S)
-            bar.update()
-            bar.set_postfix_str("interleaved rounds")
-            runs = run_client(site, list(addrs.values()), prompt_len, reps, SETTLE_S)
-            bar.update()
-        modes = list(addrs)
-        results: dict[str, list[dict]] = {m: [r for r in runs if modes[r["worker"]] == m] for m in modes}
+        results: dict[str, list[dict]] = {}
+        rate = None
+        with progress(1 + len(MODES), "overlap", unit="stage") as bar:
+            for mode, flags in (("layer", ["--kv-stream", "layer"]), ("after", ["--kv-stream", "after"]),
+                                ("chunked", ["--kv-stream", "layer", "--prefill-chunk-tokens", "512"])):
+                pre = site.start("prfaas", ["services.prefill", "--name", f"prefill-{mode}", "--cluster", "prfaas",
+                                            "--listen", site.prefill, *common, *flags])
+                if rate is None:  # calibrate on an unshaped link: the compute time and the KV size
+                    bar.set_postfix_str("calibrate")
+                    cal = run_client(site, prompt_len, 2)
+                    bar.update()
+                    prefill_s = statistics.median(r["prefill_s"] for r in cal)
+                    kv_bytes = cal[-1]["kv_bytes"]
+                    rate = kv_bytes * 8 / prefill_s / 0.95  # TCP payload is ~95% of the tbf rate
+                    site.shape(rate)
+                bar.set_postfix_str(mode)
+                results[mode] = run_client(site, prompt_len, reps, SETTLE_S, warmup=1)
+                bar.update()
+                stop(pre)
+                site.procs.remove(pre)
     med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items()}
     prefill = med["layer"]["prefill_s"]
     transfer = med["after"]["transfer_tail_s"]
@@ -247,10 +229,7 @@ def overlap(quick: bool, out: Path | None = None) -> float:
         js = save_json({"prompt_len": prompt_len, "model": MODEL, "link_bps": rate, "shaper": "tbf" if site.lab else "proxy",
                         "prefill_s": prefill, "transfer_s": transfer, "runs": results}, out / "overlap.json")
         print(f"wrote {js} and {plot(results, prefill, transfer, title, out / 'overlap.png')}")
-    ratios = paired_ratios(results)
-    print(f"chunked TTFT / max(prefill, transfer) per round (modes interleaved, {SETTLE_S} s settle before each "
-          f"request): {', '.join(f'{x:.3f}' for x in ratios)}; overlap_ratio = their median")
-    return statistics.median(ratios)
+    return med["chunked"]["ttft_s"] / bound
 
 
 def main() -> None:
@@ -262,6 +241,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--settle", type=float, default=0.0)
+    p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--listen")
     p.add_argument("--target")
     p.add_argument("--rate", type=float)
@@ -269,7 +249,7 @@ def main() -> None:
     if args.role == "client":
         import uvloop
 
-        uvloop.run(client(args.decode, args.prefill, args.prompt_len, args.reps, args.settle))
+        uvloop.run(client(args.decode, args.prefill, args.prompt_len, args.reps, args.settle, args.warmup))
     else:
         proxy_role(args.listen, args.target, args.rate)
 
