@@ -287,9 +287,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (default 4)")
     p.add_argument("--max-input", type=int, default=2048, help="cap on a scaled prompt, tokens (default 2048)")
     p.add_argument("--max-output", type=int, default=8, help="cap on a scaled output, tokens (default 8)")
-    p.add_argument("--trade-gbps", type=float, default=1.0,
+    p.add_argument("--trade-gbps", type=float, default=0.0,
                    help="scarce-bandwidth prefix trade: move a cached prefix across clusters when its KV over a link "
-                        "of this many Gbit/s costs less than re-prefilling it (default 1; 0: the paper's scarce rule, no moves)")
+                        "of this many Gbit/s costs less than re-prefilling it (default 0: the paper's scarce rule, no moves)")
     p.add_argument("--seed", type=int, default=0, help="picks the conversations and the block tokens (default 0)")
     p.add_argument("--log-dir", type=Path, help="keep the services' logs here (default: a temporary directory)")
     p.add_argument("--out", default=None, help="folder for prefix.png and prefix.json (default runs/bench_prefix)")
