@@ -26,7 +26,14 @@ The last line is ``decode_ratio=<x> concat_speedup=<y>``, both at batch 8, conte
 - decode_ratio: worker tokens/s / static-cache loop tokens/s (target: >= 0.85);
 - concat_speedup: worker tokens/s / naive concatenating loop tokens/s.
 
-Usage: python scripts/bench_decode.py [--quick] [--model tiny-hybrid|tiny-dense|PATH] [--threads N] [--out DIR]
+``--grid`` instead measures the worker against the static loop only (no naive loop) at every point of
+``--models`` x ``--batches`` x ``--contexts`` (default tiny-hybrid,tiny-dense x 1,8,32,64 x 512,4096,16384;
+12 measured steps, 3 measured runs per method and point), prints one table and ends with
+``decode_ratio_min=<x> decode_ratio_median=<y> worst=<batch>x<ctx>``; it writes ``decode_grid.png`` and
+``decode_grid.json``. The whole grid takes hours on 2 shared cores; subsets are for that.
+
+Usage: python scripts/bench_decode.py [--quick | --grid [--models M,..] [--batches B,..] [--contexts C,..]]
+       [--model tiny-hybrid|tiny-dense|PATH] [--threads N] [--out DIR]
 (``--quick``: batch 8 x 4096 and batch 1 x 512 only, under 3 minutes on 2 cores; the full run does all six.)
 It writes ``decode.png`` (tokens/s and peak memory per config and method) and ``decode.json`` (the
 figures behind the table) under ``--out`` (default ``runs/bench_decode``).
@@ -39,13 +46,13 @@ import asyncio
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 import zlib
 from pathlib import Path
 
+from common.lab.decode_grid import GRID_BATCHES, GRID_CONTEXTS, GRID_MODELS, agreement, combine, grid_plot, grid_summary, grid_table
 from common.lab.plots import progress, pyplot, run_dir, save, save_json
 
 MiB = 1 << 20
@@ -297,40 +304,22 @@ class Role:
                 self.p.wait()
 
 
-def measure(args, batch: int, ctx: int, rounds: int, bar) -> dict[str, list[dict]]:
+def measure(args, batch: int, ctx: int, rounds: int, bar, methods: tuple[str, ...] = METHODS) -> dict[str, list[dict]]:
     """``rounds`` runs of every method, interleaved (worker, static, naive, worker, ...); one process each.
     ``bar`` (a progress bar) advances by one per run."""
-    roles = [Role(args, m, batch, ctx) for m in METHODS]
+    roles = [Role(args, m, batch, ctx) for m in methods]
     try:
         for r in roles:
             r.ready()
-        runs: dict[str, list[dict]] = {m: [] for m in METHODS}
+        runs: dict[str, list[dict]] = {m: [] for m in methods}
         for _ in range(rounds):
-            for m, r in zip(METHODS, roles):
+            for m, r in zip(methods, roles):
                 runs[m].append(r.round())
                 bar.update()
         return runs
     finally:
         for r in roles:
             r.close()
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
-    return sum(x == y for x, y in pairs) / max(1, len(pairs))
-
-
-def combine(batch: int, runs: list[dict]) -> dict:
-    """One method's runs: tokens/s of the fastest measured run (by its median step time; the process's first
-    run is a warm-up, reported as ``cold_tok_s``); peak RSS and pool bytes are maxima over all runs."""
-    out = dict(runs[-1])
-    out["cold_tok_s"] = batch / statistics.median(runs[0]["step_s"])
-    out["tok_s"] = batch / min(statistics.median(r["step_s"]) for r in runs[1:])
-    out["rss_delta"] = max(r["rss_delta"] for r in runs)
-    if "pool_peak_bytes" in out:
-        out["pool_peak_bytes"] = max(r["pool_peak_bytes"] for r in runs)
-        out["pool_freed"] = all(r["pool_freed"] for r in runs)
-    return out
 
 
 def mib(n: float) -> str:
@@ -364,21 +353,65 @@ def plot(rows: dict, path: Path) -> str:
     return save(fig, path)
 
 
+def run_grid(args) -> None:
+    """``--grid``: worker and static loop (no naive loop) at every point, one model after another."""
+    models = [m for m in args.models.split(",") if m]
+    points = [(b, c) for b in map(int, args.batches.split(",")) for c in map(int, args.contexts.split(","))]
+    print(f"machine: {os.cpu_count()} cores; python {sys.version.split()[0]}; torch threads {args.threads}; "
+          f"per run {args.warmup} warm-up + {args.steps} measured steps; per point 1 warm-up run + {args.rounds} "
+          "measured runs per method, worker and static interleaved, each in its own process")
+    t0 = time.monotonic()
+    rows: dict[tuple[str, int, int], dict] = {}
+    with progress(len(models) * len(points) * (args.rounds + 1) * 2, "decode grid") as bar:
+        for model in models:
+            margs = argparse.Namespace(**{**vars(args), "model": model})
+            for batch, ctx in points:
+                bar.set_postfix_str(f"{model} {batch} x {ctx}")
+                runs = measure(margs, batch, ctx, args.rounds + 1, bar, ("worker", "static"))
+                r = {m: combine(batch, rs) for m, rs in runs.items()}
+                r["same"] = agreement(r["worker"]["tokens"], r["static"]["tokens"])
+                rows[(model, batch, ctx)] = r
+                print(grid_table({(model, batch, ctx): r})[1], file=sys.stderr, flush=True)  # each point as it is done
+    print("\n== Decode grid: worker = DecodeWorker batch loop over its paged pool; static = plain loop over a "
+          "preallocated StaticCache ==")
+    print("\n".join(grid_table(rows)))
+    print("tokens/s = batch / the median step time of the method's fastest measured run; ratio = worker / static. "
+          "RSS/pool = the worker's peak RSS growth over its pool's bytes in use at peak.")
+    ratios = {k: r["worker"]["tok_s"] / r["static"]["tok_s"] for k, r in rows.items()}
+    lo, med, (wm, wb, wc) = grid_summary(ratios)
+    out = run_dir("bench_decode", args.out)
+    keep = ("tok_s", "cold_tok_s", "step_s", "rss_delta", "pool_peak_bytes")
+    save_json({"threads": args.threads, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
+               "rows": [{"model": m, "batch": b, "ctx": c, "same": r["same"],
+                         **{k: {f: r[k][f] for f in keep if f in r[k]} for k in ("worker", "static")}}
+                        for (m, b, c), r in rows.items()]}, out / "decode_grid.json")
+    print(f"\nwrote {out / 'decode_grid.json'} and {grid_plot(rows, out / 'decode_grid.png')}")
+    print(f"(total {time.monotonic() - t0:.0f} s; worst point: {wm} {wb} x {wc})")
+    print(f"decode_ratio_min={lo:.3f} decode_ratio_median={med:.3f} worst={wb}x{wc}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="batch 8 x 4096 and batch 1 x 512 only; under 3 minutes")
+    p.add_argument("--grid", action="store_true", help="worker against static loop at every point of --models x "
+                   "--batches x --contexts (ends decode_ratio_min=... decode_ratio_median=... worst=BATCHxCTX)")
+    p.add_argument("--models", default=",".join(GRID_MODELS), help="--grid: comma-separated models")
+    p.add_argument("--batches", default=",".join(map(str, GRID_BATCHES)), help="--grid: comma-separated batch sizes")
+    p.add_argument("--contexts", default=",".join(map(str, GRID_CONTEXTS)), help="--grid: comma-separated context lengths")
     p.add_argument("--model", default="tiny-hybrid", help="tiny-hybrid (default), tiny-dense or a checkpoint directory")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--steps", type=int, default=32, help="measured decode steps per run (default 32)")
+    p.add_argument("--steps", type=int, default=None, help="measured decode steps per run (default 32; --grid 12)")
     p.add_argument("--warmup", type=int, default=WARMUP, help=f"steps before the measured ones (default {WARMUP})")
-    p.add_argument("--rounds", type=int, default=8, help="measured runs of each method per config, interleaved, "
-                   "after one warm-up run (default 8)")
+    p.add_argument("--rounds", type=int, default=None, help="measured runs of each method per config, interleaved, "
+                   "after one warm-up run (default 8; --grid 3)")
     p.add_argument("--block-size", type=int, default=16, help="the worker's KV block size in tokens (default 16)")
     p.add_argument("--out", default=None, help="folder for decode.png and decode.json (default runs/bench_decode)")
     p.add_argument("--role", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     p.add_argument("--ctx", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.steps = args.steps if args.steps is not None else (12 if args.grid else 32)
+    args.rounds = args.rounds if args.rounds is not None else (3 if args.grid else 8)
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
         p.error("--warmup, --steps and --rounds must be at least 1")
     if args.role:
@@ -394,6 +427,9 @@ def main() -> None:
         return
 
     t0 = time.monotonic()
+    if args.grid:
+        run_grid(args)
+        return
     configs = QUICK_CONFIGS if args.quick else FULL_CONFIGS
     print(f"machine: {os.cpu_count()} cores; python {sys.version.split()[0]}; model {args.model}; torch threads {args.threads}")
     print(f"per run: {args.warmup} warm-up + {args.steps} measured greedy steps; per config, each method in its own "

@@ -130,6 +130,26 @@ async def replay(session: aiohttp.ClientSession, url: str, model: str, reqs: lis
 SERVICES = ("prefill_remote", "prefill_local", "decode", "router")
 
 
+def prefix_trade(args: argparse.Namespace, prefill_s_per_token: float) -> dict | None:
+    """The router's prefix trade for scarce bandwidth (``set_bandwidth``; ``PrefixTrade`` in
+    ``services/router/placement.py``): a cached token's KV over a ``--trade-gbps`` link against
+    ``prefill_s_per_token`` (a warm-up prompt's TTFT / its tokens, the faster cluster: it overstates
+    compute by the request's fixed costs). The fixed part of a move: the model's fixed-size states at
+    that rate plus one round trip (1 ms). None with ``--trade-gbps 0`` (the paper's scarce rule)."""
+    if args.trade_gbps <= 0:
+        return None
+    from common.model.backend import TorchBackend
+    from common.model.loader import load_model
+
+    backend = TorchBackend(load_model(args.model), threads=1)
+    n = 1024
+    per_token = (backend.kv_bytes(2 * n) - backend.kv_bytes(n)) / n
+    fixed = backend.kv_bytes(n) - n * per_token
+    rate = args.trade_gbps * 1e9 / 8  # bytes/s
+    return {"move_s_per_token": per_token / rate, "prefill_s_per_token": prefill_s_per_token,
+            "move_fixed_s": fixed / rate + 1e-3}
+
+
 async def counters(cluster: Cluster) -> dict:
     """The counters this benchmark reads, summed where it says so (tokens, bytes, requests)."""
     s = {svc: await cluster.call(svc, "stats") for svc in SERVICES}
@@ -138,6 +158,7 @@ async def counters(cluster: Cluster) -> dict:
     return {
         "prefill_prompt": sum(p["prompt_tokens"] for p in prefills),
         "prefill_hit": sum(p["prefix_hit_tokens"] for p in prefills),
+        "pulled": sum(p.get("prefix_pulled_tokens", 0) for p in prefills),
         "decode_prompt": s["decode"]["prompt_tokens"],
         "decode_hit": s["decode"]["prefix_hit_tokens"],
         "cross_bytes": sum(link["bytes_sent"] for link in s["prefill_remote"]["links"].values()),
@@ -161,10 +182,15 @@ async def measure(args: argparse.Namespace, reqs: list[Request], threshold: int,
             async with s.get(cluster.url + "/v1/models") as r:
                 model = (await r.json())["data"][0]["id"]
             warm = [(7 * k + 1) % 256 for k in range(WARMUP_TOKENS)]  # shares no block with the trace
-            for t in (0, 1 << 30):  # PrfaaS, then PD-P: the first prefill of a process is slow
+            warm_s = []
+            for t in (0, 1 << 30):  # PrfaaS, then PD-P: the first prefill of a process is slow, the second is timed
                 await cluster.call("router", "set_threshold", {"threshold": t})
                 await stream_ttft(s, cluster.url, model, warm, 2)
+                warm_s.append(await stream_ttft(s, cluster.url, model, [(x + 3) % 256 for x in warm], 2))
             await cluster.call("router", "set_threshold", {"threshold": threshold})
+            trade = prefix_trade(args, min(warm_s) / WARMUP_TOKENS)
+            if trade:
+                await cluster.call("router", "set_bandwidth", {"plentiful": False, **trade})
             before = await counters(cluster)
             if before["caches"] != (list(SERVICES[:3]) if cache else []):
                 raise SystemExit(f"PRFAAS_PREFIX_CACHE={env['PRFAAS_PREFIX_CACHE']} not honoured: prefix caches on {before['caches']}")
@@ -176,7 +202,7 @@ async def measure(args: argparse.Namespace, reqs: list[Request], threshold: int,
     finally:
         cluster.stop()
     out = {k: after[k] - before[k] for k in after if k != "caches"}
-    out.update(ttft=ttft, wall_s=wall)
+    out.update(ttft=ttft, wall_s=wall, trade=trade)
     return out
 
 
@@ -212,6 +238,7 @@ def summary(reqs: list[Request], m: dict) -> list[tuple[str, float, str, bool]]:
         ("cross-cluster KV, PrfaaS -> PD (MiB)", m["cross_bytes"] / 2**20, ".2f", True),
         ("KV received by decode, all (MiB)", m["decode_rx_bytes"] / 2**20, ".2f", True),
         ("prefix-cache evictions", m["evictions"], "d", False),
+        ("cached tokens pulled across clusters", m["pulled"], "d", False),
         ("replay wall time (s)", m["wall_s"], ".1f", True),
     ]
 
@@ -260,6 +287,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (default 4)")
     p.add_argument("--max-input", type=int, default=2048, help="cap on a scaled prompt, tokens (default 2048)")
     p.add_argument("--max-output", type=int, default=8, help="cap on a scaled output, tokens (default 8)")
+    p.add_argument("--trade-gbps", type=float, default=0.0,
+                   help="scarce-bandwidth prefix trade: move a cached prefix across clusters when its KV over a link "
+                        "of this many Gbit/s costs less than re-prefilling it (default 0: the paper's scarce rule, no moves)")
     p.add_argument("--seed", type=int, default=0, help="picks the conversations and the block tokens (default 0)")
     p.add_argument("--log-dir", type=Path, help="keep the services' logs here (default: a temporary directory)")
     p.add_argument("--out", default=None, help="folder for prefix.png and prefix.json (default runs/bench_prefix)")

@@ -31,7 +31,7 @@ from common.kv.paged_store import PagedKvStore, PagedSeq, PoolExhausted
 from common.lab.reference import reference_greedy, reference_model
 from common.model.backend import TorchBackend
 from common.model.loader import LoadedModel, load_model
-from common.model.paged_attention import ATTN_IMPL, decode_step, install_layer_hooks
+from common.model.paged_attention import ATTN_IMPL, decode_step, install_layer_hooks, slot_range
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -250,6 +250,40 @@ def test_batched_decode_equals_generate(env, batch):
     check_rows(env, rows, f"batch {batch}")
     if batch > 1:  # rows reserved back to back then grown: later blocks land elsewhere
         assert max(r.max_runs for r in rows) >= 2
+
+
+def test_slot_range():
+    """Consecutive slot ids in any order give the first; gaps, repeats or a missing slot give None."""
+    def seqs(*slots):
+        return [PagedSeq(f"s{i}", slot=x) for i, x in enumerate(slots)]
+
+    assert slot_range(seqs(3)) == 3
+    assert slot_range(seqs(4, 2, 3)) == 2
+    assert slot_range(seqs(0, 2)) is None
+    assert slot_range(seqs(1, 1, 2)) is None
+    assert slot_range(seqs(0, None)) is None
+
+
+@pytest.mark.parametrize("order", ["shuffled range", "gap"])
+def test_linear_states_in_place_or_gathered_are_exact(env, order):
+    """Rows whose slots are one range, passed out of slot order (in place, run in slot order and
+    handed back in the caller's order), and rows with a gap in their slots (gathered and scattered)
+    both decode exactly."""
+    store = env.store()
+    rows = [Row(f"o{k}", prompt(n, seed=12)) for k, n in enumerate([20, 37, 5, 64, 18])]
+    for r in rows:
+        join(env, store, r)
+    if order == "shuffled range":
+        rows = [rows[3], rows[0], rows[4], rows[2], rows[1]]
+    else:
+        store.release(rows[2].seq)
+        rows = [rows[4], rows[0], rows[3], rows[1]]
+    live = [r for r in rows if not r.done]
+    if store.linear_layers:
+        assert (slot_range([r.seq for r in live]) is None) == (order == "gap")
+    while step(env, store, rows):
+        pass
+    check_rows(env, rows, order)
 
 
 # -- 2. fragmented pool, rows joining and leaving -----------------------------------------------

@@ -242,6 +242,14 @@ async def test_router_refuses_a_malformed_bandwidth_flag(env):
         await env.client.call("set_bandwidth", {"plentiful": "yes"}, timeout=5)
     assert (await env.client.call("set_bandwidth", {"plentiful": True}, timeout=5))["plentiful"] is True
     assert env.router.bandwidth_plentiful is True
+    trade = {"plentiful": False, "move_s_per_token": 1e-6, "prefill_s_per_token": 1e-5, "move_fixed_s": 1e-3}
+    assert (await env.client.call("set_bandwidth", trade, timeout=5)) == {"plentiful": False, "previous": True, "prefix_trade": True}
+    assert env.router.prefix_trade.move_cheaper(112) and not env.router.prefix_trade.move_cheaper(111)
+    with pytest.raises(RpcError, match="go together"):
+        await env.client.call("set_bandwidth", {"plentiful": False, "move_s_per_token": 1e-6}, timeout=5)
+    assert env.router.prefix_trade is not None  # a refused call changes nothing
+    await env.client.call("set_bandwidth", {"plentiful": False}, timeout=5)
+    assert env.router.prefix_trade is None
 
 
 async def test_planner_state_renders_as_metrics_and_status_text(env):

@@ -9,6 +9,8 @@ from services.router.placement import (
     LOCAL,
     REMOTE,
     NoWorker,
+    PrefixTrade,
+    choose_cluster,
     choose_route,
     least_loaded,
     pick_affine,
@@ -16,6 +18,7 @@ from services.router.placement import (
     place_request,
     place_with_prefix,
     placeable,
+    usable_prefix,
     worker_load,
 )
 
@@ -365,6 +368,61 @@ def test_place_with_prefix_plentiful_moves_the_longer_prefix():
     assert (p.route, p.incremental_len, p.prefix_move, p.prefill_prefix_tokens) == (LOCAL, 10, ("prfaas", "pd"), 0)
     assert p.prefill["name"] == "local-p"  # no local worker holds anything: least loaded, then name
     assert "move prefix prfaas->pd" in p.reason
+
+
+# A scarce link where one token's KV moves in 1 us and recomputing it takes 10 us; a move also
+# costs 200 us whatever its size (states, a round trip): worth it from 23 tokens on.
+CHEAP_MOVE = PrefixTrade(move_s_per_token=1e-6, prefill_s_per_token=1e-5, move_fixed_s=2e-4)
+
+
+def test_prefix_trade_break_even():
+    assert not CHEAP_MOVE.move_cheaper(22) and CHEAP_MOVE.move_cheaper(23)  # 200 + 22 > 220, 200 + 23 < 230
+    assert not CHEAP_MOVE.move_cheaper(0)
+    dear = PrefixTrade(move_s_per_token=2e-5, prefill_s_per_token=1e-5)  # the link is slower than compute
+    assert not dear.move_cheaper(10_000)
+    with pytest.raises(ValueError):
+        PrefixTrade(-1.0, 1.0)
+    assert usable_prefix(10, 90, CHEAP_MOVE) == 90 and usable_prefix(10, 30, CHEAP_MOVE) == 10  # a 20-token gain: no
+    assert usable_prefix(90, 10, CHEAP_MOVE) == 90 and usable_prefix(10, 90, None) == 10 and usable_prefix(10, 90, dear) == 10
+
+
+def test_choose_cluster_scarce_with_trade_takes_the_cheaper_side():
+    # 1000 tokens, t = 100; the pd cluster caches 950, prfaas 0
+    assert choose_cluster(1000, 950, 0, 100, False)[:2] == (LOCAL, 50)  # its own cache already suffices
+    # prfaas caches 950, pd 0: the paper's scarce rule recomputes 1000 remotely...
+    assert choose_cluster(1000, 0, 950, 100, False)[:2] == (REMOTE, 50)
+    # ...pd caches 300, prfaas 950: scarce without a trade goes remote and uses prfaas's own cache
+    assert choose_cluster(1000, 300, 950, 100, False)[:2] == (REMOTE, 50)
+    # the turn a conversation split: pd holds 900, prfaas 400, l_local = 100 <= t: local, no move needed
+    assert choose_cluster(1000, 900, 400, 100, False, CHEAP_MOVE)[:2] == (LOCAL, 100)
+    # pd holds 850 (l_local 150 > t), prfaas 400: without a trade prfaas recomputes 600 tokens
+    assert choose_cluster(1000, 850, 400, 100, False)[:2] == (REMOTE, 600)
+    route, l, why = choose_cluster(1000, 850, 400, 100, False, CHEAP_MOVE)
+    assert (route, l) == (REMOTE, 150) and "move prefix pd->prfaas" in why
+    # prfaas holds 950, pd 0 and the move is cheap: local after pulling the prefix (l = 50 <= t)
+    route, l, why = choose_cluster(1000, 0, 950, 100, False, CHEAP_MOVE)
+    assert (route, l) == (LOCAL, 50) and "move prefix prfaas->pd" in why
+    # a link dearer than compute: the paper's scarce rule exactly
+    dear = PrefixTrade(move_s_per_token=2e-5, prefill_s_per_token=1e-5)
+    assert choose_cluster(1000, 850, 400, 100, False, dear)[:2] == (REMOTE, 600)
+
+
+def test_place_with_prefix_scarce_trade_names_the_move_and_its_source():
+    # 100 tokens, 10-token blocks, t = 50; prfaas holds 9 blocks: scarce and no trade -> remote, l = 10
+    ws = prefix_workers()
+    trade = PrefixTrade(move_s_per_token=1e-6, prefill_s_per_token=1e-5)
+    p = place_with_prefix(100, 10, {"remote-p": 9, "local-q": 3}, 50, ws, {}, bandwidth_plentiful=False, trade=trade)
+    assert (p.route, p.incremental_len, p.prefix_move) == (LOCAL, 10, ("prfaas", "pd"))
+    assert p.prefix_source == {"name": "remote-p", "addr": "remote-p:1", "tokens": 90}
+    assert p.prefill["name"] == "local-q"  # the pd worker with the longest own prefix pulls the rest
+    p = place_request(100, 50, ws, {}, block_size=10, prefix_blocks={"remote-p": 9, "local-q": 3}, prefix_trade=trade)
+    assert p.prefix_move == ("prfaas", "pd")
+    p = place_request(100, 50, ws, {}, block_size=10, prefix_blocks={"remote-p": 9, "local-q": 3})
+    assert (p.route, p.prefix_move, p.prefix_source) == (REMOTE, None, None)
+    # the fallback cluster may pull too: no alive prfaas worker, pd pulls nothing (the holder is dead)
+    dead = prefix_workers(remote_p={"alive": False})
+    p = place_with_prefix(100, 10, {"remote-p": 9, "local-q": 3}, 50, dead, {}, False, trade=trade)
+    assert (p.route, p.incremental_len, p.prefix_move) == (LOCAL, 70, None)
 
 
 def test_place_with_prefix_full_hit_still_computes_the_last_token():

@@ -7,7 +7,9 @@ is then served three ways, each measured as TTFT at a client beside the decode w
 - layer: one-pass prefill; each layer's state leaves as soon as that layer is done;
 - after: the whole KVCache is sent once prefill ends (no pipelining).
 ``overlap_ratio`` = chunked TTFT / max(prefill, transfer), where prefill is the compute time of the
-one-pass prefill and transfer the time the non-pipelined send took, both measured in this run.
+one-pass prefill and transfer the time the non-pipelined send took, both measured in this run; each
+figure is the median of its mode's repetitions, after one unreported warm-up request over the shaped
+link and with a settle pause before every request (:data:`SETTLE_S`).
 
 The link is two network namespaces with ``tc`` tbf when root and ``ip netns`` are available, and a
 userspace rate-capped proxy on loopback otherwise. :func:`overlap` runs it all (used by
@@ -38,18 +40,22 @@ from common.lab.plots import progress, pyplot, save, save_json
 from common.lab.procs import spawn, stop, wait_line
 
 MODEL = "tiny-hybrid"
+SETTLE_S = 1.0  # pause before each measured request: the previous transfer's tail drains, queues empty
 ROLES = "common.lab.overlap"  # this module, run as the role processes (see main)
 
 
-async def client(decode: str, prefill: str, prompt_len: int, reps: int) -> None:
-    """Role: time ``generate`` (max_tokens 1) against the decode worker; prints one JSON line."""
+async def client(decode: str, prefill: str, prompt_len: int, reps: int, settle_s: float = 0.0, warmup: int = 0) -> None:
+    """Role: time ``generate`` (max_tokens 1) against the decode worker; prints one JSON line.
+    ``warmup``: requests sent first and not reported (the first transfers over a freshly shaped link);
+    ``settle_s``: a pause before each request, so the previous transfer's tail has drained."""
     from common.model.sampling import SamplingParams
     from common.rpc.client import RpcClient
 
     c = RpcClient(decode, service="bench", name="bench-client", connect_timeout=120)
     out = []
     rng = random.Random(0)
-    for r in range(reps):
+    for r in range(warmup + reps):
+        await asyncio.sleep(settle_s)
         prompt = [rng.randrange(256) for _ in range(prompt_len)]
         args = {"req_id": f"ov-{r}-{time.monotonic()}", "input_ids": prompt, "prefill_addr": prefill,
                 "sampling": SamplingParams(max_tokens=1, temperature=0).to_wire()}
@@ -61,6 +67,8 @@ async def client(decode: str, prefill: str, prompt_len: int, reps: int) -> None:
             # None when the first token came while the transfer's tail was still landing: the time
             # the token reached us bounds it (CLOCK_MONOTONIC is one clock for processes on a host).
             t["last_received_at"] = t["last_received_at"] or now
+            if r < warmup:
+                continue
             out.append({"ttft_s": ttft, "prefill_s": t["prefill_s"], "kv_bytes": t["kv_bytes"],
                         "kv_wire_bytes": t.get("kv_wire_bytes", t["kv_bytes"]), "kv_codec": t.get("kv_codec", "none"),
                         "transfer_tail_s": t["last_received_at"] - t["last_computed_at"],
@@ -131,9 +139,10 @@ class Site:
         wait_line(self.proxy, "READY", 60)
 
 
-def run_client(site: Site, prompt_len: int, reps: int) -> list[dict]:
+def run_client(site: Site, prompt_len: int, reps: int, settle_s: float = 0.0, warmup: int = 0) -> list[dict]:
     p = spawn([sys.executable, "-m", ROLES, "--role", "client", "--decode", site.decode,
-                  "--prefill", site.prefill, "--prompt-len", str(prompt_len), "--reps", str(reps)], "local", site.lab)
+                  "--prefill", site.prefill, "--prompt-len", str(prompt_len), "--reps", str(reps),
+                  "--settle", str(settle_s), "--warmup", str(warmup)], "local", site.lab)
     try:
         return json.loads(wait_line(p, "RESULT ", 900))
     finally:
@@ -171,7 +180,7 @@ def overlap(quick: bool, out: Path | None = None) -> float:
     """Run the three modes; print a table; return the overlap ratio (see the module docstring).
     With ``out`` (a folder), also write ``overlap.png`` and ``overlap.json`` there and print their paths."""
     prompt_len = 6000 if quick else 8000
-    reps = 2 if quick else 3
+    reps = 3 if quick else 5
     os.environ.setdefault("PRFAAS_THREADS", "1")
     # Every mode prefills the same prompts: with prefix caches on, the repeats would hit and skip most
     # of the compute and the transfer. This measures the pipeline of full prefills, so they are off.
@@ -200,7 +209,7 @@ def overlap(quick: bool, out: Path | None = None) -> float:
                     rate = kv_bytes * 8 / prefill_s / 0.95  # TCP payload is ~95% of the tbf rate
                     site.shape(rate)
                 bar.set_postfix_str(mode)
-                results[mode] = run_client(site, prompt_len, reps)
+                results[mode] = run_client(site, prompt_len, reps, SETTLE_S, warmup=1)
                 bar.update()
                 stop(pre)
                 site.procs.remove(pre)
@@ -231,6 +240,8 @@ def main() -> None:
     p.add_argument("--prefill")
     p.add_argument("--prompt-len", type=int)
     p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--settle", type=float, default=0.0)
+    p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--listen")
     p.add_argument("--target")
     p.add_argument("--rate", type=float)
@@ -238,7 +249,7 @@ def main() -> None:
     if args.role == "client":
         import uvloop
 
-        uvloop.run(client(args.decode, args.prefill, args.prompt_len, args.reps))
+        uvloop.run(client(args.decode, args.prefill, args.prompt_len, args.reps, args.settle, args.warmup))
     else:
         proxy_role(args.listen, args.target, args.rate)
 

@@ -4,10 +4,13 @@
 :func:`decode_step` runs the model with the attention implementation :data:`ATTN_IMPL` registered
 here (:func:`paged_attention`). The cache object handed to the model (:class:`_PagedLayer`) writes
 the new token's K/V into its block (``O(batch)`` bytes) and the attention reads each row's runs of
-blocks as views: no step copies or concatenates the cache. Linear states are gathered into a batch
-before each linear layer and scattered back after the step (``O(batch x state)``, independent of the
-context length). Pre-forward hooks (:func:`install_layer_hooks`, once per model) let the step act
-before each decoder layer.
+blocks as views: no step copies or concatenates the cache. Linear states: when the rows' slots are
+consecutive ids (a batch admitted together; the pool hands out the lowest free slots), the rows run in
+slot order and each linear layer updates ``arena[first:first + rows]`` in place, as a static cache
+would; otherwise (and in a step with ``wait_layer``, which must leave every state as it was when it
+is aborted) they are gathered into a batch before each linear layer and scattered back after
+the step (``O(batch x state)``, independent of the context length). Pre-forward hooks
+(:func:`install_layer_hooks`, once per model) let the step act before each decoder layer.
 
 State: nothing here owns KV memory; the store owns its arenas and blocks, the caller its
 :class:`~common.kv.paged_store.PagedSeq` rows. The per-step hook (``_STEP``) is thread-local and set
@@ -33,7 +36,7 @@ from common.kv.paged_store import PagedKvStore, PagedSeq
 
 ATTN_IMPL = "prfaas_paged"
 
-__all__ = ["ATTN_IMPL", "attend_rows", "decode_step", "install_layer_hooks", "paged_attention"]
+__all__ = ["ATTN_IMPL", "attend_rows", "decode_step", "install_layer_hooks", "paged_attention", "slot_range"]
 
 
 # -- attention ----------------------------------------------------------------------------------
@@ -81,27 +84,31 @@ def attend_rows(query: torch.Tensor, store: PagedKvStore, layer: int, runs: list
         raise ValueError(f"paged decode takes one token per row, got {q_len}")
     h = store.kv_heads
     group = q_heads // h
-    out = torch.empty(rows, 1, q_heads, d, dtype=query.dtype)
+    qs = query.view(rows, h, group, d)
+    # a run (b0, n) of an arena [H, pages, bs, d] is the strided view [1, H, n, d] at token b0 * bs:
+    # one as_strided per tensor (fewer ops per row than slicing and reshaping; no copy)
+    size_h, bs = karena.stride(0), store.block_size
+    kbase, vbase = karena.storage_offset(), varena.storage_offset()
+    outs = []
     for r in range(rows):
-        q = query[r, :, 0].view(1, h, group, d)
+        q = qs[r : r + 1]
         row_runs = runs[r]
         if len(row_runs) == 1:
             b0, n = row_runs[0]
-            k = store.run_view(karena, b0, n).unsqueeze(0)  # [1, H, n, d], a view
-            v = store.run_view(varena, b0, n).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k, v, scale=scale)
+            k = karena.as_strided((1, h, n, d), (size_h, size_h, d, 1), kbase + b0 * bs * d)
+            v = varena.as_strided((1, h, n, d), (size_h, size_h, d, 1), vbase + b0 * bs * d)
+            outs.append(F.scaled_dot_product_attention(q, k, v, scale=scale))
         else:
-            outs, lses = [], []
+            o_runs, lses = [], []
             for b0, n in row_runs:
-                k = store.run_view(karena, b0, n).unsqueeze(0)
-                v = store.run_view(varena, b0, n).unsqueeze(0)
+                k = karena.as_strided((1, h, n, d), (size_h, size_h, d, 1), kbase + b0 * bs * d)
+                v = varena.as_strided((1, h, n, d), (size_h, size_h, d, 1), vbase + b0 * bs * d)
                 o_run, lse = _attention_with_lse(q, k, v, scale)
-                outs.append(o_run)
+                o_runs.append(o_run)
                 lses.append(lse)
             weights = torch.softmax(torch.stack(lses).float(), dim=0).to(q.dtype)  # [runs, 1, H, G]
-            o = (torch.stack(outs) * weights.unsqueeze(-1)).sum(0)
-        out[r, 0] = o.reshape(q_heads, d)
-    return out
+            outs.append((torch.stack(o_runs) * weights.unsqueeze(-1)).sum(0))
+    return torch.cat(outs).view(rows, 1, q_heads, d)
 
 
 def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +163,14 @@ def decode_step(model: torch.nn.Module, store: PagedKvStore, seqs: list[PagedSeq
     rows = len(seqs)
     if rows == 0 or rows != len(tokens):
         raise ValueError(f"decode_step needs one token per row: {rows} rows, {len(tokens)} tokens")
+    # in place only without wait_layer: an early step that wait_layer aborts (LayerNotReady) must leave
+    # every state as it was, so that the step can run again; other failures fail their rows anyway
+    first = slot_range(seqs) if store.linear_layers and wait_layer is None else None
+    if first is not None and any(seqs[r].slot != first + r for r in range(rows)):
+        # the slots form a range out of order: run the rows in slot order, hand the logits back in the caller's
+        order = sorted(range(rows), key=lambda r: seqs[r].slot)
+        out = decode_step(model, store, [seqs[r] for r in order], [tokens[r] for r in order], wait_layer)
+        return out[torch.tensor(order).argsort()]
     bs = store.block_size
     for s in seqs:
         if len(s.blocks) * bs <= s.length:
@@ -169,15 +184,18 @@ def decode_step(model: torch.nn.Module, store: PagedKvStore, seqs: list[PagedSeq
     cache = DynamicCache(config=model.config)
     for i in store.attn_layers:
         cache.layers[i] = _PagedLayer(store, i, meta, max(s.length for s in seqs) + 1)
-    slots = torch.tensor([s.slot for s in seqs], dtype=torch.long) if store.linear_layers else None
+    slots = torch.tensor([s.slot for s in seqs], dtype=torch.long) if store.linear_layers and first is None else None
     gathered: dict[int, dict[str, torch.Tensor]] = {}
 
     def before_layer(i: int) -> None:
         if wait_layer is not None:
             wait_layer(i)
         if i in store.states:
-            gathered[i] = {name: arena.index_select(0, slots) for name, arena in store.states[i].items()}
-            _load_linear(cache.layers[i], gathered[i])
+            if slots is None:  # the rows' slots are one range, in order: the layer updates them in place
+                _load_linear(cache.layers[i], {name: arena[first:first + rows] for name, arena in store.states[i].items()})
+            else:
+                gathered[i] = {name: arena.index_select(0, slots) for name, arena in store.states[i].items()}
+                _load_linear(cache.layers[i], gathered[i])
 
     ids = torch.tensor(tokens, dtype=torch.long).view(rows, 1)
     pos = torch.tensor([s.length for s in seqs], dtype=torch.long).view(rows, 1)
@@ -196,6 +214,18 @@ def decode_step(model: torch.nn.Module, store: PagedKvStore, seqs: list[PagedSeq
     for s in seqs:
         s.length += 1
     return out.logits[:, -1].float()
+
+
+def slot_range(seqs: list[PagedSeq]) -> int | None:
+    """The first slot when the rows' state slots are consecutive ids (in any order), else None.
+
+    Then ``arena[first:first + len(seqs)]`` is the batch of their linear states as a view, which the
+    model's linear layers update in place (no gather before the step, no scatter after)."""
+    ids = [s.slot for s in seqs]
+    if any(i is None for i in ids):
+        return None
+    lo = min(ids)
+    return lo if max(ids) - lo == len(ids) - 1 and len(set(ids)) == len(ids) else None
 
 
 class _StepHooks(threading.local):

@@ -104,9 +104,15 @@ class KvResyncArgs(KvNodeArgs):
 
 
 class SetBandwidthArgs(msgspec.Struct):
-    """``set_bandwidth``: the short-timescale prefix rule's regime (plentiful or scarce)."""
+    """``set_bandwidth``: the short-timescale prefix rule's regime (plentiful or scarce). With scarce
+    bandwidth, ``move_s_per_token`` and ``prefill_s_per_token`` (seconds, both or neither) and
+    ``move_fixed_s`` set the prefix trade (``services.router.placement.PrefixTrade``); without them
+    there is none (each cluster judged on its own cache)."""
 
     plentiful: bool
+    move_s_per_token: Annotated[float, msgspec.Meta(ge=0.0, le=1e3)] | None = None
+    prefill_s_per_token: Annotated[float, msgspec.Meta(ge=0.0, le=1e3)] | None = None
+    move_fixed_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e3)] = 0.0
 
 
 class SetLinkArgs(msgspec.Struct):

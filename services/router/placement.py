@@ -234,8 +234,36 @@ def prefix_move(route: str, l_pd: int, l_prfaas: int) -> tuple[str, str] | None:
     return None
 
 
+@dataclass(frozen=True)
+class PrefixTrade:
+    """The two sides of a cross-cluster prefix move when bandwidth is scarce, in seconds: moving ``n``
+    cached tokens costs ``move_fixed_s + n * move_s_per_token`` (bytes over the link: ``S_kv`` per token
+    over the link's rate, plus what does not grow with ``n``: linear-attention states, a round trip);
+    recomputing them costs ``n * prefill_s_per_token`` (the prefill cluster's compute). Raises
+    ``ValueError`` for a negative figure."""
+
+    move_s_per_token: float
+    prefill_s_per_token: float
+    move_fixed_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.move_s_per_token, self.prefill_s_per_token, self.move_fixed_s) < 0:
+            raise ValueError(f"prefix trade figures must be >= 0 seconds, got {self}")
+
+    def move_cheaper(self, tokens: int) -> bool:
+        """Whether moving ``tokens`` cached tokens across costs less time than prefilling them again."""
+        return tokens > 0 and self.move_fixed_s + tokens * self.move_s_per_token < tokens * self.prefill_s_per_token
+
+
+def usable_prefix(own: int, other: int, trade: PrefixTrade | None) -> int:
+    """The cached prefix (tokens) a cluster can start from when bandwidth is scarce: its own ``own``, or
+    the other cluster's longer ``other`` when ``trade`` says moving the difference is cheaper than
+    recomputing it (no ``trade``: its own, the paper's scarce rule)."""
+    return other if trade is not None and other > own and trade.move_cheaper(other - own) else own
+
+
 def choose_cluster(prompt_len: int, l_pd: int, l_prfaas: int, threshold: int,
-                   bandwidth_plentiful: bool) -> tuple[str, int, str]:
+                   bandwidth_plentiful: bool, trade: PrefixTrade | None = None) -> tuple[str, int, str]:
     """Pick the prefill route for one request: ``(route, l, reason)``, ``route`` "local" (PD-P) or
     "remote" (PrfaaS), ``l`` the incremental prefill length in tokens that the chosen cluster computes.
 
@@ -245,7 +273,9 @@ def choose_cluster(prompt_len: int, l_pd: int, l_prfaas: int, threshold: int,
 
     * bandwidth scarce: each cluster is judged on its own cache, no KV moves between clusters. Local
       if ``prompt_len - l_pd <= t`` (``l = prompt_len - l_pd``), else remote with
-      ``l = prompt_len - l_prfaas``.
+      ``l = prompt_len - l_prfaas``. With ``trade``, the cheaper side of the trade: a cluster's own
+      prefix becomes the other's longer one when moving the difference costs less than recomputing
+      it (:func:`usable_prefix`); ``reason`` then names the move.
     * bandwidth plentiful: ``l_prefix = max(l_prfaas, l_pd)``, ``l = prompt_len - l_prefix``, remote
       if ``l > t`` else local. When the longer prefix sits in the other cluster, ``l`` assumes it is
       moved across first, and ``reason`` ends with ``"; move prefix <from>-><to>"`` (see
@@ -263,11 +293,14 @@ def choose_cluster(prompt_len: int, l_pd: int, l_prfaas: int, threshold: int,
             raise ValueError(f"{name}={v} must be in [0, prompt_len - 1 = {prompt_len - 1}] tokens")
 
     if not bandwidth_plentiful:
-        l_local = prompt_len - l_pd
+        pd_from, prfaas_from = usable_prefix(l_pd, l_prfaas, trade), usable_prefix(l_prfaas, l_pd, trade)
+        l_local = prompt_len - pd_from
         if choose_route(l_local, threshold) == LOCAL:
-            return LOCAL, l_local, f"scarce: l_local={l_local} <= t={threshold}"
-        l_remote = prompt_len - l_prfaas
-        return REMOTE, l_remote, f"scarce: l_local={l_local} > t={threshold}; remote l={l_remote}"
+            moved = "; move prefix prfaas->pd (cheaper than recompute)" if pd_from != l_pd else ""
+            return LOCAL, l_local, f"scarce: l_local={l_local} <= t={threshold}{moved}"
+        l_remote = prompt_len - prfaas_from
+        moved = "; move prefix pd->prfaas (cheaper than recompute)" if prfaas_from != l_prfaas else ""
+        return REMOTE, l_remote, f"scarce: l_local={l_local} > t={threshold}; remote l={l_remote}{moved}"
 
     l_prefix = max(l_prfaas, l_pd)
     l = prompt_len - l_prefix
@@ -282,7 +315,8 @@ def choose_cluster(prompt_len: int, l_pd: int, l_prfaas: int, threshold: int,
 def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str, int], threshold: int,
                       workers: list[dict[str, Any]], inflight: dict[str, int], bandwidth_plentiful: bool,
                       exclude_decode: set[str] | frozenset[str] = frozenset(),
-                      prefill_work: dict[str, float] | None = None, index: Any = None) -> Placement:
+                      prefill_work: dict[str, float] | None = None, index: Any = None,
+                      trade: PrefixTrade | None = None) -> Placement:
     """Cache-aware placement, pure: route by the cached prefixes, then cache-affine workers.
 
     ``prefix_blocks`` maps node name -> leading blocks of the prompt cached there (from
@@ -290,7 +324,8 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
     each cluster, in tokens (:func:`incremental_lengths`); :func:`choose_cluster` picks the route and
     ``l``. If that cluster has no alive prefill worker, the other cluster is used (``fell_back``
     True) and ``l`` is recomputed for it. A prefix move is suggested only when bandwidth is
-    plentiful. Then :func:`pick_affine` picks the prefill worker in the chosen cluster and the
+    plentiful, or when it is scarce and ``trade`` says moving is cheaper than recomputing
+    (:func:`usable_prefix`). Then :func:`pick_affine` picks the prefill worker in the chosen cluster and the
     decode worker (not in ``exclude_decode``); prefill workers by ``prefill_work`` when given (see
     :func:`place`) among those the load guard (in requests) lets through. ``prefill_prefix_tokens`` is capped like ``l_pd``
     (the last prompt token is always computed); ``decode_prefix_tokens`` is blocks x ``block_size``.
@@ -314,19 +349,21 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
 
     lens = incremental_lengths(prompt_len, block_size, longest(prefills["pd"]), longest(prefills["prfaas"]))
     l_pd, l_prfaas = lens["l_pd"], lens["l_prfaas"]
-    route, l, why = choose_cluster(prompt_len, l_pd, l_prfaas, threshold, bandwidth_plentiful)
+    route, l, why = choose_cluster(prompt_len, l_pd, l_prfaas, threshold, bandwidth_plentiful, trade)
     reason = f"prompt={prompt_len} l_pd={l_pd} l_prfaas={l_prfaas}; {why}"
     fell_back = not present[CLUSTER_OF_ROUTE[route]]
     if fell_back:
         other = _other(route)
         if not present[CLUSTER_OF_ROUTE[other]]:
             raise NoWorker("prefill")
-        cached = max(l_pd, l_prfaas) if bandwidth_plentiful else lens["l_" + CLUSTER_OF_ROUTE[other]]
+        own, theirs = (l_pd, l_prfaas) if CLUSTER_OF_ROUTE[other] == "pd" else (l_prfaas, l_pd)
+        cached = max(l_pd, l_prfaas) if bandwidth_plentiful else usable_prefix(own, theirs, trade)
         l = prompt_len - cached
         reason += f"; no alive {route} prefill worker, fell back to {other} (l={l})"
         route = other
-    move = prefix_move(route, l_pd, l_prfaas) if bandwidth_plentiful else None
-    if fell_back and bandwidth_plentiful:
+    own = l_pd if CLUSTER_OF_ROUTE[route] == "pd" else l_prfaas
+    move = prefix_move(route, l_pd, l_prfaas) if bandwidth_plentiful or l < prompt_len - own else None
+    if fell_back and (bandwidth_plentiful or move):
         reason += f"; move prefix {move[0]}->{move[1]}" if move else "; no prefix move"
 
     source = None
@@ -366,22 +403,23 @@ def place_request(prompt_len: int, threshold: int, workers: list[dict[str, Any]]
                   exclude_prefill: set[str] | frozenset[str] = frozenset(),
                   block_size: int | None = None, prefix_blocks: dict[str, int] | None = None,
                   bandwidth_plentiful: bool = False, prefill_work: dict[str, float] | None = None,
-                  index: Any = None) -> Placement:
+                  index: Any = None, prefix_trade: PrefixTrade | None = None) -> Placement:
     """The whole rule for one ``place`` call: :func:`placeable` (drop draining and excluded workers),
     then :func:`place_with_prefix` when the request came with block hashes (``prefix_blocks``: node ->
     cached leading blocks, from ``KvIndex.lookup``; ``block_size`` in tokens) and ``prompt_len >= 1``,
     else :func:`place` (the whole prompt is incremental). ``prefill_work``: outstanding prefill
     token-equivalents per prefill worker (:class:`services.router.leases.Leases`); prefill workers
-    are then chosen by work, not by request count. ``index``: a
+    are then chosen by work, not by request count. ``prefix_trade``: with scarce bandwidth, move a
+    longer prefix across when that is cheaper than recomputing it (:class:`PrefixTrade`). ``index``: a
     :class:`~services.router.worker_index.WorkerIndex` kept current over ``workers``, ``inflight``
     and ``prefill_work``: used (same answer, O(log N)) for a request with block hashes and no
     exclusions. Raises :class:`NoWorker`, or ``ValueError`` for lengths that do not fit the prompt."""
     if (index is not None and not exclude_decode and not exclude_prefill and prefix_blocks is not None
             and block_size is not None and prompt_len >= 1 and prefill_work is index.work and inflight is index.inflight):
         return place_with_prefix(prompt_len, block_size, prefix_blocks, threshold, workers, inflight, bandwidth_plentiful,
-                                 prefill_work=prefill_work, index=index)
+                                 prefill_work=prefill_work, index=index, trade=prefix_trade)
     ws = placeable(workers, exclude_decode, exclude_prefill)
     if prefix_blocks is None or block_size is None or prompt_len < 1:
         return place(prompt_len, threshold, ws, inflight, prefill_work=prefill_work)
     return place_with_prefix(prompt_len, block_size, prefix_blocks, threshold, ws, inflight, bandwidth_plentiful,
-                             prefill_work=prefill_work)
+                             prefill_work=prefill_work, trade=prefix_trade)

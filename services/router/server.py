@@ -107,6 +107,7 @@ class Router:
         self.refresh = refresh
         self.release_after = release_after
         self.bandwidth_plentiful = bandwidth_plentiful
+        self.prefix_trade: placement.PrefixTrade | None = None  # scarce bandwidth: move or recompute (set_bandwidth)
         self.forget_after = forget_after
         self.planner = RpcClient(planner_addr, service="router", name=name, connect_timeout=2.0, peer="planner")
         self.workers: list[dict[str, Any]] = []
@@ -367,7 +368,7 @@ class Router:
                     args.prompt_len, self.threshold, self.workers, self.inflight,
                     exclude_decode=exclude_decode, exclude_prefill=exclude_prefill,
                     block_size=args.block_size, prefix_blocks=blocks, bandwidth_plentiful=self.bandwidth_plentiful,
-                    prefill_work=self.leases.prefill_work)
+                    prefill_work=self.leases.prefill_work, prefix_trade=self.prefix_trade)
             except placement.NoWorker as e:
                 if not use.get(e.role):
                     raise
@@ -387,10 +388,14 @@ class Router:
         """Set the short-timescale prefix rule's regime (paper 3.4.3): ``{plentiful: bool}``. One
         assignment on the event loop, like :meth:`set_threshold`."""
         v = args.plentiful
+        if (args.move_s_per_token is None) != (args.prefill_s_per_token is None):
+            raise RpcError(ErrorCode.BAD_REQUEST, "set_bandwidth: move_s_per_token and prefill_s_per_token go together")
         old, self.bandwidth_plentiful = self.bandwidth_plentiful, v
+        self.prefix_trade = (placement.PrefixTrade(args.move_s_per_token, args.prefill_s_per_token, args.move_fixed_s)
+                             if args.prefill_s_per_token is not None else None)
         if old != v:
             log.info("bandwidth now counts as %s", "plentiful" if v else "scarce")
-        return {"plentiful": v, "previous": old}
+        return {"plentiful": v, "previous": old, **({"prefix_trade": True} if self.prefix_trade else {})}
 
     @takes(SetLinkArgs)
     async def set_link(self, args: SetLinkArgs) -> dict[str, Any]:
