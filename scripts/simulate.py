@@ -44,11 +44,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_cluster import SLO, capacity, model_lambdas  # noqa: E402  (the emulated benchmark's SLO and Lambda rule)
 
 from common.lab.plots import progress, pyplot, run_dir, save  # noqa: E402
-from common.model.emulated import EmulatedModel, EmulatedProfile, Scales  # noqa: E402
+from common.model.emulated_profile import EmulatedModel, EmulatedProfile, Scales  # noqa: E402
 from common.sim import scenarios as sc  # noqa: E402
 from common.sim.engine import SimConfig, planner_profile  # noqa: E402
 from services.planner import throughput as tm  # noqa: E402
 
+EMULATED_HOST_OVERHEAD_S = 0.06
+EMULATED_REMOTE_OVERHEAD_S = 0.03
 NAMES = {"prfaas": "PrfaaS-PD", "homog": "Homogeneous PD", "naive": "Naive heterogeneous"}
 
 def emulated_base(scales: dict) -> SimConfig:
@@ -58,7 +60,9 @@ def emulated_base(scales: dict) -> SimConfig:
     s = Scales(**scales)
     b = EmulatedModel(EmulatedProfile.from_file("h20_table6_fit"), s).byte_scale
     return SimConfig(0, 0, 1, output_scale=s.output_scale, link_buffer_bytes=(4 << 20) / b,
-                     prefix_cache_bytes=(32 << 20) / b, decode_pool_bytes=(64 << 20) / b)
+                     prefix_cache_bytes=(32 << 20) / b, decode_pool_bytes=(64 << 20) / b,
+                     host_overhead_s=float(os.environ.get("SIM_HOST_OVERHEAD_S", EMULATED_HOST_OVERHEAD_S)),
+                     remote_overhead_s=float(os.environ.get("SIM_REMOTE_OVERHEAD_S", EMULATED_REMOTE_OVERHEAD_S)))
 
 
 def emulated_results(path: Path) -> tuple[dict, str]:
