@@ -16,8 +16,11 @@ What runs here is the real code, called as the services call it:
 
 Modelled (``common/sim/instances.py``, ``common/sim/link.py``): prefill queues and compute, decode
 KV admission and batches, the shared cross-cluster link (the KVCache of a remote prefill streams while
-it computes and is capped by its production rate), prefix caches. Not modelled: the PD-P -> PD-D
-transfer inside the PD cluster (instant at prefill end), host overheads, failures. Load reports
+it computes and is capped by its production rate), prefix caches, per-request host overheads as two
+constants (``host_overhead_s`` on the prefill worker, added to its service time; ``remote_overhead_s``
+before a remote request's first token; 0 for an ideal system, fitted for the emulated cluster in
+``scripts/simulate.py``). Not modelled: the PD-P -> PD-D transfer inside the PD cluster as a flow
+(instant at prefill end, apart from the host overhead), failures. Load reports
 reach the router's and the planner's view every ``report_s`` seconds: prefill ``waiting``, decode
 ``admission_queue`` (what the planner's loops read), the link's goodput, capacity, RTT and backlog;
 the router's load of a worker is then its own in-flight count (plus a prefill worker's queue), the
@@ -61,7 +64,9 @@ class SimConfig:
     loops, ``l_out`` output tokens (``output_scale`` m: decode ``(round(l_out/m) - 1) * m`` steps after
     the first token, as the emulated cluster does; 1 for the real system), per-instance prefix-cache
     and decode-pool bytes, ``block_size`` tokens per KV block, the prompt-length distribution the
-    planner models (log-normal ``mu``, ``sigma`` on [``lo``, ``hi``])."""
+    planner models (log-normal ``mu``, ``sigma`` on [``lo``, ``hi``]), per-request host overheads
+    (seconds: ``host_overhead_s`` held on the prefill worker, ``remote_overhead_s`` more before a
+    remote request's first token)."""
 
     n_prfaas: int
     n_p: int
