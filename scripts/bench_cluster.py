@@ -65,7 +65,7 @@ from tqdm import tqdm
 
 from common.lab.emulated_cluster import PAPER_SHAPES, EmulatedCluster, Shape, Workload
 from common.lab.emulated_load import Slo, capacity, drive, on_off_arrivals, poisson_arrivals, prompt_tokens, sample_lengths, summarize
-from common.model.emulated import Scales
+from common.model.emulated_profile import Scales
 from services.planner import throughput as tm
 
 SLO = Slo(decode_tokens_per_s=40.0, ttft_base_s=5.0, ttft_factor=2.0)
@@ -86,7 +86,7 @@ def ttft_budget(cluster: EmulatedCluster):
 
 def model_lambdas(link_gbps: float = 100.0) -> dict[str, dict]:
     """The throughput model's view of the three configurations (paper eqs. 3-8), unscaled."""
-    from common.model.emulated import EmulatedProfile
+    from common.model.emulated_profile import EmulatedProfile
 
     def hw(name: str) -> tm.HardwareProfile:
         p = EmulatedProfile.from_file(name)
@@ -379,7 +379,7 @@ async def trace_replay(args, scales: Scales, out: Path) -> dict:
 
 
 def tm_threshold(link_gbps: float, dist) -> float:
-    from common.model.emulated import EmulatedProfile
+    from common.model.emulated_profile import EmulatedProfile
 
     def hw(name: str) -> tm.HardwareProfile:
         p = EmulatedProfile.from_file(name)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from common.model.emulated import EmulatedProfile
+from common.model.emulated_profile import EmulatedProfile
 from common.sim.engine import SimConfig, Simulation
 from common.sim.events import EventQueue
 from common.sim.instances import DecodeInstance, SimRequest
@@ -188,3 +188,47 @@ def test_engine_long_loop_moves_a_worker_after_it_drains():
     moved = next(w for w in sim.workers if w["name"] == first["worker"])
     assert moved["role"] == "prefill" and not moved["stats"].get("draining")
     assert all(o.ttft is not None for o in outs) and not sim.leases.by_req
+
+
+def test_events_stream_merges_with_the_heap_heap_first_at_equal_times():
+    q, seen = EventQueue(), []
+    q.at(1.0, seen.append, "h1")
+    q.at(2.5, seen.append, "h2.5")
+    q.stream([0.5, 1.0, 2.0, 3.0], lambda i: seen.append(f"s{i}"))
+    assert len(q) == 6
+    q.run(until=2.2)
+    assert seen == ["s0", "h1", "s1", "s2"] and q.now == 2.2 and len(q) == 2
+    q.run()
+    assert seen[4:] == ["h2.5", "s3"] and q.fired == 6 and len(q) == 0
+    with pytest.raises(ValueError):
+        q.stream([4.0], seen.append)  # one stream per queue
+    with pytest.raises(ValueError):
+        EventQueue().stream([2.0, 1.0], seen.append)  # not sorted
+
+
+def test_profile_bulk_lookups_equal_the_scalar_ones():
+    for name in ("h20_table6_fit", "h200_table5"):
+        p = EmulatedProfile.from_file(name)
+        ls = [0, 1, 127, 128, 999, 4096, 33333, 131072, 400000] + [int(x) for x in p.lengths]
+        assert p.t_prefill_many(ls) == [p.t_prefill(x) for x in ls]
+        assert p.s_kv_many(ls) == [p.s_kv(x) for x in ls]
+
+
+def test_engine_host_overheads_hold_the_prefill_worker_and_delay_remote_first_tokens():
+    def one(length: int, **kw) -> tuple[float, float]:
+        sim = Simulation(SimConfig(1, 1, 1, threshold=20000, **kw))
+        (o,) = sim.run([0.0], [length])
+        return o.ttft, sim.inst["pd-0" if length <= 20000 else "prfaas-0"].busy_s
+
+    (t_loc, busy_loc), (t_rem, busy_rem) = one(5000), one(50000)
+    (t_loc2, busy_loc2), (t_rem2, busy_rem2) = one(5000, host_overhead_s=0.06, remote_overhead_s=0.03), \
+        one(50000, host_overhead_s=0.06, remote_overhead_s=0.03)
+    assert t_loc2 - t_loc == pytest.approx(0.06) and busy_loc2 - busy_loc == pytest.approx(0.06)
+    assert t_rem2 - t_rem == pytest.approx(0.09, abs=1e-6) and busy_rem2 - busy_rem == pytest.approx(0.06)
+
+
+def test_the_simulator_does_not_import_torch():
+    import subprocess
+    import sys
+    code = "import sys, common.sim.scenarios; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -47,8 +47,8 @@ from typing import Any
 from common.lab.cluster import free_port
 from common.lab.procs import ROOT, stop
 from common.lab.topology import WanLink
-from common.model.emulated import EmulatedModel, EmulatedProfile, Scales
 from common.model.emulated_codec import ENV_ENCODE_GBPS
+from common.model.emulated_profile import EmulatedModel, EmulatedProfile, Scales
 from common.rpc.client import RpcClient
 
 LOCAL = "127.0.0.1"

@@ -20,7 +20,7 @@ import aiohttp
 import numpy as np
 
 from common.lab.completions import sse_chunks
-from common.model.emulated import Scales, expected_tokens
+from common.model.emulated_profile import Scales, expected_tokens
 
 
 def poisson_arrivals(rate: float, duration_s: float, seed: int, start_s: float = 0.0) -> list[float]:

@@ -16,8 +16,11 @@ What runs here is the real code, called as the services call it:
 
 Modelled (``common/sim/instances.py``, ``common/sim/link.py``): prefill queues and compute, decode
 KV admission and batches, the shared cross-cluster link (the KVCache of a remote prefill streams while
-it computes and is capped by its production rate), prefix caches. Not modelled: the PD-P -> PD-D
-transfer inside the PD cluster (instant at prefill end), host overheads, failures. Load reports
+it computes and is capped by its production rate), prefix caches, per-request host overheads as two
+constants (``host_overhead_s`` on the prefill worker, added to its service time; ``remote_overhead_s``
+before a remote request's first token; 0 for an ideal system, fitted for the emulated cluster in
+``scripts/simulate.py``). Not modelled: the PD-P -> PD-D transfer inside the PD cluster as a flow
+(instant at prefill end, apart from the host overhead), failures. Load reports
 reach the router's and the planner's view every ``report_s`` seconds: prefill ``waiting``, decode
 ``admission_queue`` (what the planner's loops read), the link's goodput, capacity, RTT and backlog;
 the router's load of a worker is then its own in-flight count (plus a prefill worker's queue), the
@@ -36,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.lab.emulated_load import Outcome
-from common.model.emulated import EmulatedProfile
+from common.model.emulated_profile import EmulatedProfile
 from common.sim.events import EventQueue
 from common.sim.instances import DecodeInstance, PrefillInstance, SimRequest
 from common.sim.link import SharedLink
@@ -61,7 +64,9 @@ class SimConfig:
     loops, ``l_out`` output tokens (``output_scale`` m: decode ``(round(l_out/m) - 1) * m`` steps after
     the first token, as the emulated cluster does; 1 for the real system), per-instance prefix-cache
     and decode-pool bytes, ``block_size`` tokens per KV block, the prompt-length distribution the
-    planner models (log-normal ``mu``, ``sigma`` on [``lo``, ``hi``])."""
+    planner models (log-normal ``mu``, ``sigma`` on [``lo``, ``hi``]), per-request host overheads
+    (seconds: ``host_overhead_s`` held on the prefill worker, ``remote_overhead_s`` more before a
+    remote request's first token)."""
 
     n_prfaas: int
     n_p: int
@@ -80,6 +85,8 @@ class SimConfig:
     block_size: int = 512
     report_s: float = 1.0
     drain_timeout_s: float = 60.0
+    host_overhead_s: float = 0.0
+    remote_overhead_s: float = 0.0
     link_buffer_bytes: float = 64 * 2**20
     mu: float = 9.90
     sigma: float = 1.00
@@ -194,7 +201,8 @@ class Simulation:
         hw = self.prfaas_hw if cluster == "prfaas" else self.pd_hw
         per_block = hw.kv_affine()[1] * c.block_size
         blocks = int(c.prefix_cache_bytes // per_block) if c.prefix_cache_bytes and per_block > 0 else 0
-        return PrefillInstance(self.q, name, cluster, hw, self._prefill_started, self._prefill_done, blocks, c.block_size)
+        return PrefillInstance(self.q, name, cluster, hw, self._prefill_started, self._prefill_done, blocks, c.block_size,
+                               c.host_overhead_s)
 
     # ------------------------------------------------------------------ request path
     def _arrive(self, req: SimRequest) -> None:
@@ -213,7 +221,6 @@ class Simulation:
         self.windex.touch(p.decode["name"])
         req.route = p.route
         req.prefill, req.decode = self.inst[p.prefill["name"]], self.inst[p.decode["name"]]
-        req.kv_bytes = self.pd_hw.s_kv(req.length)
         self.open += 1
         req.decode.reserve(req)
         if req.decode.admit_q:
@@ -226,7 +233,7 @@ class Simulation:
     def _prefill_started(self, req: SimRequest, seconds: float) -> None:
         self.dirty.add(req.prefill.name)
         if req.prefill.cluster == "prfaas":
-            nbytes = self.prfaas_hw.s_kv(req.length)
+            nbytes = req.kv_prfaas
             req.flow = self.link.start(nbytes, lambda: self._kv_done(req), nbytes / seconds if seconds > 0 else math.inf)
         else:
             req.kv_done = True
@@ -252,8 +259,9 @@ class Simulation:
 
     def _maybe_first(self, req: SimRequest) -> None:
         if req.prefill_end and req.kv_done:
-            if req.flow >= 0 and self.link.rtt > 0:
-                self.q.after(self.link.rtt / 2, self._first, req)
+            delay = self.link.rtt / 2 + self.cfg.remote_overhead_s if req.flow >= 0 else 0.0
+            if delay > 0:
+                self.q.after(delay, self._first, req)
             else:
                 self._first(req)
 
@@ -385,23 +393,29 @@ class Simulation:
         leading hashes); ``link_phases``: ``(start s, Gbit/s)`` link changes. Runs until every request
         has finished. ``t_pd(l)``: the PD cluster's prefill seconds (for the TTFT SLO; default the PD
         profile's). Returns the outcomes in arrival order (times unscaled seconds)."""
-        t_pd = t_pd or self.pd_hw.t_prefill
         m = self.cfg.output_scale
         steps = (max(1, round(self.cfg.l_out / m)) - 1) * m
-        self.outcomes = [Outcome(int(lengths[i]), float(arrivals[i]), t_pd(lengths[i])) for i in range(len(arrivals))]
+        ls = [int(x) for x in lengths]
+        arrivals = [float(x) for x in arrivals]
+        # the hardware lookups of every prompt at once (the profiles' own tables, vectorized)
+        look = {"tp": self.pd_hw.t_prefill_many(ls), "tp_r": self.prfaas_hw.t_prefill_many(ls),
+                "kv": self.pd_hw.s_kv_many(ls), "kv_r": self.prfaas_hw.s_kv_many(ls)}
+        look["t_pd"] = look["tp"] if t_pd is None else [t_pd(x) for x in ls]
+        self.outcomes = [None] * len(arrivals)  # type: ignore[list-item]  (each filled as its request arrives)
         self._arrivals_end = max(arrivals, default=0.0)
         for start, gbps in link_phases:
             self.q.at(start, self.link.set_capacity, gbps * GBPS)
-        self._feed(list(arrivals), list(lengths), hashes, steps, 0)
+        self._src = (arrivals, ls, hashes, steps, look)
+        self.q.stream(arrivals, self._arrive_k)
         self.q.after(0.0, self._report)
         self.q.run()
         return self.outcomes
 
-    def _feed(self, arrivals: list[float], lengths: list[int], hashes, steps: int, i: int) -> None:
-        """Schedule arrivals lazily, a chunk at a time, so the heap stays small."""
-        end = min(len(arrivals), i + 256)
-        for k in range(i, end):
-            req = SimRequest(k, arrivals[k], int(lengths[k]), list(hashes[k]) if hashes is not None else None, steps)
-            self.q.at(arrivals[k], self._arrive, req)
-        if end < len(arrivals):
-            self.q.at(arrivals[end - 1], self._feed, arrivals, lengths, hashes, steps, end)
+    def _arrive_k(self, k: int) -> None:
+        """Request ``k`` of the run arrives (the event queue's stream)."""
+        arrivals, ls, hashes, steps, look = self._src
+        req = SimRequest(k, arrivals[k], ls[k], list(hashes[k]) if hashes is not None else None, steps,
+                         (look["tp"][k], look["tp_r"][k]))
+        req.kv_bytes, req.kv_prfaas = look["kv"][k], look["kv_r"][k]
+        self.outcomes[k] = Outcome(ls[k], arrivals[k], look["t_pd"][k])
+        self._arrive(req)

@@ -26,7 +26,7 @@ from typing import Any
 
 from common.kv.block_pool import BlockPool
 from common.kv.prefix_cache import PrefixCache
-from common.model.emulated import EmulatedProfile
+from common.model.emulated_profile import EmulatedProfile
 from common.sim.events import EventQueue
 
 
@@ -34,14 +34,16 @@ class SimRequest:
     """One request's state. Lengths in tokens, times in seconds, ``kv_bytes`` bytes."""
 
     __slots__ = ("rid", "arrival", "length", "hashes", "route", "l", "prefill", "decode", "kv_bytes", "t_first",
-                 "t_end", "steps", "prefill_end", "kv_done", "flow", "hit", "decode_start", "t_prefill_start")
+                 "t_end", "steps", "prefill_end", "kv_done", "flow", "hit", "decode_start", "t_prefill_start", "tp", "kv_prfaas")
 
-    def __init__(self, rid: int, arrival: float, length: int, hashes: list[int] | None, steps: int):
+    def __init__(self, rid: int, arrival: float, length: int, hashes: list[int] | None, steps: int,
+                 tp: tuple[float, float] | None = None):
         self.rid, self.arrival, self.length, self.hashes, self.steps = rid, arrival, length, hashes, steps
+        self.tp = tp  # prefill seconds of the whole prompt on (PD, PrfaaS) hardware, looked up in bulk (None: per call)
         self.route = ""
         self.l = length
         self.prefill = self.decode = None
-        self.kv_bytes = 0.0
+        self.kv_bytes = self.kv_prfaas = 0.0  # KVCache bytes on PD (the decode pool's) and on PrfaaS hardware
         self.t_first = self.t_end = self.decode_start = self.t_prefill_start = None
         self.prefill_end = self.kv_done = False
         self.flow = -1
@@ -55,8 +57,10 @@ class PrefillInstance:
 
     def __init__(self, q: EventQueue, name: str, cluster: str, profile: EmulatedProfile,
                  on_start: Callable[[SimRequest, float], Any], on_done: Callable[[SimRequest], Any],
-                 cache_blocks: int = 0, block_size: int = 512):
+                 cache_blocks: int = 0, block_size: int = 512, overhead_s: float = 0.0):
         self.q, self.name, self.cluster, self.profile = q, name, cluster, profile
+        self.overhead_s = overhead_s  # host seconds per request on top of the compute (holds the worker)
+        self.ci = 1 if cluster == "prfaas" else 0  # which of ``SimRequest.tp``
         self.on_start, self.on_done = on_start, on_done
         self.queue: deque[SimRequest] = deque()
         self.busy: SimRequest | None = None
@@ -81,7 +85,7 @@ class PrefillInstance:
             n, _ids, _slot = self.cache.match(req.hashes)
             req.hit = min(n * self.block_size, req.length - 1)
         req.l = req.length - req.hit
-        t = self.profile.t_prefill(req.l)
+        t = (req.tp[self.ci] if req.tp is not None and not req.hit else self.profile.t_prefill(req.l)) + self.overhead_s
         req.t_prefill_start = self.q.now
         self.busy_s += t
         self.on_start(req, t)

@@ -336,9 +336,9 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
     """
     if index is not None:
         alive: list[dict[str, Any]] = []
-        prefills = {c: [index.by_name[n] for n in prefix_blocks if index.group.get(n) == ("prefill", c)]
-                    if index.size(("prefill", c)) else [] for c in CLUSTERS}
         present = {c: index.size(("prefill", c)) > 0 for c in CLUSTERS}
+        prefills = {c: [index.by_name[n] for n in prefix_blocks if index.group.get(n) == ("prefill", c)]
+                    if present[c] and prefix_blocks else [] for c in CLUSTERS}
     else:
         alive = [w for w in workers if w.get("alive")]
         prefills = {c: [w for w in alive if w["role"] == "prefill" and w["cluster"] == c] for c in CLUSTERS}

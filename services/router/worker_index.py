@@ -74,14 +74,14 @@ class WorkerIndex:
         if g is None:
             return
         load = worker_load(self.by_name[name], self.inflight)
-        self.total[g] += load - self.load[name]
-        self.load[name] = load
-        v = self.version[name] = self.version[name] + 1
-        first = self.work.get(name, 0.0) if g[0] == "prefill" else load
+        loads, version = self.load, self.version
+        self.total[g] += load - loads[name]
+        loads[name] = load
+        v = version[name] = version[name] + 1
         heap = self.heaps[g]
-        heapq.heappush(heap, (first, load, name, v))
+        heapq.heappush(heap, (self.work.get(name, 0.0) if g[0] == "prefill" else load, load, name, v))
         if len(heap) > 4 * len(self.members[g]) + 64:  # drop stale entries
-            heap[:] = [e for e in heap if self.version[e[2]] == e[3]]
+            heap[:] = [e for e in heap if version[e[2]] == e[3]]
             heapq.heapify(heap)
 
     def _over(self, g: GroupKey, load: float) -> bool:
@@ -97,24 +97,29 @@ class WorkerIndex:
             return None
         if exclude and any(n in members for n in exclude):
             return None  # the caller falls back to the list scan
-        work = self.work
+        work, loads = self.work, self.load
+        others = len(members) - 1
+        total = self.total[g]
+
+        def over(load: float) -> bool:  # :meth:`_over`, inlined for the hot loop
+            return others > 0 and load * others > 2 * (total - load) + others
 
         def key(n: str) -> tuple:
-            ld = self.load[n]
+            ld = loads[n]
             return (-prefix_blocks.get(n, 0), work.get(n, 0.0) if use_work else ld, ld, n)
 
-        holders = [n for n in prefix_blocks if n in members]
+        holders = [n for n in prefix_blocks if n in members] if prefix_blocks else []
         best = None
         for n in holders:
-            if not self._over(g, self.load[n]) and (best is None or key(n) < key(best)):
+            if not over(loads[n]) and (best is None or key(n) < key(best)):
                 best = n
-        heap, stash = self.heaps[g], []
+        heap, stash, version, group = self.heaps[g], [], self.version, self.group
         while heap:
             e = heap[0]
-            if self.version.get(e[2]) != e[3] or self.group.get(e[2]) != g:
+            if version.get(e[2]) != e[3] or group.get(e[2]) != g:
                 heapq.heappop(heap)
                 continue
-            if self._over(g, e[1]):
+            if over(e[1]):
                 stash.append(heapq.heappop(heap))
                 continue
             if best is None or key(e[2]) < key(best):
@@ -124,6 +129,8 @@ class WorkerIndex:
             heapq.heappush(heap, e)
         if best is None:
             return None
+        if not holders:
+            return AffinePick(self.by_name[best], 0, ())
         b = prefix_blocks.get(best, 0)
-        skipped = tuple(sorted(n for n in holders if prefix_blocks[n] > b and self._over(g, self.load[n])))
+        skipped = tuple(sorted(n for n in holders if prefix_blocks[n] > b and over(loads[n])))
         return AffinePick(self.by_name[best], b, skipped)
