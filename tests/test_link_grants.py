@@ -49,6 +49,9 @@ def test_three_classes_backlogged_in_three_flows_get_4_2_1():
 def test_flow_demands_backlogged_is_the_capacity_else_the_rate_with_slack():
     assert flow_demands(CAP, {"high": 100.0, "low": 700.0}, {"normal": 5.0}, slack=0.25) == approx(
         {"high": 125.0, "normal": CAP, "low": CAP})
+    # a class whose transfers ended keeps no demand from its (slowly decaying) recent rate
+    assert flow_demands(CAP, {"high": 500.0, "low": 100.0}, {}, active={"high": 0, "low": 1}) == approx(
+        {"high": 0.0, "normal": 0.0, "low": 125.0})
     with pytest.raises(ValueError):
         flow_demands(CAP, {"high": -1.0}, {})
     with pytest.raises(ValueError):
@@ -77,8 +80,9 @@ def test_sender_grants_from_the_view_two_processes_on_one_link_and_a_lone_sender
     flows = link_flows(TOPO, view)
     assert set(flows["p->pd"]) == {("p0", "rx:1"), ("p1", "rx:1")} and set(flows["q->pd"]) == {("q0", "rx:1")}
     assert flows["p->pd"][("p0", "rx:1")] == (approx({"high": 5e8, "normal": 0.0, "low": 0.0}),
-                                            approx({"high": 4096.0, "normal": 0.0, "low": 0.0}))
+                                            approx({"high": 4096.0, "normal": 0.0, "low": 0.0}), None)
     g = sender_grants(TOPO, view, {"p->pd": 1e9, "q->pd": 1e9}, floor=0.0)
-    assert set(g) == {"p0", "p1"}  # q0 is alone on its link: it keeps its own order
+    assert set(g) == {"p0", "p1", "q0"}
+    assert g["q0"]["rx:1"]["normal"] == pytest.approx(1e9)  # alone on its link: all of it
     assert g["p0"]["rx:1"]["high"] == pytest.approx(8e8) and g["p1"]["rx:1"]["low"] == pytest.approx(2e8)
     assert sender_grants(TOPO, view, {"p->pd": None}) == {}  # capacity unknown: no grants

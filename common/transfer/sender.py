@@ -427,7 +427,8 @@ class KvLink:
         connections, codec counters and ``share_high``/``share_normal``/``share_low`` (the fraction of
         its recent bytes each priority class wrote, :class:`~common.transfer.share.ClassMix`) and
         ``waiting_high``/``waiting_normal``/``waiting_low`` (bytes of its chunks waiting for the gate:
-        the class wants more than it gets; the planner's grants, :mod:`services.planner.link_grants`)."""
+        the class wants more than it gets) and ``active_<class>`` (its transfers of the class under
+        way), for the planner's grants (:mod:`services.planner.link_grants`)."""
         snap = self.stats.snapshot()
         snap["connections"] = len(self._live())
         raw = sum(r for r, _ in self.codec_bytes.values())
@@ -440,6 +441,7 @@ class KvLink:
             snap[f"share_{cls}"] = share
         for cls, n in self.waiting.items():
             snap[f"waiting_{cls}"] = float(n)
+            snap[f"active_{cls}"] = sum(1 for tr in self.transfers.values() if class_of(tr.priority) == cls)
         return snap
 
     async def close(self) -> None:

@@ -11,8 +11,9 @@ senders' measured capacity capped by the configured ``gbps``) :func:`grant_rates
 ``(sender, receiver address)`` *flow* a rate per class, as a hierarchical token bucket
 (``tc-htb(8)``) would:
 
-1. **Demand** of a flow's class: the capacity when bytes of the class wait at the sender (backlogged),
-   else its recent rate times ``1 + slack`` (room to grow), else 0.
+1. **Demand** of a flow's class: 0 without a transfer of the class under way (``active_<class>``),
+   else the capacity when bytes of the class wait at the sender (backlogged), else its recent rate
+   times ``1 + slack`` (room to grow).
 2. **Floors**: a class with no demand at a flow is granted ``floor`` of the capacity, reserved
    first, so a transfer that starts there is never frozen until the next grant.
 3. **Classes**: :func:`services.router.bandwidth.class_shares` splits what is left over the classes'
@@ -43,12 +44,21 @@ FLOOR = 0.02  # share of the capacity an idle class keeps at each flow
 SLACK = 0.25  # a flow that is not backlogged may grow its class by this fraction before the next grant
 
 
-def flow_demands(capacity: float, rate: dict[str, float], waiting: dict[str, float], slack: float = SLACK) -> dict[str, float]:
-    """One flow's demand per class (bits/s): ``capacity`` where ``waiting[c] > 0`` (bytes held back),
-    else ``min(capacity, rate[c] * (1 + slack))``. Raises ``ValueError`` for a negative number."""
+def flow_demands(capacity: float, rate: dict[str, float], waiting: dict[str, float], slack: float = SLACK,
+                 active: dict[str, int] | None = None) -> dict[str, float]:
+    """One flow's demand per class (bits/s): 0 where ``active`` (transfers under way per class; None:
+    unknown) is 0, else ``capacity`` where ``waiting[c] > 0`` (bytes held back), else
+    ``min(capacity, rate[c] * (1 + slack))`` (the recent rate decays slowly, so a class whose last
+    transfer ended does not keep its share). Raises ``ValueError`` for a negative number."""
     if capacity < 0 or slack < 0 or any(v < 0 for v in (*rate.values(), *waiting.values())):
         raise ValueError(f"capacity, slack, rates and waiting bytes must be >= 0, got {capacity}, {slack}, {rate}, {waiting}")
-    return {c: capacity if waiting.get(c, 0) > 0 else min(capacity, rate.get(c, 0.0) * (1 + slack)) for c in CLASSES}
+
+    def one(c: str) -> float:
+        if active is not None and not active.get(c, 0):
+            return 0.0
+        return capacity if waiting.get(c, 0) > 0 else min(capacity, rate.get(c, 0.0) * (1 + slack))
+
+    return {c: one(c) for c in CLASSES}
 
 
 def grant_rates(capacity: float, demands: dict[Any, dict[str, float]], floor: float = FLOOR) -> dict[Any, dict[str, float]]:
@@ -88,13 +98,13 @@ def _link_of(topology: Topology, view: list[dict[str, Any]], src: Any) -> Any:
 
 
 def link_flows(topology: Topology, view: list[dict[str, Any]]
-               ) -> dict[str, dict[tuple[str, str], tuple[dict[str, float], dict[str, float]]]]:
-    """``{"src->dst": {(sender name, receiver address): (rate, waiting)}}`` from the planner's worker
-    ``view``: for each alive prefill worker's ``stats.links`` snapshot, ``rate[c]`` is its goodput
-    (``goodput_window_bps``, else ``goodput_bps``; bits/s) times ``share_<c>`` and ``waiting[c]`` its
-    ``waiting_<c>`` (bytes). Addresses are matched to links by :func:`_link_of`; one it cannot match
-    is left out."""
-    out: dict[str, dict[tuple[str, str], tuple[dict[str, float], dict[str, float]]]] = {}
+               ) -> dict[str, dict[tuple[str, str], tuple[dict[str, float], dict[str, float], dict[str, int] | None]]]:
+    """``{"src->dst": {(sender name, receiver address): (rate, waiting, active)}}`` from the
+    planner's worker ``view``: for each alive prefill worker's ``stats.links`` snapshot, ``rate[c]``
+    is its goodput (``goodput_window_bps``, else ``goodput_bps``; bits/s) times ``share_<c>``,
+    ``waiting[c]`` its ``waiting_<c>`` (bytes), ``active[c]`` its ``active_<c>`` (None when not
+    reported). Addresses are matched to links by :func:`_link_of`; one it cannot match is left out."""
+    out: dict[str, dict[tuple[str, str], Any]] = {}
     for w in view:
         if not (w.get("alive") and w.get("role") == "prefill"):
             continue
@@ -107,21 +117,23 @@ def link_flows(topology: Topology, view: list[dict[str, Any]]
             g = max(0.0, float(g if g is not None else snap.get("goodput_bps") or 0.0))
             rate = {c: g * min(1.0, max(0.0, float(snap.get(f"share_{c}") or 0.0))) for c in CLASSES}
             waiting = {c: max(0.0, float(snap.get(f"waiting_{c}") or 0.0)) for c in CLASSES}
-            out.setdefault(key, {})[(w["name"], addr)] = (rate, waiting)
+            active = None if snap.get("active_normal") is None else {c: int(snap.get(f"active_{c}") or 0) for c in CLASSES}
+            out.setdefault(key, {})[(w["name"], addr)] = (rate, waiting, active)
     return out
 
 
 def sender_grants(topology: Topology, view: list[dict[str, Any]], capacity: dict[str, float | None],
                   floor: float = FLOOR, slack: float = SLACK) -> dict[str, dict[str, dict[str, float]]]:
     """``{sender name: {receiver address: {class: bits/s}}}``: :func:`grant_rates` per link whose
-    ``capacity[key]`` (bits/s) is known and that carries flows from at least two senders (one sender
-    alone orders its own chunks; grants coordinate processes). Demands by :func:`flow_demands`."""
+    ``capacity[key]`` (bits/s) is known (a lone sender is granted too: when the others finish, it
+    gets the whole link at once instead of waiting for its old grant to lapse). Demands by
+    :func:`flow_demands`."""
     grants: dict[str, dict[str, dict[str, float]]] = {}
     for key, flows in link_flows(topology, view).items():
         cap = capacity.get(key)
-        if not cap or len({name for name, _ in flows}) < 2:
+        if not cap:
             continue
-        demands = {f: flow_demands(cap, rate, waiting, slack) for f, (rate, waiting) in flows.items()}
+        demands = {f: flow_demands(cap, rate, waiting, slack, active) for f, (rate, waiting, active) in flows.items()}
         for (name, addr), rates in grant_rates(cap, demands, floor).items():
             grants.setdefault(name, {})[addr] = {c: round(r, 1) for c, r in rates.items()}
     return grants

@@ -64,6 +64,9 @@ class LinkSnapshot(msgspec.Struct):
     waiting_high: Amount | None = None  # bytes waiting for the sender's window, by class (link grants)
     waiting_normal: Amount | None = None
     waiting_low: Amount | None = None
+    active_high: Count | None = None  # transfers under way, by class (link grants)
+    active_normal: Count | None = None
+    active_low: Count | None = None
 
 
 class PrefixCacheStats(msgspec.Struct):
