@@ -220,7 +220,8 @@ class Planner:
         links = {} if self.topology.is_default else {"links": {k: {"up": up, "headroom": h,
                                                                    "threshold": self.pair_thresholds.get(k),
                                                                    "classes": self.class_states.get(k)}
-                                                               for k, (up, h) in sorted(self.link_states.items())}}
+                                                               for k, (up, h) in sorted(self.link_states.items())},
+                                                     "kv_grants": self.kv_grants}
         return {"alive": by, "loop": self.controller.state() if self.controller is not None else None,
                 "roles": self.mover.state(), "loop_errors": self.loop_errors, "kv_codecs": self.codecs.state(), **links}
 
