@@ -36,7 +36,7 @@ def test_equal_classes_split_equally_across_flows_and_a_small_demand_lends_its_r
 
 def test_spare_capacity_goes_to_the_idle_classes_so_a_new_transfer_starts_at_the_link_rate():
     g = grant_rates(CAP, {"a": {"high": 100.0}, "b": {}}, floor=0.0)
-    assert g["a"]["high"] == pytest.approx(100.0)
+    assert g["a"]["high"] == pytest.approx(700.0)  # its 100 and the 600 nobody wants
     assert g["b"] == approx({"high": 600.0, "normal": 600.0, "low": 600.0})  # HTB borrowing up to the ceiling
     assert g["a"]["low"] == pytest.approx(600.0)
 

@@ -20,8 +20,9 @@ senders' measured capacity capped by the configured ``gbps``) :func:`grant_rates
    demands: each class with demand is assured its weight's share (high 4, normal 2, low 1) among
    the classes with demand and borrows what the others leave (weighted max-min).
 4. **Flows** within a class: :func:`services.router.bandwidth.water_fill` with equal weights.
-5. **Spare** (capacity the demands leave unused) is lent to the idle classes on top of their floor
-   (HTB borrowing up to the ceiling): a transfer starting on a quiet link starts at the link's rate.
+5. **Spare** (capacity the demands leave unused; 0 while any class of any flow is backlogged) is lent
+   to every class that is not backlogged, on top of its floor or rate (HTB borrowing up to the
+   ceiling): a transfer starting, or speeding up, on a quiet link does so at the link's rate.
 
 So the grants sum to the capacity when every class at every flow has demand, a backlogged low class
 gets at least ``w_low / W`` of the link whatever the high class does (never starved), and equal
@@ -80,8 +81,12 @@ def grant_rates(capacity: float, demands: dict[Any, dict[str, float]], floor: fl
         for f, r in water_fill(by_class[c], {f: d[c] for f, d in want.items()}, {}).items():
             out[f][c] = r
     spare = max(0.0, usable - sum(by_class.values()))
-    for f, c in idle:
-        out[f][c] = floor_bps + spare
+    for f, d in want.items():
+        for c in CLASSES:
+            if d[c] <= 0:
+                out[f][c] = floor_bps + spare
+            elif d[c] < capacity:  # not backlogged: it may borrow what nobody wants (0 while some flow waits)
+                out[f][c] += spare
     return out
 
 
