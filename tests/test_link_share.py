@@ -182,3 +182,57 @@ async def test_a_high_transfer_gets_its_weighted_share_of_a_shared_link_and_the_
     assert t_high < 0.75 * t_low, (t_high, t_low)
     t_a, t_b, b_share = await _two_transfers(NORMAL, NORMAL)  # the same traffic in one class: equal shares
     assert b_share >= 0.8, b_share  # they finish together
+
+
+async def _fill(gate: ShareGate, tid: str, prio: int, n: int, stop: float, sent: dict[str, int]) -> None:
+    """Acquire ``n``-byte chunks for ``tid`` until ``stop`` (loop time), releasing each at once."""
+    loop = asyncio.get_running_loop()
+    while loop.time() < stop:
+        await gate.acquire(tid, prio, n)
+        sent[tid] = sent.get(tid, 0) + n
+        gate.release(n)
+
+
+async def test_granted_rates_pace_each_class_and_a_class_at_its_rate_does_not_hold_the_others():
+    gate = ShareGate(1 << 20, burst=8 << 10)
+    gate.set_grant("rx:1", {"high": 400e3, "normal": 0.0, "low": 100e3}, ttl_s=5.0)
+    assert gate.class_rates(asyncio.get_running_loop().time()) == {"high": 400e3, "normal": 1000.0, "low": 100e3}
+    sent: dict[str, int] = {}
+    stop = asyncio.get_running_loop().time() + 0.6
+    await asyncio.gather(_fill(gate, "h", HIGH, 4 << 10, stop, sent), _fill(gate, "l", LOW, 4 << 10, stop, sent))
+    # 0.6 s at 400 kB/s and 100 kB/s, plus each bucket's 8 KiB burst and one chunk of slack
+    assert 0.6 * 400e3 * 0.85 <= sent["h"] <= 0.6 * 400e3 + (16 << 10), sent
+    assert 0.6 * 100e3 * 0.85 <= sent["l"] <= 0.6 * 100e3 + (16 << 10), sent
+    # grants from two links add up per class
+    gate.set_grant("rx:2", {"high": 100e3, "normal": 0.0, "low": 100e3}, ttl_s=5.0)
+    assert gate.stats()["class_rates"]["low"] == 200e3
+    with pytest.raises(ValueError):
+        gate.set_grant("rx:1", {"urgent": 1.0}, ttl_s=1.0)
+    with pytest.raises(ValueError):
+        gate.set_grant("rx:1", {"low": 1.0}, ttl_s=0.0)
+
+
+async def test_a_lapsed_grant_leaves_the_gate_to_its_own_fair_queue():
+    gate = ShareGate(1 << 20, burst=4 << 10)
+    gate.set_grant("rx:1", {"high": 1000.0, "normal": 1000.0, "low": 1000.0}, ttl_s=0.2)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    for _ in range(8):  # 32 KiB at 1 kB/s would take ~28 s; the grant lapses after 0.2 s
+        await asyncio.wait_for(gate.acquire("l", LOW, 4 << 10), 2.0)
+        gate.release(4 << 10)
+    assert 0.15 <= loop.time() - t0 <= 1.0
+    assert gate.stats()["class_rates"] is None and gate.stats()["pace"] is None
+
+
+async def test_auto_pace_follows_the_noted_capacity():
+    gate = ShareGate(1 << 20, rate="auto", burst=4 << 10)
+    assert gate.pace_rate(asyncio.get_running_loop().time()) is None  # nothing noted: unpaced
+    gate.note_capacity("rx:1", 200e3)
+    gate.note_capacity("rx:2", 100e3)
+    assert gate.pace_rate(asyncio.get_running_loop().time()) == 200e3
+    sent: dict[str, int] = {}
+    stop = asyncio.get_running_loop().time() + 0.5
+    await _fill(gate, "n", NORMAL, 4 << 10, stop, sent)
+    assert 0.5 * 200e3 * 0.8 <= sent["n"] <= 0.5 * 200e3 + (12 << 10), sent
+    with pytest.raises(ValueError):
+        ShareGate(10, rate="fast")

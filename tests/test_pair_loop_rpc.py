@@ -97,3 +97,39 @@ async def test_a_router_of_two_pd_clusters_places_decode_in_one_and_prefill_in_t
         await to_router.close()
         await router.close()
         await planner.server.close()
+
+
+async def test_the_planner_answers_each_senders_report_with_its_per_class_grants():
+    p_addr, r_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    router = Router(p_addr, 1 << 20, topology=TOPO)
+    await router.server.start("127.0.0.1", int(r_addr.rsplit(":", 1)[1]))
+    to_router = RpcClient(r_addr, service="planner", name="planner")
+    planner = Planner(dead_after=60.0, loop_interval=0.05, router=to_router, topology=TOPO)
+    await planner.server.start("127.0.0.1", int(p_addr.rsplit(":", 1)[1]))
+    c = RpcClient(p_addr, service="test", name="test")
+    try:
+        def links(cls):  # one transfer of ``cls`` under way on a 100 Gbit/s link, its bytes waiting
+            return {"links": {"127.0.0.1:9": {"capacity_bps": 100e9, "goodput_window_bps": 50e9, f"share_{cls}": 1.0,
+                                              f"waiting_{cls}": 65536.0, "active_high": 0, "active_normal": 0,
+                                              "active_low": 0, f"active_{cls}": 1}}}
+        for name, cls in (("a0", "low"), ("a1", "high")):  # two sender processes on pa's link
+            await c.call("register", {"name": name, "role": "prefill", "cluster": "pa", "addr": f"{name}:1",
+                                      "stats": links(cls)})
+        planner.start()
+        for _ in range(100):
+            reply = await c.call("report", {"name": "a0", "stats": links("low")})
+            if "kv_grants" in reply:
+                break
+            await asyncio.sleep(0.05)
+        # 4 idle (sender, class) pairs keep 2 % each; the rest splits 4 : 1 between a1's high and a0's low
+        assert reply["kv_grants"] == {"127.0.0.1:9": {"high": 2e9, "normal": 2e9, "low": 18.4e9}}
+        assert reply["kv_grant_ttl_s"] == 1.0
+        planner.loop_interval = 3600.0  # a link loop that stalls: its grants get older than their ttl
+        await asyncio.sleep(0.3)
+        planner.kv_grants_at -= 2.0
+        assert "kv_grants" not in await c.call("report", {"name": "a0", "stats": links("low")})
+    finally:
+        await c.close()
+        await planner.close()
+        await to_router.close()
+        await router.close()

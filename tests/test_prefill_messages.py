@@ -100,3 +100,23 @@ async def test_health_ignores_extra_fields(client):
 
 async def _drain(stream) -> list:
     return [item async for item in stream]
+
+
+async def test_the_planners_kv_grants_reach_the_links_gate_and_a_share_groups_workers_add_up():
+    a = PrefillWorker(BACKEND, "ga", prefix_cache_bytes=0, block_size=16, kv_share_group="test-grants")
+    b = PrefillWorker(BACKEND, "gb", prefix_cache_bytes=0, block_size=16, kv_share_group="test-grants")
+    try:
+        la, lb = await a._link("127.0.0.1:9"), await b._link("127.0.0.1:9")
+        assert la.gate is lb.gate and la.gate.auto  # one gate per group, paced at the measured capacity
+        a.on_planner_reply({"ok": True, "kv_grants": {"127.0.0.1:9": {"high": 8e6, "normal": 8e5, "low": 8e5}},
+                            "kv_grant_ttl_s": 5.0})
+        b.on_planner_reply({"ok": True, "kv_grants": {"127.0.0.1:9": {"high": 8e6, "normal": 8e5, "low": 1.6e6},
+                                                      "127.0.0.1:8": {"high": 1.0}}, "kv_grant_ttl_s": 5.0})
+        assert la.gate.stats()["class_rates"] == {"high": 2e6, "normal": 2e5, "low": 3e5}  # bytes/s, summed
+        a.on_planner_reply({"kv_grants": {"127.0.0.1:9": {"urgent": 1.0}}, "kv_grant_ttl_s": 5.0})  # ignored
+        a.on_planner_reply({"kv_grants": {"127.0.0.1:9": {"high": 1.0}}, "kv_grant_ttl_s": 1e9})  # ttl out of range
+        a.on_planner_reply(None)
+        assert la.gate.stats()["class_rates"] == {"high": 2e6, "normal": 2e5, "low": 3e5}
+    finally:
+        await a.close()
+        await b.close()

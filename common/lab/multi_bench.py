@@ -12,7 +12,8 @@ Three runs, each on its own emulated deployment (real services; accelerators emu
    lengths and threshold (``t`` = the paper's full-bandwidth optimum, 19.8K tokens), at 3.5 req/s
    (``--multi-rate``; where both meet the SLO for about 80 % of requests: at 2 req/s both meet it
    for all, which would compare nothing). ``pairs``: the
-   (prefill cluster, decode cluster) pairs the router used in the multi run.
+   (prefill cluster, decode cluster) pairs the router used in the multi run. Each site's senders share
+   its link by the planner's per-class grants (``kv_grants_mid_run``: the grants halfway through).
 2. **Link failure.** On the multi deployment, ``pa``'s link is blackholed and long requests are sent:
    ``link_fail_exact`` is true when every one completes with exactly the emulated tokens and all of
    their KVCache crossed ``pb``'s link.
@@ -53,8 +54,11 @@ async def _load(c: MultiCluster, slo: Slo, rate: float, window_s: float, halve: 
     ls = sample_lengths(len(arr), w.mu, w.sigma, w.lo, w.hi, seed + 1, stratified=True)
     prompts = [prompt_tokens(c.carried(l), seed * 100003 + i) for i, l in enumerate(ls)]
 
+    grants: dict = {}
+
     async def degrade() -> None:
         await asyncio.sleep(window_s / 2 / c.scales.time_scale)
+        grants.update((await c.planner_status()).get("kv_grants") or {})  # the per-class rates senders are paced at
         c.set_site_link(*halve)
 
     with tqdm(total=len(arr), desc=label, leave=False, file=sys.stderr) as bar:
@@ -63,7 +67,7 @@ async def _load(c: MultiCluster, slo: Slo, rate: float, window_s: float, halve: 
         await task
     st = await c.router_stats()
     return {**asdict(summarize(outs, slo, window_s)), "pairs": st.get("pair_decisions", {}),
-            "kv_bytes": {s.name: c.site_kv_bytes(s.name) for s in c.sites}}
+            "kv_bytes": {s.name: c.site_kv_bytes(s.name) for s in c.sites}, "kv_grants_mid_run": grants}
 
 
 async def _link_failure(c: MultiCluster, n: int = 6) -> dict:
@@ -142,7 +146,8 @@ def render(res: dict) -> list[str]:
     lf = m["link_failure"]
     return [
         f"multi : goodput {m['goodput']:.3f} req/s, attainment {m['attainment']:.2f}, TTFT p90 {m['ttft_p90']:.1f} s, "
-        f"pairs {m['pairs']}, KV bytes {m['kv_bytes']}, errors {m['errors']}",
+        f"pairs {m['pairs']}, KV bytes {m['kv_bytes']}, errors {m['errors']}, senders granted mid-run "
+        f"{sorted(m.get('kv_grants_mid_run') or {})}",
         f"single: goodput {s['goodput']:.3f} req/s, attainment {s['attainment']:.2f}, TTFT p90 {s['ttft_p90']:.1f} s, "
         f"errors {s['errors']}",
         f"link failure (pa blackholed): {lf['exact']}/{lf['requests']} exact, errors {lf['errors']}, pb carried "

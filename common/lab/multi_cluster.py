@@ -13,6 +13,10 @@ its own, behind its own :class:`~common.lab.topology.WanLink`::
                              (each PD worker advertises one KV address per site: --kv-advertise-for)
     site worker --reports, cache events--> [planner], [router] on link <s>
 
+A site's workers share one KV gate (``--kv-share-group <site>``: one window, paced at the link's
+measured capacity, chunks in priority-weighted order), and each is paced per class at the rates the
+planner grants it in its report answers (``kv_grants``, :mod:`services.planner.link_grants`).
+
 Blackholing a site's link (:meth:`MultiCluster.stall`) stops its KVCache and its workers' reports:
 the planner marks them dead after its heartbeat, in-flight transfers fail at the decode worker's
 stall deadline and are placed again on another site. Ownership as in ``EmulatedCluster``; every link
@@ -98,7 +102,7 @@ class MultiCluster(EmulatedCluster):
             for k, n in enumerate(self._workers(s)):
                 specs += ["--", "prefill", "--name", n, "--cluster", s.name, "--listen", a[n], "--advertise", a[f"rpc:{n}"],
                           "--planner", a[f"planner:{s.name}"], "--router", a[f"router:{s.name}"],
-                          "--emulated-profile", s.profile_of(k), *common]
+                          "--emulated-profile", s.profile_of(k), "--kv-share-group", s.name, *common]
             cmds[f"host-{s.name}"] = py + ["common.lab.emulated_host", *specs[1:]]
         return cmds
 

@@ -44,6 +44,7 @@ from common.rpc.auth import resolve_credentials
 from common.rpc.errors import RpcError, Unavailable
 from common.rpc.handshake import parse_addr
 from common.runtime.backoff import Backoff
+from common.runtime.priority import CLASSES, class_of
 from common.transfer import codecs
 from common.transfer.coded import CodecMeter, encode_chunk
 from common.transfer.connection import LinkConnection, wait_cleared, wait_set_or_dead
@@ -100,6 +101,7 @@ class KvLink:
         # the window and its weighted order (common/transfer/share.py): own, or a share group's
         self.gate = gate or ShareGate(max_inflight_bytes)
         self.mix = ClassMix(windows_from_env().get("half_life_s", 5.0))  # recent bytes written, by priority class
+        self.waiting = dict.fromkeys(CLASSES, 0)  # bytes of this link's chunks waiting for the gate, by class
         self._dial_lock = asyncio.Lock()
         self._ping_task: asyncio.Task | None = None
         self._closed = False
@@ -182,6 +184,7 @@ class KvLink:
                 else:
                     c.ping()
             self.stats.fold_tcp([(c.sock, infos[c.cid]) for c in self._live()])
+            self.gate.note_capacity(self.addr, self.stats.capacity_bytes_per_s())  # a gate paced "auto" follows it
             if len(self._live()) < self.n_conns and not self._closed:
                 with contextlib.suppress(Exception):
                     await self.ensure_connected()
@@ -279,7 +282,12 @@ class KvLink:
     async def _acquire(self, tr: Transfer, n: int) -> None:
         """Wait until the gate grants ``n`` more bytes of its in-flight window to ``tr`` (one chunk
         always fits in an empty window; waiting chunks go in the gate's priority-weighted order)."""
-        await self.gate.acquire(tr.req_id, tr.priority, n)
+        c = class_of(tr.priority)
+        self.waiting[c] += n
+        try:
+            await self.gate.acquire(tr.req_id, tr.priority, n)
+        finally:
+            self.waiting[c] -= n
         self._inflight += n
         self.stats.bytes_queued = self._inflight
 
@@ -417,7 +425,10 @@ class KvLink:
     def snapshot(self) -> dict[str, Any]:
         """The link's congestion signals (see ``common/transfer/link_stats.py``) plus its live
         connections, codec counters and ``share_high``/``share_normal``/``share_low`` (the fraction of
-        its recent bytes each priority class wrote, :class:`~common.transfer.share.ClassMix`)."""
+        its recent bytes each priority class wrote, :class:`~common.transfer.share.ClassMix`) and
+        ``waiting_high``/``waiting_normal``/``waiting_low`` (bytes of its chunks waiting for the gate:
+        the class wants more than it gets) and ``active_<class>`` (its transfers of the class under
+        way), for the planner's grants (:mod:`services.planner.link_grants`)."""
         snap = self.stats.snapshot()
         snap["connections"] = len(self._live())
         raw = sum(r for r, _ in self.codec_bytes.values())
@@ -428,6 +439,9 @@ class KvLink:
         snap["codec_ratio"] = raw / wire if wire else 1.0
         for cls, share in self.mix.shares(time.monotonic()).items():  # the planner's per-class link headroom
             snap[f"share_{cls}"] = share
+        for cls, n in self.waiting.items():
+            snap[f"waiting_{cls}"] = float(n)
+            snap[f"active_{cls}"] = sum(1 for tr in self.transfers.values() if class_of(tr.priority) == cls)
         return snap
 
     async def close(self) -> None:

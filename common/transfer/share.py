@@ -24,7 +24,10 @@ was idle does not bank credit (``max(F, V)``). These are the rates of
 Scope: one gate orders the chunks of the links that use it: one :class:`~common.transfer.sender.KvLink`
 by default, or every link of the workers of one process that name the same share group
 (``--kv-share-group``; the emulated lab's site hosts). Transfers from different processes onto the
-same wire are not ordered against one another (each process keeps its own weighted order).
+same wire are ordered by the planner instead: it grants each sender a rate per class
+(:mod:`services.planner.link_grants`, from every sender's reported class mix and backlog and the
+link's measured capacity) and the gate paces each class to its grant (:meth:`ShareGate.set_grant`),
+falling back to its own order when the grants lapse.
 
 Units: bytes. :class:`FairQueue` is pure (no event loop); :class:`ShareGate` is its asyncio shell.
 """
@@ -57,9 +60,10 @@ class _Sfq:
             self.start[key] = max(self.finish.get(key, 0.0), self.v)
         q.append((nbytes, item))
 
-    def head(self, rank: dict[Any, int] | None = None) -> Any | None:
-        """The backlogged flow whose head has the least start tag (ties: ``rank``, then first seen)."""
-        keys = [k for k, q in self.queues.items() if q]
+    def head(self, rank: dict[Any, int] | None = None, skip: Any = ()) -> Any | None:
+        """The backlogged flow not in ``skip`` whose head has the least start tag (ties: ``rank``,
+        then first seen)."""
+        keys = [k for k, q in self.queues.items() if q and k not in skip]
         if not keys:
             return None
         return min(keys, key=lambda k: (self.start[k], (rank or {}).get(k, 0), self.order[k]))
@@ -104,18 +108,23 @@ class FairQueue:
         self.flows[c].push(tid, nbytes, item)
         self.classes.push(c, 0, None)  # the class level holds one marker per waiting chunk
 
-    def peek(self) -> tuple[str, int, Any] | None:
-        c = self.classes.head(self._rank)
+    def waiting_bytes(self) -> dict[str, int]:
+        """Bytes of the chunks waiting, per class."""
+        return {c: sum(n for q in self.flows[c].queues.values() for n, _ in q) for c in CLASSES}
+
+    def peek(self, skip: Any = ()) -> tuple[str, int, Any] | None:
+        """The next chunk of a class not in ``skip``."""
+        c = self.classes.head(self._rank, skip)
         if c is None:
             return None
         tid = self.flows[c].head()
         nbytes, item = self.flows[c].queues[tid][0]
         return tid, nbytes, item
 
-    def pop(self, charge: bool = True) -> tuple[str, int, Any] | None:
-        """Take the next chunk out; ``charge=False`` drops it without advancing the tags (a waiter
-        that went away)."""
-        c = self.classes.head(self._rank)
+    def pop(self, charge: bool = True, skip: Any = ()) -> tuple[str, int, Any] | None:
+        """Take the next chunk (of a class not in ``skip``) out; ``charge=False`` drops it without
+        advancing the tags (a waiter that went away)."""
+        c = self.classes.head(self._rank, skip)
         if c is None:
             return None
         fl = self.flows[c]
@@ -141,68 +150,155 @@ class FairQueue:
         return items
 
 
+class Bucket:
+    """A token bucket of ``burst`` bytes filled at ``rate`` bytes/s. :meth:`wait` ``(n, now)``: seconds
+    until ``n`` bytes may go (0: now; at most ``burst`` is needed, so a chunk above the burst goes
+    once the bucket is full and leaves a debt the next ones wait out); :meth:`take` them. Pure: the
+    caller passes the clock (seconds)."""
+
+    def __init__(self, rate: float, burst: int):
+        self.rate = rate
+        self.burst = burst
+        self.tokens = float(burst)
+        self._at: float | None = None
+
+    def wait(self, n: int, now: float) -> float:
+        if self._at is not None and now > self._at:
+            self.tokens = min(float(self.burst), self.tokens + (now - self._at) * self.rate)
+        self._at = now if self._at is None else max(self._at, now)
+        need = min(n, self.burst)
+        return 0.0 if self.tokens >= need else (need - self.tokens) / self.rate
+
+    def take(self, n: int) -> None:
+        self.tokens -= n
+
+
+MIN_GRANT = 1000.0  # bytes/s: a granted rate below this counts as this (a grant never freezes a class)
+MAX_GRANT_TTL_S = 60.0
+CAPACITY_FRESH_S = 10.0  # a link's noted capacity paces the gate this long
+
+
 class ShareGate:
     """A bytes-in-flight window of ``budget`` bytes whose waiting chunks are granted in
     :class:`FairQueue` order (one chunk is always let in when nothing is in flight), optionally paced
-    at ``rate`` bytes/s by a token bucket of ``burst`` bytes (HTB's ceiling).
+    at ``rate`` bytes/s by a token bucket of ``burst`` bytes (HTB's ceiling); ``rate="auto"``: paced
+    at the largest capacity its links noted (:meth:`note_capacity`, the sender's measured capacity)
+    in the last :data:`CAPACITY_FRESH_S` seconds, unpaced while none is known.
 
     Why a rate: bytes that leave the window land in socket buffers and middleboxes that are FIFO and
     may hold megabytes, so an order chosen above a deep FIFO is lost in it; paced at (or just below)
     the link's capacity, the queue forms here, where the weighted order is kept. Without a rate the
     order holds only while the window itself is the bottleneck.
 
+    **Grants** (the planner's per-class rates for senders in several processes,
+    :mod:`services.planner.link_grants`): :meth:`set_grant` ``(key, {class: bytes/s}, ttl_s)`` for
+    each of the gate's links (``key``: its receiver address). While some grant is live, each class
+    is paced by a token bucket of its own at the sum of its live grants (at least
+    :data:`MIN_GRANT`); a class at its rate waits while the others go on (the weighted order holds
+    among the classes that may send). A grant older than its ``ttl_s`` is dropped: with none live
+    the gate is its own fair queue again, so a planner that went away never freezes a sender.
+
     ``await acquire(tid, priority, n)`` before writing ``n`` bytes, ``release(n)`` once they drained,
     ``forget(tid)`` when a transfer ends. A waiter cancelled while waiting leaves the queue; one
     granted as it was cancelled gives its bytes back. Raises ``ValueError`` for ``budget < 1``, a
-    rate that is not positive or a burst below 1."""
+    rate that is not positive or ``"auto"``, or a burst below 1."""
 
-    def __init__(self, budget: int, weights: dict[str, float] | None = None, *, rate: float | None = None,
+    def __init__(self, budget: int, weights: dict[str, float] | None = None, *, rate: float | str | None = None,
                  burst: int = 256 << 10):
-        if budget < 1 or burst < 1 or (rate is not None and not rate > 0):
-            raise ValueError(f"budget and burst must be >= 1 byte and rate > 0 bytes/s, got {budget}, {burst}, {rate}")
+        if budget < 1 or burst < 1 or (rate not in (None, "auto") and not (isinstance(rate, (int, float)) and rate > 0)):
+            raise ValueError(f"budget and burst must be >= 1 byte and rate > 0 bytes/s or 'auto', got {budget}, {burst}, {rate}")
         self.budget = budget
-        self.rate = rate
+        self.auto = rate == "auto"
+        self.rate = None if rate in (None, "auto") else float(rate)
         self.burst = burst
-        self.tokens = float(burst)
-        self._filled_at: float | None = None
+        self._pace = Bucket(self.rate or 1.0, burst)
+        self._capacity: dict[str, tuple[float, float]] = {}  # link key -> (bytes/s, noted at)
+        self.grants: dict[str, tuple[dict[str, float], float]] = {}  # link key -> ({class: bytes/s}, expires at)
+        self._class_pace = {c: Bucket(1.0, burst) for c in CLASSES}
         self._timer: asyncio.TimerHandle | None = None
         self.inflight = 0
         self.queue = FairQueue(weights)
 
-    def _paced(self, n: int) -> bool:
-        """True when the bucket lets ``n`` bytes go now (and takes them); else arms a timer."""
-        if self.rate is None:
-            return True
+    # -- rates -------------------------------------------------------------------------------
+    def note_capacity(self, key: str, bytes_per_s: float | None) -> None:
+        """Link ``key``'s measured capacity (bytes/s; None: unknown), for ``rate="auto"``."""
+        if bytes_per_s and bytes_per_s > 0:
+            self._capacity[key] = (float(bytes_per_s), asyncio.get_running_loop().time())
+
+    def pace_rate(self, now: float) -> float | None:
+        """The aggregate pace at ``now`` (bytes/s), None when unpaced."""
+        if self.rate is not None or not self.auto:
+            return self.rate
+        fresh = [r for r, at in self._capacity.values() if now - at <= CAPACITY_FRESH_S]
+        return max(fresh) if fresh else None
+
+    def set_grant(self, key: str, rates: dict[str, float], ttl_s: float) -> None:
+        """The planner's rates (bytes/s per class) for link ``key``, live for ``ttl_s`` seconds (at
+        most :data:`MAX_GRANT_TTL_S`). Raises ``ValueError`` for an unknown class, a negative or
+        non-finite rate, or a ttl outside ``(0, MAX_GRANT_TTL_S]``."""
+        if set(rates) - set(CLASSES) or any(not 0 <= float(r) < float("inf") for r in rates.values()):
+            raise ValueError(f"a grant gives finite rates >= 0 to classes of {CLASSES}, got {rates}")
+        if not 0 < ttl_s <= MAX_GRANT_TTL_S:
+            raise ValueError(f"ttl_s must be in (0, {MAX_GRANT_TTL_S}], got {ttl_s}")
+        self.grants[key] = ({c: float(r) for c, r in rates.items()}, asyncio.get_running_loop().time() + ttl_s)
+        self._dispatch()
+
+    def class_rates(self, now: float) -> dict[str, float] | None:
+        """Each class's granted rate at ``now`` (bytes/s; sum of the live grants), None when no grant
+        is live (the expired ones are dropped)."""
+        for k in [k for k, (_, exp) in self.grants.items() if exp <= now]:
+            del self.grants[k]
+        if not self.grants:
+            return None
+        return {c: max(MIN_GRANT, sum(r.get(c, 0.0) for r, _ in self.grants.values())) for c in CLASSES}
+
+    # -- the window ------------------------------------------------------------------------------
+    def _arm(self, delay: float) -> None:
+        """Wake :meth:`_dispatch` in ``delay`` seconds, or sooner if a timer is set for sooner."""
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        if self._filled_at is not None:
-            self.tokens = min(float(self.burst), self.tokens + (now - self._filled_at) * self.rate)
-        self._filled_at = now
-        need = min(n, self.burst)
-        if self.tokens >= need:
-            self.tokens -= n  # a chunk above the burst leaves a debt the next grants wait out
-            return True
-        if self._timer is None:
-            self._timer = loop.call_later((need - self.tokens) / self.rate, self._on_timer)
-        return False
+        if self._timer is not None:
+            if self._timer.when() <= loop.time() + delay:
+                return
+            self._timer.cancel()
+        self._timer = loop.call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
         self._dispatch()
 
     def _dispatch(self) -> None:
-        while (nxt := self.queue.peek()) is not None:
-            _, n, fut = nxt
+        now = asyncio.get_running_loop().time()
+        pace = self.pace_rate(now)
+        granted = self.class_rates(now)
+        skip: set[str] = set()
+        wake: float | None = None
+        while (nxt := self.queue.peek(skip)) is not None:
+            tid, n, fut = nxt
             if fut.done():  # cancelled: drop it without charging
-                self.queue.pop(charge=False)
+                self.queue.pop(charge=False, skip=skip)
                 continue
             if self.inflight and self.inflight + n > self.budget:
                 return
-            if not self._paced(n):
-                return
-            self.queue.pop()
+            if pace is not None:
+                self._pace.rate = pace
+                if (w := self._pace.wait(n, now)) > 0:
+                    self._arm(w)
+                    return
+            c = self.queue.class_of[tid]
+            if granted is not None:
+                self._class_pace[c].rate = granted[c]
+                if (w := self._class_pace[c].wait(n, now)) > 0:  # this class is at its rate: the others may go
+                    skip.add(c)
+                    wake = w if wake is None else min(wake, w)
+                    continue
+                self._class_pace[c].take(n)
+            if pace is not None:
+                self._pace.take(n)
+            self.queue.pop(skip=skip)
             self.inflight += n
             fut.set_result(None)
+        if wake is not None:  # the earliest of: a class's tokens, a grant's lapse
+            self._arm(min(wake, min(exp for _, exp in self.grants.values()) - now))
 
     async def acquire(self, tid: str, priority: int, n: int) -> None:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -229,8 +325,11 @@ class ShareGate:
         self._dispatch()
 
     def stats(self) -> dict[str, Any]:
-        """Bytes in flight, chunks waiting, and bytes granted per class."""
-        return {"inflight": self.inflight, "waiting": len(self.queue), "granted": dict(self.queue.granted)}
+        """Bytes in flight, chunks waiting, bytes granted per class, the pace and the live grants'
+        rates (bytes/s; None: none)."""
+        now = asyncio.get_running_loop().time()
+        return {"inflight": self.inflight, "waiting": len(self.queue), "granted": dict(self.queue.granted),
+                "pace": self.pace_rate(now), "class_rates": self.class_rates(now)}
 
 
 class ClassMix:
@@ -268,9 +367,9 @@ _GROUPS: dict[str, ShareGate] = {}
 
 def group_gate(group: str, budget: int, rate: float | None = None) -> ShareGate:
     """The process's gate of share group ``group`` (made on first use with ``budget`` bytes and
-    ``rate`` bytes/s): every link of the process's workers that name the group shares one window,
-    one pace and one fair order."""
+    ``rate`` bytes/s; None: ``"auto"``, paced at its links' measured capacity): every link of the
+    process's workers that name the group shares one window, one pace and one fair order."""
     gate = _GROUPS.get(group)
     if gate is None:
-        gate = _GROUPS[group] = ShareGate(budget, rate=rate)
+        gate = _GROUPS[group] = ShareGate(budget, rate=rate if rate else "auto")
     return gate

@@ -148,7 +148,8 @@ async def serve_worker(args: argparse.Namespace, stop: asyncio.Event, backend: B
         await start()
     agent = PlannerAgent(addrs.planner, {"name": args.name, "role": role, "cluster": cluster, **info,
                                          "fingerprint": backend.loaded.fingerprint}, report, args.report_interval,
-                         on_reply=worker.wire.on_planner_reply if hasattr(worker, "wire") else None)
+                         on_reply=getattr(worker, "on_planner_reply", None) or (worker.wire.on_planner_reply
+                                                                                if hasattr(worker, "wire") else None))
     agent.start()
     metrics = await start_worker_metrics(args, lambda: role, cluster, report)
     own = [publisher.close] if publisher is not None else []

@@ -61,6 +61,12 @@ class LinkSnapshot(msgspec.Struct):
     share_high: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # fraction of recent bytes by class
     share_normal: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     share_low: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    waiting_high: Amount | None = None  # bytes waiting for the sender's window, by class (link grants)
+    waiting_normal: Amount | None = None
+    waiting_low: Amount | None = None
+    active_high: Count | None = None  # transfers under way, by class (link grants)
+    active_normal: Count | None = None
+    active_low: Count | None = None
 
 
 class PrefixCacheStats(msgspec.Struct):

@@ -31,7 +31,7 @@ from common.rpc.schema import NoArgs, takes
 from common.rpc.server import RpcServer
 from common.runtime import service
 from proto.frames import ErrorCode
-from services.planner import link_loop
+from services.planner import link_grants, link_loop
 from services.planner.long_loop import LongConfig, LongLoop
 from services.planner.messages import BadStats, MoveWorkerArgs, RegisterArgs, ReportArgs, ViewArgs
 from services.planner.pair_loop import PairPlanner
@@ -83,6 +83,9 @@ class Planner:
         self._link_task: asyncio.Task | None = None
         self.link_states: dict[str, tuple[bool, float]] = {}  # "src->dst" -> (up, headroom) last sent to the router
         self.class_states: dict[str, dict[str, float] | None] = {}  # "src->dst" -> class headroom last sent
+        self.kv_grants: dict[str, dict[str, dict[str, float]]] = {}  # sender -> receiver addr -> class -> bits/s
+        self.kv_grants_at = -math.inf  # when they were computed (monotonic s); older than their ttl: not handed out
+        self.grant_ttl_s = min(60.0, max(1.0, 3 * loop_interval))
         self.server = RpcServer(
             "planner", name,
             handlers={"register": self.register, "report": self.report, "view": self.view, "health": self.health,
@@ -114,6 +117,9 @@ class Planner:
                     self.loop_errors += 1
                     log.exception("per-pair thresholds failed")
             classes = link_loop.class_headrooms(self.topology, view)
+            caps = {lk.key: link_loop.link_capacity_bps(self.topology, view, lk.key) for lk in self.topology.links.values()}
+            self.kv_grants = link_grants.sender_grants(self.topology, view, caps)  # handed out with report answers
+            self.kv_grants_at = now
             send = link_loop.changed(self.link_states, states)
             for key in [*thresholds, *link_loop.classes_changed(self.class_states, classes)]:
                 send.setdefault(key, states[key])
@@ -216,7 +222,8 @@ class Planner:
         links = {} if self.topology.is_default else {"links": {k: {"up": up, "headroom": h,
                                                                    "threshold": self.pair_thresholds.get(k),
                                                                    "classes": self.class_states.get(k)}
-                                                               for k, (up, h) in sorted(self.link_states.items())}}
+                                                               for k, (up, h) in sorted(self.link_states.items())},
+                                                     "kv_grants": self.kv_grants}
         return {"alive": by, "loop": self.controller.state() if self.controller is not None else None,
                 "roles": self.mover.state(), "loop_errors": self.loop_errors, "kv_codecs": self.codecs.state(), **links}
 
@@ -241,7 +248,10 @@ class Planner:
         """A worker's load report; ``bad_request`` with ``reregister`` for a worker the planner does
         not know (e.g. after a planner restart); ``bad_request`` (``quarantined``) for a report that
         fails its checks: the worker leaves the routing view until it reports well again. The answer
-        carries ``kv_codecs`` (link address -> codec) for a worker whose links the codec loop tracks."""
+        carries ``kv_codecs`` (link address -> codec) for a worker whose links the codec loop tracks,
+        and with a topology file ``kv_grants`` (receiver address -> class -> bits/s) with
+        ``kv_grant_ttl_s`` for a prefill worker that shares a link with other senders
+        (:mod:`services.planner.link_grants`; the link loop recomputes them every tick)."""
         try:
             self.registry.report(args.name, args.stats or {}, time.monotonic())
         except BadStats as e:
@@ -249,8 +259,15 @@ class Planner:
             raise RpcError(ErrorCode.BAD_REQUEST, f"report: {e}", quarantined=True) from None
         except RegistrationError as e:
             raise RpcError(ErrorCode.BAD_REQUEST, str(e), reregister=True) from None
+        out: dict[str, Any] = {"ok": True}
         codecs = self.codecs.codecs_for(args.name)
-        return {"ok": True, "kv_codecs": codecs} if codecs else {"ok": True}
+        if codecs:
+            out["kv_codecs"] = codecs
+        grants = self.kv_grants.get(args.name)
+        if grants and time.monotonic() - self.kv_grants_at < self.grant_ttl_s:
+            out["kv_grants"] = grants
+            out["kv_grant_ttl_s"] = self.grant_ttl_s
+        return out
 
     @takes(ViewArgs)
     async def view(self, args: ViewArgs) -> dict[str, Any]:

@@ -173,6 +173,25 @@ class PrefillWorker:
         if link is not None and not link._live() and self._idle(kv_addr):
             await self._drop_link(kv_addr, "its receiver could not be reached")
 
+    def on_planner_reply(self, reply: Any) -> None:
+        """A load report's answer: the wire codec's ``kv_codecs``, and ``kv_grants`` (receiver
+        address -> class -> bits/s, live for ``kv_grant_ttl_s``) set on each named link's gate
+        (:meth:`~common.transfer.share.ShareGate.set_grant`, keyed by this worker and the address so
+        grants of a share group's workers add up). Malformed entries are ignored; never raises."""
+        self.wire.on_planner_reply(reply)
+        grants = reply.get("kv_grants") if isinstance(reply, dict) else None
+        if not isinstance(grants, dict):
+            return
+        ttl = reply.get("kv_grant_ttl_s")
+        for addr, rates in list(grants.items())[:MAX_LINKS]:
+            link = self._links.get(addr) if isinstance(addr, str) else None
+            if link is None or not isinstance(rates, dict) or not isinstance(ttl, (int, float)):
+                continue
+            try:
+                link.gate.set_grant(f"{self.name}|{addr}", {c: float(r) / 8 for c, r in rates.items()}, float(ttl))
+            except (TypeError, ValueError) as e:
+                log.warning("ignoring the planner's KV grant for %s: %s", addr, e)
+
     def link_stats(self) -> dict[str, Any]:
         """Congestion signals of every KV link, keyed by the receiver's address."""
         return {addr: link.snapshot() for addr, link in self._links.items()}
