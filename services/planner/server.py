@@ -131,6 +131,8 @@ class Planner:
                 try:
                     await self.router.call("set_link", args, timeout=2.0)
                 except (RpcError, TimeoutError, OSError):
+                    if (me := asyncio.current_task()) is not None and me.cancelling():
+                        raise asyncio.CancelledError from None  # a cancel wait_for turned into a timeout
                     self.loop_errors += 1
                     if key in thresholds:
                         self.pair_planner.hold.applied.pop(key, None)  # not sent: hand it on again next tick
