@@ -16,13 +16,13 @@ joined by our transfer engine. Baselines are run in the same script, on the same
 3. Goodput: the connector's transfer path (Pusher -> BlockAssembly, common/lab/connector_goodput.py)
    against raw TCP, the long prompt's KV bytes, on loopback.
 
-4. Overlap where it means something: the long prompt through the link proxy capped at ``rate`` =
-   KV bytes / prefill time (x ``--shape-ratio``), so that the transfer takes about as long as the
-   prefill; prefill and pair TTFT measured again in that pass (caches emptied).
+4. Overlap where it means something: the long prompt alone (its TTFT: the prefill), then through the
+   pair across the link proxy capped at KV bytes / that prefill (x ``--shape-ratio``), so that the
+   transfer takes about as long as the prefill (caches emptied before each).
 
 overlap = TTFT(pair, shaped) / max(prefill, transfer) (issue 14): prefill is TTFT alone in the shaped
-pass, transfer the bytes the proxy carried to the decode engine during the pair request at the cap
-(``8 * bytes / rate_bps``, the least time the capped link needs). ``overlap_loopback`` is the old
+pass, transfer the long prompt's KV bytes at the cap (``8 * bytes / rate_bps``, the least time the
+capped link needs; framing and resends only add to the pair's TTFT). ``overlap_loopback`` is the old
 figure: the unshaped pair, transfer at the engine's loopback goodput. It prints a table, writes ``vllm_connector.json`` and ``.png`` under
 ``--out`` (default ``runs/bench_vllm_connector``), and ends with exactly
 ``exact=<k>/<n> ttft_vs_vllm_alone=<x> overlap=<y> goodput_vs_raw=<z>``.
@@ -89,22 +89,26 @@ def kv_bytes(mdir: str, tokens: int) -> int:
     return layers * -(-tokens // shape[1]) * shape[0] * shape[1] * shape[2] * 4
 
 
-def shaped_pass(p, d, long_prompt: list[int], max_tokens: int, kv: int, mdir: str, cold: list[dict], a, progress) -> dict:
-    """The long prompt through the link proxy capped so that its KV takes ``a.shape_ratio`` x the
-    prefill (the cold TTFT alone of the exactness pass, ``cold``) to cross. Returns the cap (bit/s),
-    the wire bytes the proxy carried to decode during the pair request, the prefill (TTFT alone) and
-    pair TTFT of this pass (s), ``transfer_s = 8 * wire / rate`` and ``overlap`` = pair / max(prefill,
-    transfer); ``exact`` whether the tokens equal vLLM alone's."""
-    prefill0 = min(r["alone"]["ttft_s"] for r in cold)
-    rate = 8 * kv_bytes(mdir, len(long_prompt)) / (prefill0 * a.shape_ratio)
+def shaped_pass(p, d, long_prompt: list[int], max_tokens: int, kv: int, mdir: str, a, progress) -> dict:
+    """The long prompt alone (its TTFT is the prefill), then through the pair across the link proxy
+    capped at ``rate`` = 8 x KV bytes / (prefill x ``a.shape_ratio``) bit/s, so that the KV takes
+    about as long as that prefill to cross (both caches emptied before each). Returns the cap (bit/s),
+    the wire bytes the proxy carried to decode during the pair request (framing and any resends
+    included) and the connections it carried, the prefill and pair TTFT (s), ``transfer_s = 8 * KV
+    bytes / rate`` (the least time the capped link needs for the KV) and ``overlap`` = pair /
+    max(prefill, transfer); ``exact`` whether the tokens equal vLLM alone's."""
+    reset_caches(p, d)
+    alone = complete(p.url, "m", long_prompt, max_tokens)
+    progress()
+    prefill = alone["ttft_s"]
+    rate = 8 * kv_bytes(mdir, len(long_prompt)) / (prefill * a.shape_ratio)
     lt = LoopThread("shaped")
+    # a shallow queue (about 50 ms at the cap, small socket buffers): a deep one holds seconds of data
+    # ahead of the engine's pings at a few MB/s, and its liveness checks then cut the connections
     proxy = LinkProxy("127.0.0.1", 0, "127.0.0.1", kv, delay_s=a.delay_ms / 1e3, rate_bps=rate,
-                      max_buffer_bytes=16 * 1024 * 1024)
+                      max_buffer_bytes=max(64 * 1024, int(rate / 8 * 0.05)), socket_buffer_bytes=64 * 1024)
     try:
         port = lt.call(proxy.start())
-        reset_caches(p, d)
-        alone = complete(p.url, "m", long_prompt, max_tokens)
-        progress()
         reset_caches(p, d)
         before = proxy.bytes_to_target
         r = disagg(p.url, d.url, "m", long_prompt, max_tokens, f"127.0.0.1:{port}")
@@ -112,9 +116,9 @@ def shaped_pass(p, d, long_prompt: list[int], max_tokens: int, kv: int, mdir: st
         progress()
     finally:
         lt.close(proxy.close)
-    transfer = 8 * wire / rate
-    prefill = alone["ttft_s"]
-    return {"rate_bps": rate, "wire_bytes": wire, "prefill_s": prefill, "ttft_pair_s": r["ttft_s"], "transfer_s": transfer,
+    transfer = 8 * kv_bytes(mdir, len(long_prompt)) / rate
+    return {"rate_bps": rate, "wire_bytes": wire, "connections": proxy.connections_total,
+            "prefill_s": prefill, "ttft_pair_s": r["ttft_s"], "transfer_s": transfer,
             "overlap": r["ttft_s"] / max(prefill, transfer),
             "exact": r["tokens"] == alone["tokens"] and len(alone["tokens"]) == max_tokens}
 
@@ -168,7 +172,7 @@ def main() -> None:
                               f"127.0.0.1:{pport}", bar.update)
             finally:
                 lt.close(proxy.close)
-            shaped = shaped_pass(p, d, long_prompt, max_tokens, kv, mdir, direct[:n_long], a, bar.update)
+            shaped = shaped_pass(p, d, long_prompt, max_tokens, kv, mdir, a, bar.update)
         finally:
             p.stop()
             d.stop()
@@ -209,6 +213,7 @@ def main() -> None:
             ("ttft_vs_vllm_alone (target <= 1.10)", res["ttft_vs_vllm_alone"]), ("ttft_vs_example", res["ttft_vs_example"]),
             ("overlap_loopback (unshaped)", res["overlap_loopback"]),
             ("shaped: proxy cap (Mbit/s)", shaped["rate_bps"] / 1e6), ("shaped: wire bytes to decode (MB)", shaped["wire_bytes"] / 1e6),
+            ("shaped: connections through the proxy", shaped["connections"]),
             ("shaped: prefill = TTFT alone (s)", shaped["prefill_s"]), ("shaped: transfer at the cap (s)", shaped["transfer_s"]),
             ("shaped: TTFT PrfaaS pair (s)", shaped["ttft_pair_s"]),
             ("overlap, shaped (target <= 1.10)", res["overlap"]), ("goodput_vs_raw", res["goodput_vs_raw"])]
