@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import time
 
 import pytest
@@ -400,3 +401,23 @@ async def test_close_leaves_no_tasks():
     await echo.close()
     with pytest.raises(OSError):
         await asyncio.open_connection(HOST, port)
+
+
+async def test_socket_buffer_bytes_shrinks_the_proxy_sockets():
+    """``socket_buffer_bytes``: the proxy's accepted socket receives, and its socket toward the target
+    sends, through kernel buffers of about that size (Linux doubles the value asked), bytes intact."""
+    echo, proxy, port = await _with_echo_proxy(socket_buffer_bytes=16 * 1024)
+    try:
+        r, w = await asyncio.open_connection(HOST, port)
+        msg = random.Random(3).randbytes(300_000)
+        w.write(msg)
+        assert await _read_exactly(r, len(msg)) == msg
+        conn = next(iter(proxy._conns))
+        client_sock = conn.client_writer.transport.get_extra_info("socket")
+        target_sock = conn.target_writer.transport.get_extra_info("socket")
+        assert client_sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) <= 2 * 16 * 1024
+        assert target_sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) <= 2 * 16 * 1024
+        w.close()
+    finally:
+        await proxy.close()
+        await echo.close()

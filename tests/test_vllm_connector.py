@@ -136,28 +136,35 @@ def test_cut_mid_transfer_reprefills_and_leaks_nothing(vpair):
         lt.close(proxy.close)
 
 
+def _adapters(vpair, extra: list[str], router: bool = False):
+    """A :class:`Cluster` override: adapters (services.vllm_worker) in front of the pair, no PD prefill."""
+    import sys
+    p, d, kv, stats = vpair
+
+    def adapters(a):
+        py = [sys.executable, "-m", "services.vllm_worker", "--planner", a["planner"], "--model-name", "tiny",
+              "--report-interval", "0.3"] + extra + (["--router", a["router"]] if router else [])
+        return {"prefill_local": None,
+                "prefill_remote": py + ["--name", "vllm-prefill-0", "--role", "prefill", "--cluster", "prfaas", "--listen",
+                                        a["prefill_remote"], "--vllm-url", p.url, "--connector-stats", str(stats["prefill"])],
+                "decode": py + ["--name", "decode-0", "--role", "decode", "--listen", a["decode"], "--vllm-url", d.url,
+                                "--kv-addr", kv, "--connector-stats", str(stats["decode"])]}
+    return adapters
+
+
 def test_vllm_workers_behind_the_gateway(vpair, tmp_path):
     """The planner, router and gateway unchanged, with the vLLM engines behind adapters
     (services.vllm_worker): both register, the gateway's answers equal vLLM alone for a long
     (l > t: the PrfaaS cluster) and a short prompt, the load reports reach the planner, and the
     decode adapter drains and exits cleanly on SIGTERM."""
     import signal
-    import sys
     import urllib.request
 
     from common.lab.cluster import Cluster
     p, d, kv, stats = vpair
     model = str(next(stats["prefill"].parent.glob("tiny-dense")))
 
-    def adapters(a):
-        py = [sys.executable, "-m", "services.vllm_worker", "--planner", a["planner"], "--model-name", "tiny",
-              "--report-interval", "0.3", "--drain-timeout", "5"]
-        return {"prefill_local": None,
-                "prefill_remote": py + ["--name", "vllm-prefill-0", "--role", "prefill", "--cluster", "prfaas", "--listen",
-                                        a["prefill_remote"], "--vllm-url", p.url, "--connector-stats", str(stats["prefill"])],
-                "decode": py + ["--name", "decode-0", "--role", "decode", "--listen", a["decode"], "--vllm-url", d.url,
-                                "--kv-addr", kv, "--connector-stats", str(stats["decode"])]}
-    c = Cluster(model, threshold=256, log_dir=tmp_path, override=adapters)
+    c = Cluster(model, threshold=256, log_dir=tmp_path, override=_adapters(vpair, ["--drain-timeout", "5"]))
     c.start(timeout=120)
     try:
         for n in (900, 40):
@@ -177,5 +184,53 @@ def test_vllm_workers_behind_the_gateway(vpair, tmp_path):
         assert "READY vllm decode" in st
         c.kill("decode", signal.SIGTERM)
         assert c.procs["decode"].wait(20) == 0
+    finally:
+        c.stop()
+
+
+def test_vllm_workers_publish_prefix_cache_to_the_router(vpair, tmp_path):
+    """The adapters publish their engines' cached blocks in the router's hashes (kv_mirror): after a
+    long prompt through the gateway the router's index holds the vLLM prefill worker's full engine
+    blocks of it (as many as the adapter's mirror), and the same prompt again is placed with a prefix
+    hit in the PrfaaS cluster (the router's hit tokens grow by the cached blocks' tokens)."""
+    import asyncio
+    import urllib.request
+
+    from common.lab.cluster import Cluster
+    p, d, kv, stats = vpair
+    model = str(next(stats["prefill"].parent.glob("tiny-dense")))
+
+    reset_caches(p, d)
+    c = Cluster(model, threshold=256, log_dir=tmp_path, override=_adapters(vpair, [], router=True))
+    c.start(timeout=120)
+    prompt = _prompts(1, [1000], seed=7)[0]
+
+    def ask() -> None:
+        body = json.dumps({"model": "tiny-dense", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(c.url + "/v1/completions", data=body, headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200
+
+    def router_blocks(node: str, want: int) -> tuple[int, dict]:
+        deadline = time.monotonic() + 15
+        while True:
+            st = asyncio.run(c.call("router", "stats"))
+            got = st["kv_index"]["blocks"].get(node, 0)
+            if got >= want or time.monotonic() > deadline:
+                return got, st
+            time.sleep(0.3)
+    try:
+        ask()
+        mirror = asyncio.run(c.call("prefill_remote", "stats"))["prefix_mirror"]
+        ebs = mirror["engine_block_size"]
+        want = (len(prompt) // ebs) * ebs // 16
+        assert want > 0 and mirror["hashes"] == want
+        got, st = router_blocks("vllm-prefill-0", want)
+        assert got == want and st["kv_index"]["block_size"]["vllm-prefill-0"] == 16
+        assert router_blocks("decode-0", want)[0] == want  # the decode engine caches the loaded prompt too
+        hits = st["prefix"]["hit_tokens"].get("prfaas", 0)
+        ask()
+        after = asyncio.run(c.call("router", "stats"))["prefix"]["hit_tokens"].get("prfaas", 0)
+        assert after - hits == want * 16  # placed with the cached prefix in the PrfaaS cluster
     finally:
         c.stop()

@@ -128,7 +128,7 @@ class KvEventPublisher:
 
     def _base(self) -> dict[str, Any]:
         out = {"node": self.node, "cluster": self.cluster, "role": self.role, "epoch": self.epoch}
-        block_size = getattr(getattr(self.cache, "pool", None), "block_size", None)
+        block_size = getattr(getattr(self.cache, "pool", None), "block_size", getattr(self.cache, "block_size", None))
         if isinstance(block_size, int):
             out["block_size"] = block_size
         return out

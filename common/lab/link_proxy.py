@@ -191,19 +191,23 @@ class LinkProxy:
     ``connect_timeout_s``: how long to try the target before resetting the client. ``buckets``:
     ``(client->target, target->client)`` token buckets to meter with instead of the proxy's own (then
     ``rate_bps``/``burst_bytes`` are ignored): several proxies given the same buckets share one cap,
-    like the paths of one physical link.
+    like the paths of one physical link. ``socket_buffer_bytes``: when set, the kernel buffers of the
+    proxy's own sockets (receive on the accepted side, send and receive toward the target) are set to
+    it, so that a slow capped link does not hide megabytes of loopback socket buffers (seconds of
+    queue at a few MB/s) behind its cap, like a router with a shallow buffer.
     """
 
     def __init__(self, listen_host: str, listen_port: int, target_host: str, target_port: int, *,
                  delay_s: float = 0.0, jitter_s: float = 0.0, rate_bps: float | None = None,
                  burst_bytes: int = 16 * 1024, max_buffer_bytes: int = 4 * 1024 * 1024,
                  chunk_bytes: int = 64 * 1024, connect_timeout_s: float = 5.0, seed: int | None = None,
-                 buckets: tuple[TokenBucket, TokenBucket] | None = None):
+                 buckets: tuple[TokenBucket, TokenBucket] | None = None, socket_buffer_bytes: int | None = None):
         self.listen_host, self.listen_port = listen_host, listen_port
         self.target_host, self.target_port = target_host, target_port
         self.max_buffer_bytes = int(max_buffer_bytes)
         self.chunk_bytes = int(chunk_bytes)
         self.connect_timeout_s = connect_timeout_s
+        self.socket_buffer_bytes = socket_buffer_bytes
         self.drop_new_connections = False
         self._rng = random.Random(seed)
         self._delay = 0.0
@@ -397,6 +401,9 @@ class LinkProxy:
             _abort_with_rst(writer)
             _abort_with_rst(target[1])
             return
+        if self.socket_buffer_bytes:
+            self._shrink(writer, socket.SO_RCVBUF)
+            self._shrink(target[1], socket.SO_SNDBUF, socket.SO_RCVBUF)
         cid = self._next_cid
         self._next_cid += 1
         conn = _Conn(cid, (reader, writer), target)
@@ -422,6 +429,14 @@ class LinkProxy:
                 if not conn.aborted:
                     w.close()
                 await _wait_closed(w)
+
+    def _shrink(self, writer: asyncio.StreamWriter, *options: int) -> None:
+        sock = writer.transport.get_extra_info("socket")
+        for opt in options:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, int(self.socket_buffer_bytes))
+            except (OSError, AttributeError):
+                pass
 
     def _delivery_time(self, now: float, last: float) -> float:
         d = self._delay

@@ -12,12 +12,17 @@ The adapter runs next to one vLLM OpenAI server (``--vllm-url``) and:
   ``generate`` by calling the chosen prefill worker's ``prefill`` with its connector's KV address
   (``--kv-addr``, or ``--kv-addr-remote`` for the PrfaaS cluster) and, at the same time, its own
   vLLM with ``{"prfaas": {"id": req_id, "pull": true}}``, turning vLLM's chunks into our items;
+* publishes prefix-cache events to the router (``--router``) in OUR chained block hashes: the
+  prompt's full engine blocks as stored once the engine computed them, removals from a bounded LRU
+  mirror of the engine's block budget (:mod:`services.vllm_worker.kv_mirror`: vLLM's own KV events
+  hash differently, and the mirror approximates its evictions; block size and budget from vLLM's
+  ``cache_config_info`` metric; a restarted engine, seen by its ``process_start_time_seconds``,
+  clears the mirror);
 * drains on SIGTERM: reports ``draining``, refuses new requests (``overloaded``, so the gateway
   places them elsewhere), waits up to ``--drain-timeout`` s for those in hand, then exits.
 
 Not carried: ``n`` > 1, logprobs, logit bias (refused ``bad_request``), ``prefix_source`` and a
-resume's output accounting (the resumed tokens count as prompt), prefix-cache events (vLLM's own
-block hashes are not the router's; see README).
+resume's output accounting (the resumed tokens count as prompt).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 
 import aiohttp
 
+from common.control.kv_events import KvEventPublisher, block_size_from_env
 from common.control.planner_agent import PlannerAgent
 from common.model.sampling import SamplingParams
 from common.rpc.client import RpcClient
@@ -44,6 +50,7 @@ from proto.frames import ErrorCode
 from services.decode.messages import GenerateArgs
 from services.prefill.messages import PrefillArgs
 from services.vllm_worker.adapt import load_report, parse_metrics, stream_item, vllm_body, with_usage
+from services.vllm_worker.kv_mirror import VllmPrefixMirror, cache_config
 
 log = logging.getLogger("prfaas.vllm_worker")
 
@@ -61,6 +68,9 @@ class VllmWorker:
         self.session: aiohttp.ClientSession | None = None
         self.clients: dict[str, RpcClient] = {}
         self.served = 0
+        self.mirror: VllmPrefixMirror | None = None  # made once vLLM's cache config is known
+        self.publisher: KvEventPublisher | None = None
+        self.engine_start: float | None = None
 
     def stats(self) -> dict[str, Any]:
         conn = None
@@ -70,14 +80,51 @@ class VllmWorker:
                 conn = json.loads(Path(path).read_text())
             except (OSError, ValueError):
                 conn = None
-        return {**load_report(self.args.role, self.metrics, conn, draining=self.draining, in_hand=self.in_hand),
-                "served": self.served}
+        out = {**load_report(self.args.role, self.metrics, conn, draining=self.draining, in_hand=self.in_hand),
+               "served": self.served}
+        if self.mirror is not None:
+            out["prefix_mirror"] = self.mirror.stats()
+        if self.publisher is not None:
+            out["kv_events"] = self.publisher.stats()
+        return out
+
+    def on_metrics(self, text: str) -> None:
+        """Take one ``/metrics`` scrape: the load figures; the first time the engine's cache config
+        shows, the prefix mirror (and its publisher, with ``--router``); a new engine start time
+        clears the mirror (the engine restarted with an empty cache)."""
+        self.metrics = parse_metrics(text)
+        start = self.metrics.get("process_start_time_seconds")
+        if self.mirror is not None and start is not None and self.engine_start is not None and start != self.engine_start:
+            log.info("vLLM at %s restarted: its prefix cache is empty", self.url)
+            self.mirror.clear()
+        self.engine_start = start if start is not None else self.engine_start
+        if self.mirror is not None:
+            return
+        cfg = cache_config(text)
+        try:
+            engine_bs = int(self.args.engine_block_size or cfg["block_size"])
+            blocks = int(self.args.kv_cache_blocks or cfg["num_gpu_blocks"])
+        except (KeyError, ValueError):
+            return
+        if cfg.get("enable_prefix_caching", "True") != "True":
+            log.warning("vLLM at %s caches no prefixes: nothing to publish", self.url)
+            self.args.router = None
+        self.mirror = VllmPrefixMirror(self.args.block_size, engine_bs, blocks)
+        log.info("prefix mirror of %s: %d blocks of %d tokens, published in %d-token hashes", self.url, blocks,
+                 engine_bs, self.args.block_size)
+        if self.args.router:
+            self.publisher = KvEventPublisher(self.args.router, self.args.name, self.args.cluster, self.args.role, self.mirror)
+            self.publisher.start()
+
+    def _cached(self, input_ids: list[int]) -> None:
+        if self.mirror is not None:
+            self.mirror.stored(input_ids)
 
     async def poll_metrics(self) -> None:
         while True:
             try:
                 async with self.session.get(self.url + "/metrics", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    self.metrics = parse_metrics(await r.text())
+                    self.on_metrics(await r.text())
             except (aiohttp.ClientError, TimeoutError) as e:
                 log.debug("vLLM metrics: %s", e)
             await asyncio.sleep(self.args.report_interval)
@@ -109,6 +156,7 @@ class VllmWorker:
         finally:
             self.in_hand -= 1
         self.served += 1
+        self._cached(args.input_ids)
         ids = (out.get("choices") or [{}])[0].get("token_ids") or [0]
         return {"first_token": int(ids[0]), "prompt_len": len(args.input_ids)}
 
@@ -148,9 +196,10 @@ class VllmWorker:
                     if pending is not None:
                         yield pending
                     pending = item
+            self.served += 1
+            self._cached(args.input_ids)
             if pending is not None:
                 yield pending
-            self.served += 1
         except aiohttp.ClientError as e:
             raise RpcError(ErrorCode.UNAVAILABLE, f"vLLM at {self.url}: {e}") from None
         finally:
@@ -199,6 +248,8 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await server.close()
         poll.cancel()
         await asyncio.gather(poll, return_exceptions=True)
+        if w.publisher is not None:
+            await w.publisher.close()
         await w.session.close()
     await serve_until_stopped(stop, f"READY vllm {args.role} {args.name} on {args.listen} (vLLM {w.url})", [drain_and_close])
 
@@ -223,6 +274,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-addr-remote", default=None, help="decode: the KV address PrfaaS-cluster prefill workers dial")
     p.add_argument("--connector-stats", default=None, help="the connector's stats_path file (load and KV bytes in flight)")
     p.add_argument("--report-interval", type=float, default=0.5)
+    p.add_argument("--router", default=None, help="the router's host:port: publish prefix-cache events there")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per hashed block (default PRFAAS_BLOCK_SIZE, 16)")
+    p.add_argument("--engine-block-size", type=int, default=None, help="vLLM's block size (default: its cache_config_info)")
+    p.add_argument("--kv-cache-blocks", type=int, default=None, help="vLLM's block budget (default: its num_gpu_blocks)")
     p.add_argument("--prefill-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--drain-timeout", type=float, default=60.0)
@@ -233,6 +288,7 @@ def main() -> None:
     args = make_parser().parse_args()
     if args.role == "decode" and not args.kv_addr:
         raise SystemExit("error: a decode worker needs --kv-addr (its connector's KV listener)")
+    args.block_size = args.block_size or block_size_from_env()
     service.setup_logging("vllm_worker")
     service.run(lambda stop: amain(args, stop))
 
