@@ -106,23 +106,11 @@ def live_call_tasks(method: str) -> int:
     return sum(1 for t in asyncio.all_tasks() if tag in t.get_name() and not t.done())
 
 
-async def stop_task(task: asyncio.Task | None, grace_s: float = 10.0) -> None:
-    """Cancel a background task and wait until it has finished (None: nothing to do).
+async def stop_task(task: asyncio.Task | None) -> None:
+    """Cancel a background task and wait until it has finished (None: nothing to do)."""
+    import contextlib
 
-    The cancel is repeated every 0.5 s while the task runs on: on Python 3.11 ``asyncio.wait_for``
-    can lose a cancel that arrives as its inner call completes, and a loop that catches the
-    resulting ``TimeoutError`` would run on. After ``grace_s`` seconds the task is left running and
-    a warning is logged (the wait is bounded). An exception the task ended with is raised here."""
-    if task is None:
-        return
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + grace_s
-    while not task.done():
+    if task is not None:
         task.cancel()
-        await asyncio.wait({task}, timeout=min(0.5, max(0.0, deadline - loop.time())))
-        if not task.done() and loop.time() >= deadline:
-            logging.getLogger("prfaas.service").warning("task %s did not stop within %.1f s of its cancel",
-                                                          task.get_name(), grace_s)
-            return
-    if not task.cancelled() and task.exception() is not None:
-        raise task.exception()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
