@@ -114,6 +114,10 @@ class SetBandwidthArgs(msgspec.Struct):
     prefill_s_per_token: Annotated[float, msgspec.Meta(ge=0.0, le=1e3)] | None = None
     move_fixed_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e3)] = 0.0
 
+    def __post_init__(self) -> None:
+        if (self.move_s_per_token is None) != (self.prefill_s_per_token is None):
+            raise ValueError("set_bandwidth: move_s_per_token and prefill_s_per_token go together")
+
 
 class SetLinkArgs(msgspec.Struct):
     """``set_link``: link ``src`` -> ``dst`` is ``up`` (or not) with ``headroom`` (0-1) of its capacity

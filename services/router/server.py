@@ -388,8 +388,6 @@ class Router:
         """Set the short-timescale prefix rule's regime (paper 3.4.3): ``{plentiful: bool}``. One
         assignment on the event loop, like :meth:`set_threshold`."""
         v = args.plentiful
-        if (args.move_s_per_token is None) != (args.prefill_s_per_token is None):
-            raise RpcError(ErrorCode.BAD_REQUEST, "set_bandwidth: move_s_per_token and prefill_s_per_token go together")
         old, self.bandwidth_plentiful = self.bandwidth_plentiful, v
         self.prefix_trade = (placement.PrefixTrade(args.move_s_per_token, args.prefill_s_per_token, args.move_fixed_s)
                              if args.prefill_s_per_token is not None else None)
