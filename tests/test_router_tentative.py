@@ -120,6 +120,32 @@ async def test_router_counts_the_repeat_placed_right_after():
         await env.close()
 
 
+async def test_a_coarse_cache_is_held_tentatively_in_whole_granules():
+    """A node that caches in granules of 4 blocks (``store_unit``, e.g. a vLLM engine block of 64
+    tokens over our 16) is recorded as holding only the prompt's whole granules: 15 blocks -> 12;
+    the other nodes (no ``store_unit``) hold all 15. ``store_unit`` 0 is refused."""
+    from tests.test_kv_events import BS, Env, tokens
+
+    env = await Env().start()
+    try:
+        await env.register("pl-0", "prefill", "pd")
+        await env.register("d-0", "decode", "pd")
+        base = {"cluster": "pd", "epoch": "e", "first_seq": 1, "events": [], "block_size": BS}
+        await env.call("kv_events", {**base, "node": "pl-0", "role": "prefill", "store_unit": 4})
+        with pytest.raises(Exception) as ei:
+            await env.call("kv_events", {**base, "node": "d-0", "role": "decode", "store_unit": 0})
+        assert "store_unit" in str(ei.value)
+        env.router.threshold = 10_000  # local
+        prompt = tokens(4, 60)  # 15 blocks of 4
+        await env.place(prompt, "a")
+        await env.call("prefill_done", {"req_id": "a"})
+        b = await env.place(prompt, "b")
+        assert (b["l_pd"], b["prefill"]["name"], b["decode_prefix_tokens"]) == (48, "pl-0", 60)
+        assert (await env.call("stats", {}))["kv_tentative"]["nodes"] == {"pl-0": 12, "d-0": 15}
+    finally:
+        await env.close()
+
+
 async def test_back_to_back_requests_on_a_shared_prefix_all_count_as_hits(hybrid_cluster):
     """Issue 18 item 5: five requests sharing a 2K-token prefix, each sent as soon as the one before
     has answered (one token each, so the answer comes right when the prefill ends, before the

@@ -45,12 +45,16 @@ def vpair(tmp_path_factory):
 
 
 def _settled(stats, timeout=15.0) -> tuple[dict, dict]:
-    """Both workers' stats once nothing is in flight (or the last seen after ``timeout`` s)."""
+    """Both workers' stats once nothing is in flight (or the last seen after ``timeout`` s). Only
+    snapshots written after this call count: a worker writes its file every 0.25 s, and an older one
+    may predate the last request altogether (a short prompt's transfer takes milliseconds)."""
+    since = time.time()
     deadline = time.monotonic() + timeout
     while True:
+        fresh = all(stats[k].stat().st_mtime > since for k in ("prefill", "decode"))
         ps, ds = (json.loads(stats[k].read_text()) for k in ("prefill", "decode"))
-        idle = (ps["pusher"]["open"] == 0 and ps["pusher"]["pending_bytes"] == 0 and ds["active_loads"] == 0
-                and ds["receiver"]["transfers"] == 0)
+        idle = fresh and (ps["pusher"]["open"] == 0 and ps["pusher"]["pending_bytes"] == 0 and ds["active_loads"] == 0
+                          and ds["receiver"]["transfers"] == 0)
         if idle or time.monotonic() > deadline:
             return ps, ds
         time.sleep(0.2)

@@ -94,7 +94,8 @@ def test_cache_config_labels_and_publisher_block_size():
     assert cfg["block_size"] == "128" and cfg["num_gpu_blocks"] == "227" and cfg["enable_prefix_caching"] == "True"
     assert cache_config("vllm:num_requests_running 0\n") == {}
     pub = KvEventPublisher("127.0.0.1:1", "v0", "prfaas", "prefill", VllmPrefixMirror(16, 128, 227))
-    assert pub._base()["block_size"] == 16
+    assert (pub._base()["block_size"], pub._base()["store_unit"]) == (16, 8)  # 128-token engine blocks
+    assert "store_unit" not in KvEventPublisher("127.0.0.1:1", "v0", "prfaas", "prefill", VllmPrefixMirror(16, 16, 4))._base()
 
 
 def test_adapter_builds_the_mirror_from_metrics_and_clears_it_on_an_engine_restart():

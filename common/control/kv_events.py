@@ -6,11 +6,11 @@ stops the worker: the publisher keeps retrying, and rebuilds the router's view f
 the router asks for one.
 
 Wire (router side: ``services/router/server.py``; ``proto/PROTOCOL.md`` §9.2)
-    ``kv_events {node, cluster, role, epoch, first_seq, events, complete, block_size?}``
+    ``kv_events {node, cluster, role, epoch, first_seq, events, complete, block_size?, store_unit?}``
         -> ``{ok: true, seq}`` or ``{resync: true}``. ``events`` are ``[seq, kind, hash, parent]``
         from :meth:`PrefixCache.events_since`, oldest first; an empty batch is a heartbeat whose
         ``first_seq`` is the next seq the cache will use.
-    ``kv_resync {node, cluster, role, epoch, seq, entries, part, last, block_size?}``
+    ``kv_resync {node, cluster, role, epoch, seq, entries, part, last, block_size?, store_unit?}``
         -> ``{ok: true, ...}`` or ``{resync: true}``. ``entries`` are ``[hash, parent]`` from
         :meth:`PrefixCache.snapshot` taken at event ``seq``, sent in ``part`` 0, 1, ... (``last``
         on the final one) so that no frame nears the 1 MiB header limit.
@@ -131,6 +131,9 @@ class KvEventPublisher:
         block_size = getattr(getattr(self.cache, "pool", None), "block_size", getattr(self.cache, "block_size", None))
         if isinstance(block_size, int):
             out["block_size"] = block_size
+        unit = getattr(self.cache, "store_unit", None)
+        if isinstance(unit, int) and unit > 1:
+            out["store_unit"] = unit
         return out
 
     async def _loop(self) -> None:

@@ -84,12 +84,16 @@ class KvNodeArgs(msgspec.Struct):
 class KvEventsArgs(KvNodeArgs):
     """``kv_events``: one batch of the node's cache events, ``events[i]`` has seq ``first_seq + i``
     (for an empty batch, the seq it will use next); ``complete`` False when its log overflowed;
-    ``block_size`` (tokens) the size its hashes cover, when it says."""
+    ``block_size`` (tokens) the size its hashes cover, when it says; ``store_unit`` (blocks) the
+    granule the node caches in, when coarser than one block (a vLLM engine keeps only whole engine
+    blocks of ``store_unit`` of ours), so a placement is recorded as tentatively held only in whole
+    granules."""
 
     first_seq: Seq
     events: Annotated[list[Event], msgspec.Meta(max_length=1 << 16)]
     complete: bool = True
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
+    store_unit: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] | None = None
 
 
 class KvResyncArgs(KvNodeArgs):
@@ -101,6 +105,7 @@ class KvResyncArgs(KvNodeArgs):
     part: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
     last: bool = True
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
+    store_unit: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] | None = None
 
 
 class SetBandwidthArgs(msgspec.Struct):

@@ -124,6 +124,7 @@ class Router:
         self.tentative = Tentative()  # placements made, not yet confirmed by the workers' events
         self.kv_epochs: dict[str, str] = {}  # node -> epoch of the cache the index holds (every indexed node has one)
         self.kv_block_size: dict[str, int] = {}  # node -> block size its publisher reported
+        self.kv_store_unit: dict[str, int] = {}  # node -> blocks per cached granule (absent: 1)
         self._pending: dict[str, _PendingSnapshot] = {}
         self._block_size_warned: set[str] = set()
         self.prefix_counts: Counter[str] = Counter()  # requests, prompt_tokens, decode_hit_tokens, moves, guard_skips
@@ -177,6 +178,7 @@ class Router:
         self.tentative.forget(node)
         self.kv_epochs.pop(node, None)
         self.kv_block_size.pop(node, None)
+        self.kv_store_unit.pop(node, None)
         self._pending.pop(node, None)
 
     def _forget_dead(self) -> None:
@@ -220,6 +222,8 @@ class Router:
         self.kv_epochs[args.node] = args.epoch
         if args.block_size is not None:
             self.kv_block_size[args.node] = args.block_size
+        if args.store_unit is not None:
+            self.kv_store_unit[args.node] = args.store_unit
 
     @takes(KvEventsArgs)
     async def kv_events(self, args: KvEventsArgs) -> dict[str, Any]:
@@ -343,8 +347,14 @@ class Router:
 
     def _record(self, req_id: str, hashes: list[int], nodes: tuple[str, str], now: float) -> None:
         """Record the placement in the tentative layer: the prompt's full blocks that the chosen prefill
-        and decode workers will hold once it is prefilled, less what the index already has there."""
-        self.tentative.record(req_id, [(n, [h for h in hashes if h not in self.index.cached(n)]) for n in dict.fromkeys(nodes)], now)
+        and decode workers will hold once it is prefilled (in whole granules of the node's
+        ``store_unit``), less what the index already has there."""
+        holdings = []
+        for n in dict.fromkeys(nodes):
+            unit = self.kv_store_unit.get(n, 1)
+            cached = self.index.cached(n)
+            holdings.append((n, [h for h in hashes[:len(hashes) // unit * unit] if h not in cached]))
+        self.tentative.record(req_id, holdings, now)
 
     def _place(self, args: PlaceArgs, blocks: dict[str, int] | None) -> placement.Placement:
         """:func:`placement.place_request` avoiding the request's exclusions and the workers whose

@@ -65,6 +65,12 @@ class VllmPrefixMirror:
         """Engine blocks held."""
         return len(self._blocks)
 
+    @property
+    def store_unit(self) -> int:
+        """Blocks of ours per engine block: the granule this cache holds prefixes in, which the
+        publisher sends the router (``store_unit``) so placements are recorded in whole engine blocks."""
+        return self.ratio
+
     def hashes(self) -> int:
         """Hashes of ours held (``len(self) * ratio``)."""
         return len(self._blocks) * self.ratio
