@@ -13,8 +13,9 @@ joined by our transfer engine. Baselines are run in the same script, on the same
    stopped). Every engine runs with ``--max-num-batched-tokens`` ``--batched-tokens`` (8192): that
    connector keeps only a request's first prefill chunk, so the long prompt is one step everywhere
    (tests/test_vllm_connector.py covers our connector with chunked prefill).
-3. Goodput: the connector's transfer path (Pusher -> BlockAssembly, common/lab/connector_goodput.py)
-   against raw TCP, the long prompt's KV bytes, on loopback.
+3. Goodput: the connector's transfer path (Pusher -> BlockAssembly) against our own backend's
+   (KvLink -> KvReceiver) and raw TCP, the long prompt's KV bytes on loopback, each between a
+   sending and a receiving process, interleaved (common/lab/connector_goodput.py).
 
 4. Overlap where it means something: the long prompt alone (its TTFT: the prefill), then through the
    pair across the link proxy capped at KV bytes / that prefill (x ``--shape-ratio``), so that the
@@ -45,7 +46,7 @@ from pathlib import Path
 
 from common.lab import plots
 from common.lab.cluster import free_port
-from common.lab.connector_goodput import engine_goodput, raw_goodput
+from common.lab.connector_goodput import compare_goodput
 from common.lab.link_proxy import LinkProxy
 from common.lab.real_prompts import CHAT_QUESTIONS, chat_ids, document_ids
 from common.lab.vllm_pair import compare, complete, disagg, example_config, pair, prfaas_config, reset_caches
@@ -196,8 +197,8 @@ def main() -> None:
         layers, shape = kv_geometry(mdir)
         blocks = -(-len(long_prompt) // shape[1])
         nbytes = kv_bytes(mdir, len(long_prompt))
-        eng = max(engine_goodput(layers, blocks, shape) for _ in range(3))
-        raw = max(raw_goodput(nbytes) for _ in range(3))
+        gp = compare_goodput(layers, blocks, shape, reps=5 if a.quick else 9)
+        eng, raw = gp["connector_Bps"], gp["raw_Bps"]
         bar.update()
     exact = [r["exact"] for r in direct + via] + [shaped["exact"]]
     alone, ttft_pair = min(alone_l), min(pair_l)
@@ -205,17 +206,19 @@ def main() -> None:
     res = {"model": a.model, "prompts": n, "long_tokens": len(long_prompt), "exact_direct": sum(r["exact"] for r in direct),
            "exact_proxy": sum(r["exact"] for r in via), "n_proxy": len(via), "delay_ms": a.delay_ms,
            "ttft_alone_s": alone, "ttft_prfaas_s": ttft_pair, "ttft_example_s": ex, "kv_bytes": nbytes,
-           "goodput_engine_Bps": eng, "goodput_raw_Bps": raw, "transfer_s": transfer,
+           "goodput_engine_Bps": eng, "goodput_raw_Bps": raw, "goodput_backend_Bps": gp["backend_Bps"], "transfer_s": transfer,
+           "goodput_vs_backend": gp["connector_vs_backend"], "backend_vs_raw": gp["backend_vs_raw"],
            "ttft_vs_vllm_alone": ttft_pair / alone, "ttft_vs_example": ttft_pair / ex,
            "overlap_loopback": ttft_pair / max(alone, transfer), "overlap": shaped["overlap"],
-           "shaped": shaped,
-           "goodput_vs_raw": eng / raw, "short_ttft_alone_p50_s": statistics.median(r["alone"]["ttft_s"] for r in direct[n_long:]),
+           "shaped": shaped, "goodput_vs_raw": gp["connector_vs_raw"],
+           "short_ttft_alone_p50_s": statistics.median(r["alone"]["ttft_s"] for r in direct[n_long:]),
            "short_ttft_prfaas_p50_s": statistics.median(r["pair"]["ttft_s"] for r in direct[n_long:])}
     rows = [("TTFT long, vLLM alone (s)", alone), ("TTFT long, PrfaaS connector pair (s)", ttft_pair),
             ("TTFT long, ExampleConnector pair (s)", ex), ("TTFT short p50, alone (s)", res["short_ttft_alone_p50_s"]),
             ("TTFT short p50, PrfaaS pair (s)", res["short_ttft_prfaas_p50_s"]),
             ("KV bytes of the long prompt (MB)", nbytes / 1e6), ("goodput engine (GB/s)", eng / 1e9),
-            ("goodput raw TCP (GB/s)", raw / 1e9), ("transfer at engine goodput (s)", transfer),
+            ("goodput raw TCP (GB/s)", raw / 1e9), ("goodput of our own backend (GB/s)", gp["backend_Bps"] / 1e9),
+            ("goodput, connector / our backend (target >= 1)", gp["connector_vs_backend"]), ("transfer at engine goodput (s)", transfer),
             ("ttft_vs_vllm_alone (target <= 1.10)", res["ttft_vs_vllm_alone"]), ("ttft_vs_example", res["ttft_vs_example"]),
             ("overlap_loopback (unshaped)", res["overlap_loopback"]),
             ("shaped: proxy cap (Mbit/s)", shaped["rate_bps"] / 1e6), ("shaped: wire bytes to decode (MB)", shaped["wire_bytes"] / 1e6),

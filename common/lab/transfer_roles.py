@@ -225,7 +225,7 @@ class _RawSender:
         if (nbytes, conns) == self.key:
             return
         self.close()
-        self.payload = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
+        self.payload = memoryview((bytearray(os.urandom(1 << 20)) * -(-nbytes // MiB))[:nbytes])  # any size, not only whole MiB
         self.socks = [socket.create_connection(self.addr) for _ in range(conns)]
         self.share = [nbytes // conns + (1 if i < nbytes % conns else 0) for i in range(conns)]
         self.starts = [sum(self.share[:i]) for i in range(conns)]
