@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from services.router.placement import AffinePick, worker_load
+from services.router.placement import AffinePick
 
 GroupKey = tuple[str, str | None]
 
@@ -78,7 +78,8 @@ class WorkerIndex:
         g = self.group.get(name)
         if g is None:
             return
-        load = worker_load(self.by_name[name], self.inflight)
+        stats = self.by_name[name].get("stats") or {}  # worker_load, inlined: four touches per request
+        load = self.inflight.get(name, 0) + float(stats.get("waiting", 0)) + float(stats.get("running", 0))
         loads = self.load
         self.total[g] += load - loads[name]
         loads[name] = load
@@ -98,11 +99,11 @@ class WorkerIndex:
 
     def _top(self, g: GroupKey) -> tuple[float, float, str, int] | None:
         """The group's heap top after dropping stale entries and re-keying a grown one (None: empty)."""
-        heap, version, group, keys, entry = self.heaps[g], self.version, self.group, self.key, self.entry
-        while heap:
+        heap, version, keys, entry = self.heaps[g], self.version, self.key, self.entry
+        while heap:  # (a rebuild starts new heaps, so every entry here was pushed for a member of g)
             e = heap[0]
             n = e[2]
-            if version.get(n) != e[3] or group.get(n) != g:
+            if version[n] != e[3]:
                 heapq.heappop(heap)
                 continue
             k = keys[n]
