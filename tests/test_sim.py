@@ -35,6 +35,9 @@ def test_events_refuse_the_past_and_stop_at_until():
         q.at(2.0, seen.append, 2)
     with pytest.raises(ValueError):
         q.at(math.nan, seen.append, 2)
+    for dt in (-1.0, math.nan):
+        with pytest.raises(ValueError):
+            q.after(dt, seen.append, 2)
 
 
 def _done_times(q: EventQueue, link: SharedLink, flows: list[tuple[float, float, float]]) -> dict[int, float]:
@@ -148,6 +151,20 @@ def test_engine_routes_by_threshold_and_finishes_every_request():
     assert sim.decisions["remote"] == long_ and sim.decisions["local"] == len(outs) - long_
     assert not sim.leases.by_req and not sim.leases.prefill_work  # every lease released
     assert sim.link.done_bytes > 0 and not sim.link.flows
+
+
+def test_engine_run_leaves_the_cyclic_collector_as_it_found_it():
+    import gc
+
+    assert gc.isenabled()
+    _paper_run(SimConfig(1, 1, 1, threshold=20000))
+    assert gc.isenabled()  # switched off only while the events run
+    gc.disable()
+    try:
+        _paper_run(SimConfig(1, 1, 1, threshold=20000))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_engine_planner_loop_sets_the_model_threshold():

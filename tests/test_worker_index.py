@@ -54,6 +54,42 @@ def test_index_placement_equals_the_list_scan(seed):
         assert got == want
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_grown_keys_push_nothing_and_still_pick_like_the_list_scan(seed):
+    """The router's pattern: each placement grows two keys (no heap push, re-keyed when it surfaces),
+    each prefill end and release shrinks one (a push); the picks stay those of the list scan."""
+    rng = random.Random(100 + seed)
+    workers, inflight, work = _state(rng, 30)
+    index = WorkerIndex(workers, inflight, work)
+    open_ = []
+    for step in range(300):
+        kw = {"block_size": 512, "prefix_blocks": {}, "bandwidth_plentiful": False, "prefill_work": work}
+        if open_ and rng.random() < 0.45:  # a request ends: its prefill work, then its decode slot
+            pf, dec, w = open_.pop(rng.randrange(len(open_)))
+            work[pf] -= w
+            inflight[pf] -= 1
+            inflight[dec] -= 1
+            index.touch(pf)
+            index.touch(dec)
+            continue
+        length = rng.randint(1, 100_000)
+        try:
+            want = placement.place_request(length, 30000, workers, inflight, **kw)
+        except placement.NoWorker:
+            return
+        got = placement.place_request(length, 30000, workers, inflight, index=index, **kw)
+        assert got == want, step
+        pf, dec = got.prefill["name"], got.decode["name"]
+        sizes = {g: len(h) for g, h in index.heaps.items()}
+        work[pf] = work.get(pf, 0.0) + length
+        inflight[pf] += 1
+        inflight[dec] += 1
+        index.touch(pf)
+        index.touch(dec)
+        assert {g: len(h) for g, h in index.heaps.items()} == sizes  # grown keys: nothing pushed
+        open_.append((pf, dec, float(length)))
+
+
 def test_index_follows_a_rebuild_after_draining():
     workers, inflight, work = _state(random.Random(1), 12)
     for w in workers:

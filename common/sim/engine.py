@@ -32,6 +32,7 @@ Units: seconds, tokens and bytes of the real (unscaled) system; link capacities 
 
 from __future__ import annotations
 
+import gc
 import math
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -408,7 +409,16 @@ class Simulation:
         self._src = (arrivals, ls, hashes, steps, look)
         self.q.stream(arrivals, self._arrive_k)
         self.q.after(0.0, self._report)
-        self.q.run()
+        # Without the cyclic collector while the events run: a run holds millions of live objects (outcomes,
+        # leases, heap entries) that each generation-2 pass walks, and the request path makes no cycles
+        # (refcounting frees it). 4 % of a 10,000-GPU run's CPU time at 15 simulated minutes, more after.
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            self.q.run()
+        finally:
+            if was:
+                gc.enable()
         return self.outcomes
 
     def _arrive_k(self, k: int) -> None:

@@ -38,8 +38,10 @@ class EventQueue:
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
 
     def after(self, dt: float, fn: Callable[..., Any], *args: Any) -> None:
-        """Call ``fn(*args)`` ``dt`` seconds from now (``dt >= 0``)."""
-        self.at(self.now + dt, fn, *args)
+        """Call ``fn(*args)`` ``dt`` seconds from now (``dt >= 0``; raises ``ValueError`` otherwise)."""
+        if not dt >= 0:
+            raise ValueError(f"cannot schedule {dt!r} s from now")
+        heapq.heappush(self._heap, (self.now + dt, next(self._seq), fn, args))
 
     def stream(self, times: list[float], fn: Callable[[int], Any]) -> None:
         """Call ``fn(i)`` at ``times[i]`` (s, non-decreasing, none before ``now``) for every ``i``,

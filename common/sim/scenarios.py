@@ -114,4 +114,5 @@ def scale_run(gpus: int, hours: float, load: float, slo: Slo, lambda_per_instanc
     s = summarize(outs, slo, hours * 3600.0)
     return {"gpus": gpus, "instances": sum(shape), "shape": shape, "rate": rate, "requests": len(arr), "wall_s": wall, "cpu_s": cpu,
             "events": sim.q.fired, "events_per_s": sim.q.fired / wall if wall > 0 else math.nan,
+            "events_per_cpu_s": sim.q.fired / cpu if cpu > 0 else math.nan,
             "attainment": s.attainment, "goodput": s.goodput, "ttft_p90": s.ttft_p90, "t": sim.threshold}

@@ -102,9 +102,13 @@ def measured_link_gbps(workers: list[dict[str, Any]]) -> float | None:
     caps it (:func:`link_capacity_gbps`); it understates it when one worker's links were backlogged
     together, or when no worker has pushed hard enough to fill the link.
     """
-    alive = [w for w in workers if w.get("alive")]
+    return _measured_gbps(_prfaas_links([w for w in workers if w.get("alive")]))
+
+
+def _measured_gbps(per_worker: list[list[dict[str, Any]]]) -> float | None:
+    """:func:`measured_link_gbps` from :func:`_prfaas_links`' lists."""
     total, seen = 0.0, False
-    for links in _prfaas_links(alive):
+    for links in per_worker:
         caps = [float(v) for v in (s.get("capacity_bps") for s in links)
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0]
         if caps:
@@ -125,14 +129,18 @@ def link_capacity_gbps(measured: float | None, configured: float | None,
 
 
 def signals(workers: list[dict[str, Any]], link_gbps: float | None, prev: dict[str, float], *,
-            nominal_gbps: float = NOMINAL_LINK_GBPS) -> tuple[ShortSignals, dict[str, float]]:
+            nominal_gbps: float = NOMINAL_LINK_GBPS,
+            prfaas_links: list[list[dict[str, Any]]] | None = None) -> tuple[ShortSignals, dict[str, float]]:
     """One sample from the planner's worker view; ``link_gbps`` is the configured link capacity in
     Gbit/s (None: not configured), ``prev`` the cumulative counters of the previous call (pass
     ``{}`` first). The sample's ``link_gbps`` is the capacity used for ``egress_util``
-    (:func:`link_capacity_gbps`). Returns the sample and the counters to pass next time."""
+    (:func:`link_capacity_gbps`). Returns the sample and the counters to pass next time.
+    ``prfaas_links``: :func:`_prfaas_links` of the alive ``workers`` when the caller has it already
+    (a pass fewer over thousands of workers)."""
     alive = [w for w in workers if w.get("alive")]
-    links = [snap for per_worker in _prfaas_links(alive) for snap in per_worker]
-    cap_gbps = link_capacity_gbps(measured_link_gbps(alive), link_gbps, nominal_gbps)
+    per = _prfaas_links(alive) if prfaas_links is None else prfaas_links
+    links = [snap for per_worker in per for snap in per_worker]
+    cap_gbps = link_capacity_gbps(_measured_gbps(per), link_gbps, nominal_gbps)
     goodput = sum(float(s.get("goodput_bps") or 0.0) for s in links)
     now = {"stalls": float(sum(s.get("stalls") or 0 for s in links)),
            "retransmits": float(sum(s.get("retransmits") or 0 for s in links))}
@@ -157,8 +165,13 @@ def signals(workers: list[dict[str, Any]], link_gbps: float | None, prev: dict[s
 def kv_wire_bytes(workers: list[dict[str, Any]]) -> tuple[float, float]:
     """(raw KVCache bytes, wire bytes) the alive PrfaaS prefill workers' links have sent in all
     (``kv_raw_bytes``, ``kv_wire_bytes`` of their snapshots; links that report neither count as none)."""
+    return _wire_bytes(_prfaas_links([w for w in workers if w.get("alive")]))
+
+
+def _wire_bytes(per_worker: list[list[dict[str, Any]]]) -> tuple[float, float]:
+    """:func:`kv_wire_bytes` from :func:`_prfaas_links`' lists."""
     raw = wire = 0.0
-    for links in _prfaas_links([w for w in workers if w.get("alive")]):
+    for links in per_worker:
         for s in links:
             r, w = s.get("kv_raw_bytes"), s.get("kv_wire_bytes")
             if isinstance(r, (int, float)) and isinstance(w, (int, float)) and math.isfinite(r) and math.isfinite(w) and w > 0:
@@ -243,6 +256,7 @@ class Controller:
     async def tick(self, now: float, workers: list[dict[str, Any]]) -> dict[str, Any] | None:
         """One step: sample, decide, apply at the router. Returns what was applied, or None."""
         shape = counts(workers)
+        links = _prfaas_links([w for w in workers if w.get("alive")])  # once per tick, for its three readers
         first = None
         if self.loop is None:
             self.shape = shape
@@ -251,9 +265,9 @@ class Controller:
         elif shape != self.shape:
             self.shape = shape
             self.loop.request_resolve(self._solver(shape))
-        self._track_kv_ratio(workers)
-        self.link_gbps_measured = measured_link_gbps(workers)
-        sig, self.prev = signals(workers, self.link_gbps, self.prev, nominal_gbps=self.config.link_gbps)
+        self._track_kv_ratio(workers, links)
+        self.link_gbps_measured = _measured_gbps(links)
+        sig, self.prev = signals(workers, self.link_gbps, self.prev, nominal_gbps=self.config.link_gbps, prfaas_links=links)
         self.link_gbps_used = float(sig.link_gbps)
         self.last_signals = {k: (v if math.isfinite(v) else None) if isinstance(v, float) else v
                              for k, v in asdict(sig).items()}
@@ -262,11 +276,11 @@ class Controller:
             return first
         return await self._apply(decision.t, decision.plentiful, decision.reason)
 
-    def _track_kv_ratio(self, workers: list[dict[str, Any]]) -> None:
+    def _track_kv_ratio(self, workers: list[dict[str, Any]], links: list[list[dict[str, Any]]] | None = None) -> None:
         """Measure the KV wire codecs' ratio over the bytes sent since the last measurement (at least
         :data:`KV_RATIO_MIN_BYTES` on the wire); when it moved by more than :data:`KV_RATIO_BAND`, the
         model's ``S_kv(l)`` on the link becomes ``S_kv(l) / ratio`` and the threshold is re-solved."""
-        raw, wire = kv_wire_bytes(workers)
+        raw, wire = kv_wire_bytes(workers) if links is None else _wire_bytes(links)  # links: _prfaas_links of workers
         raw0, wire0 = self._kv_sent
         if raw < raw0 or wire < wire0:  # a worker restarted or left: start again from here
             self._kv_sent = (raw, wire)

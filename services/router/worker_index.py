@@ -12,7 +12,10 @@ None)``); a member is alive and not draining. Per group a min-heap holds each me
 of :func:`~services.router.placement.pick_affine` with no cached prefix: prefill ``(work, load,
 name)`` (``work`` the outstanding prefill token-equivalents, ``load`` the requests of
 :func:`~services.router.placement.worker_load`), decode ``(load, load, name)``; entries are
-invalidated lazily by a per-worker version. The group's total load is kept for the load guard.
+invalidated lazily by a per-worker version. A key that grows (a placement) pushes nothing: the
+worker's entry keeps its older, smaller key, which is still a lower bound, and :meth:`WorkerIndex.pick`
+re-keys it in place when it reaches the top; only a key that shrinks pushes a new entry. The group's
+total load is kept for the load guard.
 
 Contract: the owner calls :meth:`WorkerIndex.touch` for every worker whose in-flight count, queued
 work or reported stats changed (after each ``Leases`` call and each report), and
@@ -24,7 +27,7 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from services.router.placement import AffinePick, worker_load
+from services.router.placement import AffinePick
 
 GroupKey = tuple[str, str | None]
 
@@ -52,6 +55,8 @@ class WorkerIndex:
         self.total: dict[GroupKey, float] = {}
         self.load: dict[str, float] = {}
         self.version: dict[str, int] = {}
+        self.key: dict[str, tuple[float, float]] = {}  # current (first key, load) of each member
+        self.entry: dict[str, tuple[float, float]] = {}  # the key its live heap entry holds (<= key)
         for w in workers:
             if not w.get("alive") or (w.get("stats") or {}).get("draining"):
                 continue
@@ -73,20 +78,61 @@ class WorkerIndex:
         g = self.group.get(name)
         if g is None:
             return
-        load = worker_load(self.by_name[name], self.inflight)
-        loads, version = self.load, self.version
+        stats = self.by_name[name].get("stats") or {}  # worker_load, inlined: four touches per request
+        load = self.inflight.get(name, 0) + float(stats.get("waiting", 0)) + float(stats.get("running", 0))
+        loads = self.load
         self.total[g] += load - loads[name]
         loads[name] = load
+        new = (self.work.get(name, 0.0) if g[0] == "prefill" else load, load)
+        self.key[name] = new
+        entry = self.entry.get(name)
+        if entry is not None and new >= entry:
+            return  # the live entry's smaller key is still a lower bound: pick re-keys it when it surfaces
+        version = self.version
         v = version[name] = version[name] + 1
+        self.entry[name] = new
         heap = self.heaps[g]
-        heapq.heappush(heap, (self.work.get(name, 0.0) if g[0] == "prefill" else load, load, name, v))
+        heapq.heappush(heap, (new[0], load, name, v))
         if len(heap) > 4 * len(self.members[g]) + 64:  # drop stale entries
             heap[:] = [e for e in heap if version[e[2]] == e[3]]
             heapq.heapify(heap)
 
+    def _top(self, g: GroupKey) -> tuple[float, float, str, int] | None:
+        """The group's heap top after dropping stale entries and re-keying a grown one (None: empty)."""
+        heap, version, keys, entry = self.heaps[g], self.version, self.key, self.entry
+        while heap:  # (a rebuild starts new heaps, so every entry here was pushed for a member of g)
+            e = heap[0]
+            n = e[2]
+            if version[n] != e[3]:
+                heapq.heappop(heap)
+                continue
+            k = keys[n]
+            if k[0] != e[0] or k[1] != e[1]:  # the key grew since this entry was pushed
+                entry[n] = k
+                heapq.heapreplace(heap, (k[0], k[1], n, e[3]))
+                continue
+            return e
+        return None
+
     def _over(self, g: GroupKey, load: float) -> bool:
         others = len(self.members[g]) - 1
         return others > 0 and load * others > 2 * (self.total[g] - load) + others
+
+    def _first_unguarded(self, g: GroupKey, others: int, total: float) -> str | None:
+        """The member with the least heap key that the load guard lets through (None: none is)."""
+        heap, stash, name = self.heaps[g], [], None
+        while True:
+            e = self._top(g)
+            if e is None:
+                break
+            if others > 0 and e[1] * others > 2 * (total - e[1]) + others:  # :meth:`_over`
+                stash.append(heapq.heappop(heap))
+                continue
+            name = e[2]
+            break
+        for e in stash:
+            heapq.heappush(heap, e)
+        return name
 
     def pick(self, g: GroupKey, prefix_blocks: dict[str, int], use_work: bool,
              exclude: set[str] | frozenset[str] = frozenset()) -> AffinePick | None:
@@ -97,9 +143,12 @@ class WorkerIndex:
             return None
         if exclude and any(n in members for n in exclude):
             return None  # the caller falls back to the list scan
-        work, loads = self.work, self.load
         others = len(members) - 1
         total = self.total[g]
+        if not prefix_blocks:  # no cached prefix anywhere: the least loaded worker the load guard lets through
+            n = self._first_unguarded(g, others, total)
+            return None if n is None else AffinePick(self.by_name[n], 0, ())
+        work, loads = self.work, self.load
 
         def over(load: float) -> bool:  # :meth:`_over`, inlined for the hot loop
             return others > 0 and load * others > 2 * (total - load) + others
@@ -113,20 +162,9 @@ class WorkerIndex:
         for n in holders:
             if not over(loads[n]) and (best is None or key(n) < key(best)):
                 best = n
-        heap, stash, version, group = self.heaps[g], [], self.version, self.group
-        while heap:
-            e = heap[0]
-            if version.get(e[2]) != e[3] or group.get(e[2]) != g:
-                heapq.heappop(heap)
-                continue
-            if over(e[1]):
-                stash.append(heapq.heappop(heap))
-                continue
-            if best is None or key(e[2]) < key(best):
-                best = e[2]
-            break
-        for e in stash:
-            heapq.heappush(heap, e)
+        n = self._first_unguarded(g, others, total)
+        if n is not None and (best is None or key(n) < key(best)):
+            best = n
         if best is None:
             return None
         if not holders:
