@@ -61,7 +61,7 @@ async def run(args: argparse.Namespace) -> dict:
     logs = Path(args.logs or tempfile.mkdtemp(prefix="bench-control-plane-"))
     await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
     with progress(total, "requests", unit="req") as bar:
-        system = OurSystem(logs, scales)
+        system = OurSystem(logs, scales, split_hosts=args.split_hosts)
         system.start(False, None, free_port())
         try:
             async with aiohttp.ClientSession() as s:
@@ -127,6 +127,8 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=100)
     p.add_argument("--requests", type=int, default=None, help="requests per concurrent run")
     p.add_argument("--runs", default="seq,c8,c32", help="which runs, comma-separated (c32 always runs)")
+    p.add_argument("--split-hosts", action="store_true",
+                   help="run PD-P and PD-D in two emulated host processes (default: one process, one event loop for both)")
     p.add_argument("--pause", type=float, default=0.0, help="seconds to wait after the warm-up (attach a profiler)")
     p.add_argument("--out", default=None)
     p.add_argument("--logs", default=None, help="folder for the services' logs (default: a fresh temporary one, kept)")
