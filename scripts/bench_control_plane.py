@@ -1,9 +1,11 @@
 """The control plane's ceiling: what the gateway, router and workers sustain when the engine is nearly free.
 
-    python scripts/bench_control_plane.py [--quick] [--time-scale 1000] [--prompt-tokens 1024] [--out DIR]
+    python scripts/bench_control_plane.py [--quick] [--one-host] [--time-scale 1000] [--prompt-tokens 1024] [--out DIR]
 
 The system is the aggregated emulated one (``common/lab/emulated_pd.py``: planner, router, gateway,
-one emulated host with a PD-P and a PD-D worker) on the ``dynamo_mocker`` profile, every time divided
+a PD-P and a PD-D worker, each in its own emulated host process as separate machines would have them;
+``--one-host``: both on one host's event loop, which then caps them together at one core) on the
+``dynamo_mocker`` profile, every time divided
 by ``--time-scale`` (1000, as Dynamo's mocker with ``--speedup-ratio 1000``: a 1024-token prefill
 waits 33 us, a decode step 6 us). Each request streams ``--output-tokens`` (100) tokens, greedy,
 ``ignore_eos``, from a token-id prompt of ``--prompt-tokens``; clients are closed-loop, each on one
@@ -61,7 +63,7 @@ async def run(args: argparse.Namespace) -> dict:
     logs = Path(args.logs or tempfile.mkdtemp(prefix="bench-control-plane-"))
     await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
     with progress(total, "requests", unit="req") as bar:
-        system = OurSystem(logs, scales)
+        system = OurSystem(logs, scales, split_hosts=not args.one_host)
         system.start(False, None, free_port())
         try:
             async with aiohttp.ClientSession() as s:
@@ -82,7 +84,7 @@ async def run(args: argparse.Namespace) -> dict:
             system.stop()
         async with null_server(args.output_tokens) as nport:
             rows["null_c32"] = summarise(await drive("127.0.0.1", nport, make, args.requests, 32, bar.update))
-    return {"rows": rows, "engine_ttft_ms": engine_ttft * 1e3, "time_scale": args.time_scale,
+    return {"rows": rows, "engine_ttft_ms": engine_ttft * 1e3, "time_scale": args.time_scale, "one_host": args.one_host,
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
 
 
@@ -90,7 +92,8 @@ def report(res: dict, out: Path) -> None:
     rows = res["rows"]
     null = rows["null_c32"]["req_per_s"]
     print(f"time scale {res['time_scale']:g} (engine prefill {res['engine_ttft_ms']:.3f} ms), "
-          f"{res['prompt_tokens']}-token prompts, {res['output_tokens']} streamed tokens each")
+          f"{res['prompt_tokens']}-token prompts, {res['output_tokens']} streamed tokens each, "
+          f"{'PD-P and PD-D in one host process' if res.get('one_host') else 'PD-P and PD-D in a host process each'}")
     print(f"{'run':<10}{'requests':>9}{'req/s':>9}{'tok/s':>9}{'TTFT p50 ms':>13}{'p99 ms':>9}{'overhead p50':>14}{'chunks/req':>11}"
           f"{'vs null':>9}{'vs Dynamo':>11}")
     for name, r in rows.items():
@@ -127,6 +130,8 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=100)
     p.add_argument("--requests", type=int, default=None, help="requests per concurrent run")
     p.add_argument("--runs", default="seq,c8,c32", help="which runs, comma-separated (c32 always runs)")
+    p.add_argument("--one-host", action="store_true",
+                   help="run PD-P and PD-D in one emulated host process (default: one process each)")
     p.add_argument("--pause", type=float, default=0.0, help="seconds to wait after the warm-up (attach a profiler)")
     p.add_argument("--out", default=None)
     p.add_argument("--logs", default=None, help="folder for the services' logs (default: a fresh temporary one, kept)")

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from common.model.detok import IncrementalDetokenizer
+from common.model.detok import IncrementalDetokenizer, decoder_of
 from common.model.tokenizer import build_byte_tokenizer
 
 EOS = 256
@@ -263,3 +263,34 @@ def test_property_random_bytes(ids, stops):
 @given(text=st.text(alphabet="".join(sorted(set("schön grüße 日本語テキスト helo wrd"))), max_size=40), stops=stops_strategy)
 def test_property_bpe_tokenizer(text, stops):
     _check(BPE_TOK, BPE_TOK.encode(text), stops)
+
+
+class _CleanUpFast(PreTrainedTokenizerFast):
+    """A fast tokenizer that cleans up spaces before punctuation: the direct Rust call would skip that."""
+
+    def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+        return super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).replace(" ,", ",")
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@given(ids=st.lists(st.integers(0, 259), max_size=40))
+@settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_decoder_of_matches_decode(skip, ids):
+    for t in (BYTE_TOK, BPE_TOK):
+        ids_t = [i % len(t) for i in ids]
+        assert decoder_of(t, skip)(ids_t) == t.decode(ids_t, skip_special_tokens=skip)
+
+
+def test_decoder_of_takes_the_rust_call_only_when_it_is_the_same():
+    assert decoder_of(BYTE_TOK, True).__name__ == "fast"
+    overridden = _CleanUpFast(tokenizer_object=BYTE_TOK.backend_tokenizer)
+    ids = list(b"a , b")
+    assert decoder_of(overridden, True).__name__ == "plain"
+    assert decoder_of(overridden, True)(ids) == "a, b"
+
+    class Other:  # not a Hugging Face tokenizer, with a ``_tokenizer`` attribute all the same
+        _tokenizer = BYTE_TOK._tokenizer
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "x" * len(ids)
+    assert decoder_of(Other(), True)([1, 2]) == "xx"

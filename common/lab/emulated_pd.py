@@ -31,13 +31,16 @@ OUR_MODEL = "emulated"
 @dataclass
 class OurSystem:
     """Planner, router, gateway and one emulated host (aggregated: PD-P + PD-D; disaggregated: a
-    PrfaaS prefill worker + PD-D, its KV through ``proxy``). Owns its processes; :meth:`stop` ends them."""
+    PrfaaS prefill worker + PD-D, its KV through ``proxy``), or with ``split_hosts`` one host process
+    per worker (the single host's event loop caps what both workers sustain together at one core).
+    Owns its processes; :meth:`stop` ends them."""
 
     log_dir: Path
     scales: Scales
     procs: list[subprocess.Popen] | None = None
     url: str = ""
     names: list[str] = field(default_factory=list)  # the service of each of ``procs``: planner, router, gateway, host
+    split_hosts: bool = False  # each worker in its own emulated host process (host-p, host-d), as separate machines would be
 
     def start(self, disaggregated: bool, proxy: LinkProxy | None, decode_kv_port: int) -> None:
         tag = "disagg" if disaggregated else "agg"
@@ -59,6 +62,9 @@ class OurSystem:
                 "gateway": py + ["services.gateway", "--host", "127.0.0.1", "--port", gw.rsplit(":", 1)[1],
                                  "--router", router, "--planner", planner, "--model", OUR_MODEL],
                 "host": py + ["common.lab.emulated_host", *prefill, "--", *decode]}
+        if self.split_hosts:
+            del cmds["host"]
+            cmds |= {"host-p": py + ["common.lab.emulated_host", *prefill], "host-d": py + ["common.lab.emulated_host", *decode]}
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.scales.env())
         self.procs, self.names = [], []
         for name, cmd in cmds.items():

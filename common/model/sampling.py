@@ -270,6 +270,8 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], steps: S
         )
     out: list[Sampled | None] = [None] * batch
     plain = [i for i, p in enumerate(params) if p.greedy and not p.processing.active and not _wants_logprobs(p)]
+    if plain and len(plain) == batch:  # every row plain greedy (the common case): no row selection
+        return [Sampled(int(tok)) for tok in logits.argmax(dim=-1).tolist()]
     if plain:
         index = torch.tensor(plain, dtype=torch.long, device=logits.device)
         for i, tok in zip(plain, logits.index_select(0, index).argmax(dim=-1).tolist()):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -288,6 +289,11 @@ class Gateway:
         return _json(choices.body())
 
     async def _stream(self, request: web.Request, req: GenerateRequest, trace: RequestTrace | None = None) -> web.StreamResponse:
+        """The SSE response. Events made together go out in one write (each write is a send on the
+        client's socket, the biggest cost of a gateway whose engine is fast): the headers with the
+        first token's chunk, a chat's role chunks with it too, and the last token's chunk with the
+        usage chunk, ``[DONE]`` and the chunked body's end. Nothing waits to be batched: whatever is
+        made is written before the next item is awaited."""
         gen = self.dispatch.generate(req, trace)
         try:
             first = await gen.__anext__()  # errors before the first token are still plain HTTP errors
@@ -295,48 +301,67 @@ class Gateway:
             first = None
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            REQUEST_ID_HEADER: req.request_id})
+        resp._send_headers_immediately = False  # aiohttp's own switch: the headers go with the first write
+        out: list[bytes] = []  # SSE events not written yet
 
-        async def write(data: bytes) -> None:  # a client that stops reading is cut off, and frees its slot
+        async def write(data: bytes, eof: bool = False) -> None:  # a client that stops reading is cut off, and frees its slot
+            put = resp.write_eof if eof else resp.write
             t = request.transport
             if t is not None and not t.get_write_buffer_size():  # nothing backlogged: the write cannot wait, so no
-                await resp.write(data)  # timer per chunk (one asyncio.timeout per token was a tenth of the gateway)
+                await put(data)  # timer per chunk (one asyncio.timeout per token was a tenth of the gateway)
                 return
             try:
                 async with asyncio.timeout(self.limits.write_timeout_s):
-                    await resp.write(data)
+                    await put(data)
             except TimeoutError:
                 if request.transport is not None:
                     request.transport.abort()
                 raise ConnectionResetError(f"the client read nothing for {self.limits.write_timeout_s:g}s") from None
 
-        async def send(obj: Any) -> None:
-            await write(b"data: " + orjson.dumps(obj) + b"\n\n")
+        def event(obj: Any) -> None:
+            out.append(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+        async def flush() -> None:
+            if out:
+                data = b"".join(out)
+                out.clear()
+                await write(data)
 
         choices = Choices(req, self.token_text)
         try:
             await resp.prepare(request)  # inside the try: a client already gone must still close gen
             if req.kind == "chat":
                 for i in range(req.n):
-                    await send(response.with_choices(req, "chat.completion.chunk", [
+                    event(response.with_choices(req, "chat.completion.chunk", [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}], stream=True))
             item = first
             while item is not None:
                 chunk = choices.chunk(choices.add(item), item["text"], item["finish_reason"])
                 if chunk is not None:
-                    await send(chunk)
+                    event(chunk)
+                if item["finish_reason"] is not None and all(choices.finished(i) for i in range(req.sampling.n)):
+                    break  # the last item (generate yields nothing after it): the tail goes out with it
+                await flush()
                 try:
                     item = await gen.__anext__()
                 except StopAsyncIteration:
                     item = None
             if req.include_usage:
-                await send(response.usage_chunk(req, *choices.usage()))
+                event(response.usage_chunk(req, *choices.usage()))
         except OpenAIError as e:
-            await send(e.body())  # mid-stream failure: an SSE error event, then [DONE]
+            event(e.body())  # mid-stream failure: an SSE error event, then [DONE]
+        except BaseException:
+            await gen.aclose()
+            raise
+        out.append(b"data: [DONE]\n\n")
+        try:
+            await write(b"".join(out), eof=True)
+            with contextlib.suppress(OpenAIError):  # the client has its answer; nothing after [DONE] reaches it
+                async for _ in gen:  # ends at once after the last item: its release and bookkeeping run to the end
+                    pass
         finally:
             await gen.aclose()
-        await write(b"data: [DONE]\n\n")
-        await resp.write_eof()
         return resp
 
     # -- operations --------------------------------------------------------------------------
