@@ -8,8 +8,10 @@ model's own parameters: RMSNorm written as transformers writes it, one matmul fo
 gate/up (the model's separate weights become row slices of one fused tensor, so no weight is stored
 twice), rotary embedding from the model's own ``rotary_emb``, the new K/V written into the paged
 store, attention per row over its blocks (:func:`common.model.paged_attention.attend_rows`), the output
-and down projections, residual adds. Outputs agree with the transformers forward to float32 rounding
-(a fused matmul may sum in another order), which the exactness tests check against ``generate``.
+and down projections, residual adds. The matmuls and the lm_head run through MKL-packed copies of their
+weights at the batch sizes where that is faster (``common/model/packed_gemm.py``). Outputs agree with
+the transformers forward to float32 rounding (bit for bit without the packed copies), which the
+exactness tests check against ``generate``.
 
 Supported (:func:`lean_supported`): ``llama`` and ``mistral`` configs with every layer full attention,
 no attention or MLP bias, SiLU, and no sliding window. Other models keep
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from common.kv.paged_store import PagedKvStore, PagedSeq
+from common.model.packed_gemm import pack
 from common.model.paged_attention import attend_rows
 
 LEAN_FAMILIES = ("llama", "mistral")
@@ -53,22 +56,26 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
 class LeanLlamaDecoder:
     """Decode steps of ``model`` (a supported transformers causal LM, see :func:`lean_supported`) over
     a :class:`PagedKvStore`. Building it fuses q/k/v and gate/up weights in place (the modules keep
-    working, on views). Not thread-safe: one step at a time."""
+    working, on views). ``pack_weights``: the step's matmuls (and the lm_head) also get MKL-packed
+    copies, used at the row counts where they are faster (``common/model/packed_gemm.py``; about the
+    weights' bytes again in memory). Not thread-safe: one step at a time."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, pack_weights: bool = True):
         if not lean_supported(model):
             raise ValueError(f"the lean decode step does not support {model.config.model_type!r} with this config")
         base = model.model
         c = model.config
-        self.embed, self.rotary, self.norm, self.lm_head = base.embed_tokens, base.rotary_emb, base.norm, model.lm_head
+        self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
+        self.lm_head = pack(model.lm_head.weight, pack_weights)
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.q_heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
             self.layers.append((
-                layer.input_layernorm, _fuse([a.q_proj, a.k_proj, a.v_proj]), a.o_proj.weight, a.scaling,
-                layer.post_attention_layernorm, _fuse([m.gate_proj, m.up_proj]), m.down_proj.weight,
+                layer.input_layernorm, pack(_fuse([a.q_proj, a.k_proj, a.v_proj]), pack_weights),
+                pack(a.o_proj.weight, pack_weights), a.scaling, layer.post_attention_layernorm,
+                pack(_fuse([m.gate_proj, m.up_proj]), pack_weights), pack(m.down_proj.weight, pack_weights),
             ))
         self.q_out, self.kv_out = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
         self.inter = c.intermediate_size
@@ -105,19 +112,19 @@ class LeanLlamaDecoder:
         h = self.embed(torch.tensor(tokens, dtype=torch.long))  # [rows, D]
         cos, sin = self.rotary(h, pos)  # [rows, 1, d]
         qo, kvo, d = self.q_out, self.kv_out, self.head_dim
-        for i, (ln1, w_qkv, w_o, scale, ln2, w_gu, w_down) in enumerate(self.layers):
+        for i, (ln1, qkv_proj, o_proj, scale, ln2, gate_up, down) in enumerate(self.layers):
             if wait_layer is not None:
                 wait_layer(i)
-            qkv = F.linear(self._rms(ln1, h), w_qkv)
+            qkv = qkv_proj(self._rms(ln1, h))
             q = self._rope(qkv[:, :qo].view(rows, self.q_heads, d), cos, sin)
             k = self._rope(qkv[:, qo:qo + kvo].view(rows, self.kv_heads, d), cos, sin)
             v = qkv[:, qo + kvo:].view(rows, self.kv_heads, d)
             store.k[i][:, wb, wo] = k.transpose(0, 1)
             store.v[i][:, wb, wo] = v.transpose(0, 1)
             attn = attend_rows(q.unsqueeze(2), store, i, runs, scale).reshape(rows, qo)
-            h = h + F.linear(attn, w_o)
-            gu = F.linear(self._rms(ln2, h), w_gu)
-            h = h + F.linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], w_down)
+            h = h + o_proj(attn)
+            gu = gate_up(self._rms(ln2, h))
+            h = h + down(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
         logits = self.lm_head(self._rms(self.norm, h))
         for s in seqs:
             s.length += 1
