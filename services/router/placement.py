@@ -340,7 +340,7 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
         alive: list[dict[str, Any]] = []
         present = {c: index.size(("prefill", c)) > 0 for c in CLUSTERS}
         prefills = {c: [index.by_name[n] for n in prefix_blocks if index.group.get(n) == ("prefill", c)]
-                    if present[c] else [] for c in CLUSTERS} if prefix_blocks else {c: [] for c in CLUSTERS}
+                    if present[c] and prefix_blocks else [] for c in CLUSTERS}
     else:
         alive = [w for w in workers if w.get("alive")]
         prefills = {c: [w for w in alive if w["role"] == "prefill" and w["cluster"] == c] for c in CLUSTERS}
@@ -349,13 +349,8 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
     def longest(ws: list[dict[str, Any]]) -> int:
         return max((prefix_blocks.get(w["name"], 0) for w in ws), default=0)
 
-    if prefix_blocks:
-        lens = incremental_lengths(prompt_len, block_size, longest(prefills["pd"]), longest(prefills["prfaas"]))
-        l_pd, l_prfaas = lens["l_pd"], lens["l_prfaas"]
-    else:  # nothing cached anywhere: what incremental_lengths gives for zero blocks, without its per-cluster loop
-        if prompt_len < 1 or block_size < 1:
-            incremental_lengths(prompt_len, block_size, 0, 0)  # raises the ValueError
-        l_pd = l_prfaas = 0
+    lens = incremental_lengths(prompt_len, block_size, longest(prefills["pd"]), longest(prefills["prfaas"]))
+    l_pd, l_prfaas = lens["l_pd"], lens["l_prfaas"]
     route, l, why = choose_cluster(prompt_len, l_pd, l_prfaas, threshold, bandwidth_plentiful, trade)
     reason = f"prompt={prompt_len} l_pd={l_pd} l_prfaas={l_prfaas}; {why}"
     fell_back = not present[CLUSTER_OF_ROUTE[route]]

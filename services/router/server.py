@@ -124,7 +124,6 @@ class Router:
         self.tentative = Tentative()  # placements made, not yet confirmed by the workers' events
         self.kv_epochs: dict[str, str] = {}  # node -> epoch of the cache the index holds (every indexed node has one)
         self.kv_block_size: dict[str, int] = {}  # node -> block size its publisher reported
-        self.kv_store_unit: dict[str, int] = {}  # node -> blocks per cached granule (absent: 1)
         self._pending: dict[str, _PendingSnapshot] = {}
         self._block_size_warned: set[str] = set()
         self.prefix_counts: Counter[str] = Counter()  # requests, prompt_tokens, decode_hit_tokens, moves, guard_skips
@@ -178,7 +177,6 @@ class Router:
         self.tentative.forget(node)
         self.kv_epochs.pop(node, None)
         self.kv_block_size.pop(node, None)
-        self.kv_store_unit.pop(node, None)
         self._pending.pop(node, None)
 
     def _forget_dead(self) -> None:
@@ -222,8 +220,7 @@ class Router:
         self.kv_epochs[args.node] = args.epoch
         if args.block_size is not None:
             self.kv_block_size[args.node] = args.block_size
-        if args.store_unit is not None:
-            self.kv_store_unit[args.node] = args.store_unit
+        self.tentative.set_unit(args.node, args.store_unit)  # every batch of a coarse cache carries it
 
     @takes(KvEventsArgs)
     async def kv_events(self, args: KvEventsArgs) -> dict[str, Any]:
@@ -320,7 +317,8 @@ class Router:
         self._count_prefix(args.prompt_len, p)
         work = p.incremental_len + self.prefill_fixed_tokens.get(p.prefill["cluster"], 0.0)
         if args.req_id and args.block_hashes:
-            self._record(args.req_id, args.block_hashes, (p.prefill["name"], p.decode["name"]), now)
+            self.tentative.record_placement(args.req_id, args.block_hashes, (p.prefill["name"], p.decode["name"]),
+                                            self.index.cached, now)
         if args.req_id:  # only a lease can be released: without one nothing is counted, and nothing probes
             if len(self.leases.by_req) >= MAX_PLACED:
                 self._end(next(iter(self.leases.by_req)))
@@ -344,17 +342,6 @@ class Router:
             "prefix_source": p.prefix_source,
             **({"multi": True} if not self.topology.is_default else {}),
         }
-
-    def _record(self, req_id: str, hashes: list[int], nodes: tuple[str, str], now: float) -> None:
-        """Record the placement in the tentative layer: the prompt's full blocks that the chosen prefill
-        and decode workers will hold once it is prefilled (in whole granules of the node's
-        ``store_unit``), less what the index already has there."""
-        holdings = []
-        for n in dict.fromkeys(nodes):
-            unit = self.kv_store_unit.get(n, 1)
-            cached = self.index.cached(n)
-            holdings.append((n, [h for h in hashes[:len(hashes) // unit * unit] if h not in cached]))
-        self.tentative.record(req_id, holdings, now)
 
     def _place(self, args: PlaceArgs, blocks: dict[str, int] | None) -> placement.Placement:
         """:func:`placement.place_request` avoiding the request's exclusions and the workers whose

@@ -65,6 +65,7 @@ class Tentative:
         self._held: dict[str, dict[int, set[str]]] = {}  # node -> hash -> entries holding it
         self._heap: list[tuple[float, str]] = []  # (deadline, req_id), stale pairs skipped lazily
         self._blocks = 0  # (node, hash, entry) holdings
+        self.units: dict[str, int] = {}  # node -> blocks per granule it caches in (absent: 1, any whole block)
         self.counts = {"recorded": 0, "confirmed": 0, "retired": 0, "expired": 0, "expired_blocks": 0, "evicted": 0}
 
     # ------------------------------------------------------------------------------ updates
@@ -94,6 +95,25 @@ class Tentative:
         heapq.heappush(self._heap, (e.deadline, req_id))
         self.counts["recorded"] += n
         return n
+
+    def set_unit(self, node: str, unit: int | None) -> None:
+        """``node`` caches prefixes only in whole granules of ``unit`` blocks (its events' ``store_unit``,
+        e.g. a vLLM engine block of several of ours); None or 1: any whole block."""
+        if unit is None or unit <= 1:
+            self.units.pop(node, None)
+        else:
+            self.units[node] = unit
+
+    def record_placement(self, req_id: str, hashes: list[int], nodes: Iterable[str],
+                         cached: Callable[[str], set[int] | frozenset[int]], now: float) -> int:
+        """:meth:`record` of a placement: each of ``nodes`` (the chosen prefill and decode workers) will
+        hold the prompt's full blocks ``hashes`` in whole granules of its unit, less what ``cached(node)``
+        (the index) holds there already. Returns the holdings recorded."""
+        holdings = []
+        for n in dict.fromkeys(nodes):
+            unit, have = self.units.get(n, 1), cached(n)
+            holdings.append((n, [h for h in hashes[:len(hashes) // unit * unit] if h not in have]))
+        return self.record(req_id, holdings, now)
 
     def done(self, req_id: str, now: float) -> bool:
         """``req_id``'s prefill has ended: its workers store the blocks now, so the entry lives only
@@ -143,7 +163,8 @@ class Tentative:
         return n
 
     def forget(self, node: str) -> None:
-        """Drop every tentative holding on ``node`` (it died, restarted or left its role)."""
+        """Drop every tentative holding on ``node`` and its unit (it died, restarted or left its role)."""
+        self.units.pop(node, None)
         held = self._held.pop(node, None)
         if held:
             self._blocks -= sum(len(s) for s in held.values())

@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from services.router.placement import AffinePick
+from services.router.placement import AffinePick, worker_load
 
 GroupKey = tuple[str, str | None]
 
@@ -78,8 +78,7 @@ class WorkerIndex:
         g = self.group.get(name)
         if g is None:
             return
-        stats = self.by_name[name].get("stats") or {}  # worker_load, inlined: four touches per request
-        load = self.inflight.get(name, 0) + float(stats.get("waiting", 0)) + float(stats.get("running", 0))
+        load = worker_load(self.by_name[name], self.inflight)
         loads = self.load
         self.total[g] += load - loads[name]
         loads[name] = load
@@ -118,14 +117,14 @@ class WorkerIndex:
         others = len(self.members[g]) - 1
         return others > 0 and load * others > 2 * (self.total[g] - load) + others
 
-    def _first_unguarded(self, g: GroupKey, others: int, total: float) -> str | None:
+    def _first_unguarded(self, g: GroupKey) -> str | None:
         """The member with the least heap key that the load guard lets through (None: none is)."""
         heap, stash, name = self.heaps[g], [], None
         while True:
             e = self._top(g)
             if e is None:
                 break
-            if others > 0 and e[1] * others > 2 * (total - e[1]) + others:  # :meth:`_over`
+            if self._over(g, e[1]):
                 stash.append(heapq.heappop(heap))
                 continue
             name = e[2]
@@ -143,11 +142,11 @@ class WorkerIndex:
             return None
         if exclude and any(n in members for n in exclude):
             return None  # the caller falls back to the list scan
+        if not prefix_blocks:  # no cached prefix anywhere: the least loaded worker the load guard lets through
+            n = self._first_unguarded(g)
+            return None if n is None else AffinePick(self.by_name[n], 0, ())
         others = len(members) - 1
         total = self.total[g]
-        if not prefix_blocks:  # no cached prefix anywhere: the least loaded worker the load guard lets through
-            n = self._first_unguarded(g, others, total)
-            return None if n is None else AffinePick(self.by_name[n], 0, ())
         work, loads = self.work, self.load
 
         def over(load: float) -> bool:  # :meth:`_over`, inlined for the hot loop
@@ -162,7 +161,7 @@ class WorkerIndex:
         for n in holders:
             if not over(loads[n]) and (best is None or key(n) < key(best)):
                 best = n
-        n = self._first_unguarded(g, others, total)
+        n = self._first_unguarded(g)
         if n is not None and (best is None or key(n) < key(best)):
             best = n
         if best is None:
