@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -83,8 +84,7 @@ def _connector_recv(layers: int, blocks: int, block_shape: list[int]) -> None:
                 time.sleep(0.001)
             ok = asm.done.is_set() and asm.error is None and torch.equal(dst[-1], want_last)
             lt.call(release(tid))
-            for t in dst[-1:]:
-                t.zero_()
+            dst[-1].zero_()  # the next transfer's check sees only what it wrote
             print(f"DONE {int(ok)}", flush=True)
     lt.close(rx.close)
 
@@ -128,7 +128,7 @@ class _Pair:
         self.kind, self.conns, self.n = kind, connections, 0
         me = [sys.executable, "-m", "common.lab.connector_goodput", "--layers", str(layers), "--blocks", str(blocks),
               "--block-shape", json.dumps(block_shape), "--connections", str(connections)]
-        self.nbytes = layers * blocks * 4 * _prod(block_shape)
+        self.nbytes = layers * blocks * 4 * math.prod(block_shape)
         self.procs: list[subprocess.Popen] = []
         if kind == "connector":
             self.recv = self._up(spawn([*me, "--role", "connector-recv"], stdin=subprocess.PIPE))
@@ -180,13 +180,6 @@ class _Pair:
             if p.stdin is not None and p.poll() is None:
                 p.stdin.close()
         stop(*self.procs)
-
-
-def _prod(xs: list[int]) -> int:
-    out = 1
-    for x in xs:
-        out *= int(x)
-    return out
 
 
 def compare_goodput(layers: int, blocks: int, block_shape: list[int], reps: int = 5, connections: int = 4,
