@@ -124,3 +124,47 @@ def test_push_streams_blocks_into_the_receiver():
             await pusher.close()
             await rx.close()
         lt.close(closer)
+
+
+def test_hybrid_layouts_tokens_and_state_index():
+    state = [("bfloat16", [3, 512]), ("float32", [4, 64, 64])]
+    lays = plan.layer_layouts(["state", "state", "attention"], 300, 256, [2, 256, 128], "bfloat16", state)
+    assert lays[2] == plan.wire_layouts(1, 300, 256, [2, 256, 128], "bfloat16")[0]
+    conv, rec = lays[0]["tensors"]
+    assert (conv["name"], conv["offset"], conv["nbytes"]) == ("conv.0", 0, 3 * 512 * 2)
+    assert (rec["name"], rec["offset"], rec["nbytes"]) == ("rec.0", 3072, 4 * 64 * 64 * 4)
+    assert lays[0]["total"] == 68608 and lays[0] == lays[1]
+    assert plan.layer_layouts(["attention"], 40, 16, [2, 16, 8], "float32", []) == plan.wire_layouts(1, 40, 16, [2, 16, 8], "float32")
+    for kinds, st in ((["state", "attention"], state[:1]), (["mamba"], state)):
+        with pytest.raises(ValueError):
+            plan.layer_layouts(kinds, 10, 16, [2, 16, 8], "float32", st)
+    # the producer computes all but the last token; a 1-token prompt carries nothing
+    assert [plan.carried_tokens(n, True) for n in (0, 1, 2, 300)] == [0, 0, 1, 299]
+    assert plan.carried_tokens(300, False) == 300
+    # vLLM's state slot: one per request without prefix caching, else the block of the last token
+    assert plan.state_index(299, 256, "none") == 0
+    assert [plan.state_index(n, 256, "align") for n in (1, 256, 257, 512, 513)] == [0, 0, 1, 1, 2]
+    for n, mode in ((0, "none"), (5, "other")):
+        with pytest.raises(ValueError):
+            plan.state_index(n, 256, mode)
+
+
+def test_block_assembly_per_layer_tables_and_state_slots():
+    """A hybrid transfer: layer 0 is a linear layer (one state slot, another tile size), layer 1 an
+    attention layer with its own block ids and a local prefix hit; each lands in its own slot."""
+    state = [("float32", [2, 4]), ("float32", [3])]
+    lays = plan.layer_layouts(["state", "attention"], 40, 16, [2, 16, 8], "float32", state)
+    states = torch.zeros(6, 11)  # 6 slots of 2*4 + 3 floats
+    attn = _fake_cache(1, 8, seed=4)[0]
+    asm = BlockAssembly("h", [states, attn], [[4], [6, 1, 3]], [0, 1], lays)
+    asm.allocate(lays)
+    slot = torch.arange(11, dtype=torch.float32)
+    asm.write(0, 0, slot.view(torch.uint8).numpy().tobytes())
+    assert torch.equal(states[4], slot) and states[:4].abs().sum() == 0 and states[5].abs().sum() == 0
+    src = torch.randn(3, 2, 16, 8)
+    keep = attn[6].clone()
+    asm.write(1, 0, src.view(torch.uint8).flatten().numpy().tobytes())
+    assert torch.equal(attn[6], keep) and torch.equal(attn[1], src[1]) and torch.equal(attn[3], src[2])
+    assert all(e.is_set() for e in asm.layer_ready)
+    with pytest.raises(KvError):  # a state layout that is not whole slots of this tensor
+        BlockAssembly("x", [torch.zeros(6, 5), attn], [[4], [6, 1, 3]], [0, 1], lays)

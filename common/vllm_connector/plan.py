@@ -18,6 +18,14 @@ so the receiver maps a byte range straight onto the request's blocks. The tail o
 beyond the prompt travels too (it lands in the decode request's own block, which decode overwrites).
 Both ends must run the same checkpoint, dtype and block size (the transfer's fingerprint, checked at
 connect).
+
+Hybrid models (linear attention / Mamba layers next to attention layers, vLLM's hybrid KV cache
+manager): a linear layer's wire layout is its fixed-size state, one slot of vLLM's state pool: the
+tensors ``conv.0`` (the causal-conv window) and ``rec.0`` (the recurrent state), back to back as
+vLLM packs them in the slot (:func:`layer_layouts`). The state must be the one *before* the prompt's
+last token: vLLM recomputes that token on the decode side after a full load (it needs its logits),
+and a recurrent state cannot be rewound, so the producer computes ``prompt_len - 1`` tokens and the
+transfer carries that many (:func:`carried_tokens`; vLLM's own NIXL connector does the same).
 """
 
 from __future__ import annotations
@@ -84,6 +92,48 @@ def wire_layouts(num_layers: int, prompt_len: int, block_size: int, block_shape:
     of shape ``[n_blocks, *block_shape]`` and dtype name ``dtype``. Raises ``KvError`` for a bad dtype."""
     lay = make_layout([("kv", dtype, [n_blocks(prompt_len, block_size), *block_shape])])
     return [lay] * num_layers
+
+
+def layer_layouts(kinds: list[str], tokens: int, block_size: int, block_shape: list[int], dtype: str,
+                  state: list[tuple[str, list[int]]]) -> list[Layout]:
+    """Every layer's layout of a ``tokens``-token transfer of a model whose layer ``i`` is
+    ``kinds[i]``: ``"attention"`` (one tensor ``kv``, ``[n_blocks, *block_shape]`` of ``dtype``, as
+    :func:`wire_layouts`) or ``"state"`` (one state slot: ``conv.0`` and ``rec.0`` of the dtype names
+    and shapes ``state[0]`` and ``state[1]``). Raises ``ValueError`` for another kind or a ``state``
+    that is not two tensors, ``KvError`` for a bad dtype."""
+    attn = make_layout([("kv", dtype, [n_blocks(tokens, block_size), *block_shape])])
+    if "state" in kinds:
+        if len(state) != 2:
+            raise ValueError(f"a state slot holds a conv and a recurrent tensor, got {len(state)} tensors")
+        slot = make_layout([("conv.0", state[0][0], state[0][1]), ("rec.0", state[1][0], state[1][1])])
+    out = []
+    for k in kinds:
+        if k not in ("attention", "state"):
+            raise ValueError(f"unknown layer kind {k!r}")
+        out.append(attn if k == "attention" else slot)
+    return out
+
+
+def carried_tokens(prompt_len: int, has_state: bool) -> int:
+    """Prompt tokens a transfer carries: all of them for an attention-only model, all but the last
+    for a model with linear-attention state (module docstring; 0 for a 1-token prompt, which the
+    decode side then prefills itself)."""
+    return max(0, prompt_len - 1) if has_state else prompt_len
+
+
+def state_index(tokens: int, block_size: int, mode: str) -> int:
+    """Where in a linear layer's block list (one KV cache group's ``block_ids``) vLLM keeps the
+    state after ``tokens`` tokens (>= 1): slot 0 with ``mamba_cache_mode`` ``"none"`` (prefix caching
+    off: one state block per request), else (``"align"``: one block per ``block_size`` tokens, the
+    running state in the last one, as vLLM's ``mamba_get_block_table_tensor`` picks it)
+    ``(tokens - 1) // block_size``. Raises ``ValueError`` for another mode or ``tokens < 1``."""
+    if tokens < 1:
+        raise ValueError("no state before the first token")
+    if mode == "none":
+        return 0
+    if mode == "align":
+        return (tokens - 1) // block_size
+    raise ValueError(f"unsupported mamba_cache_mode {mode!r}")
 
 
 def remote_tokens(prompt_len: int, num_computed: int) -> int:
