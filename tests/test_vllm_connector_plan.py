@@ -138,15 +138,13 @@ def test_hybrid_layouts_tokens_and_state_index():
     for kinds, st in ((["state", "attention"], state[:1]), (["mamba"], state)):
         with pytest.raises(ValueError):
             plan.layer_layouts(kinds, 10, 16, [2, 16, 8], "float32", st)
-    # the producer computes all but the last token; a 1-token prompt carries nothing
-    assert [plan.carried_tokens(n, True) for n in (0, 1, 2, 300)] == [0, 0, 1, 299]
-    assert plan.carried_tokens(300, False) == 300
-    # vLLM's state slot: one per request without prefix caching, else the block of the last token
-    assert plan.state_index(299, 256, "none") == 0
-    assert [plan.state_index(n, 256, "align") for n in (1, 256, 257, 512, 513)] == [0, 0, 1, 1, 2]
-    for n, mode in ((0, "none"), (5, "other")):
-        with pytest.raises(ValueError):
-            plan.state_index(n, 256, mode)
+    # a hybrid transfer ends at vLLM's last state checkpoint before the last token
+    assert [plan.carried_tokens(n, True, 256) for n in (0, 1, 256, 257, 300, 512, 513, 4097)] == [0, 0, 0, 256, 256, 256, 512, 4096]
+    assert plan.carried_tokens(300, False, 256) == 300
+    assert [plan.carried_tokens(n, True, 128) for n in (128, 129, 700, 4200)] == [0, 128, 640, 4096]  # sub-block checkpoints
+    assert [plan.state_index(n, 256) for n in (1, 256, 257, 512, 513, 4096)] == [0, 0, 1, 1, 2, 15]
+    with pytest.raises(ValueError):
+        plan.state_index(0, 256)
 
 
 def test_block_assembly_per_layer_tables_and_state_slots():

@@ -27,17 +27,19 @@ Start vLLM with (this project on the venv's ``PYTHONPATH``)::
   freed block). ``wait_for_layer_load`` checks the layer's flag: an async load is whole before its
   request is scheduled, so it does not block.
 
-Hybrid models (``SupportsHMA``: vLLM's hybrid KV cache manager stays on): full-attention groups are
-carried block by block as above, and every linear-attention (``MambaSpec``) layer's state slot (conv
-window and recurrent state) goes once, after the step that ends the carried prompt, computed by then:
-a linear layer's state is pushed at the ``save_kv_layer`` of the first attention layer after it (vLLM
-calls that hook for attention layers only), or in ``wait_for_save``. The transfer carries the prompt
-but its last token (:func:`~common.vllm_connector.plan.carried_tokens`): the producer's request is
-cut by one token when it arrives (``on_new_request``), the consumer reports that many tokens as the
-async load, and vLLM recomputes the last token on top of the loaded state. The state lands in the
-slot vLLM's ``mamba_cache_mode`` reads (:func:`~common.vllm_connector.plan.state_index`). Refused at
-start-up: sliding-window/chunked-local attention groups, speculative decoding's extra state blocks,
-state groups of different shapes. ``KV_DONE`` goes in ``wait_for_save``, after the forward.
+Hybrid models (``SupportsHMA``: vLLM's hybrid KV cache manager stays on; prefix caching on, so
+``mamba_cache_mode`` is ``"align"``): full-attention groups are carried block by block as above, and
+every linear-attention (``MambaSpec``) layer's state slot (conv window and recurrent state) once, from
+the step that ends at the carried length (:func:`~common.vllm_connector.plan.carried_tokens`: the
+last block boundary before the prompt's last token, where vLLM ends a prefill step and keeps the
+state). A linear layer's state is pushed at the ``save_kv_layer`` of the first attention layer after
+it (vLLM calls that hook for attention layers only), or in ``wait_for_save``. The consumer reports
+the carried tokens as the async load; the state lands in the slot vLLM reads
+(:func:`~common.vllm_connector.plan.state_index`), and vLLM computes the rest of the prompt (under one
+block) on top of it. Refused at start-up: a hybrid model with prefix caching off (``mamba_cache_mode``
+``"none"`` keeps no state at a step boundary the decode side could resume from exactly),
+sliding-window/chunked-local attention groups, speculative decoding's extra state blocks, state
+groups of different shapes. ``KV_DONE`` goes in ``wait_for_save``, after the forward.
 """
 
 from __future__ import annotations
@@ -144,6 +146,9 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
                     spec = g.kv_cache_spec
                     self.state_spec = [(dtype_name(d), list(sh)) for sh, d in zip(spec.shapes, spec.dtypes)]
         self.has_state = "state" in self.kinds
+        if self.has_state and self.mamba_mode != "align":
+            raise ValueError(f"PrfaasConnector carries a hybrid model's state with prefix caching on only "
+                             f"(mamba_cache_mode 'align', got {self.mamba_mode!r}): drop --no-enable-prefix-caching")
         # scheduler side
         self._params: dict[str, plan.RemoteParams] = {}
         self._matched: dict[str, int] = {}  # consumer: local prefix-cache tokens at the match
@@ -320,17 +325,24 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         except ValueError as e:
             log.warning("request %s: %s; served without PrfaaS", request.request_id, e)
             return
-        if p is None or not ((p.pull and self.consumer) or (p.push_to and self.producer)):
-            return
-        if p.push_to and self.has_state and not _cut_last_token(request):
-            return  # nothing to carry (a 1-token prompt): the decode side prefills it itself
-        self._params[request.request_id] = p
+        if p is not None and ((p.pull and self.consumer) or (p.push_to and self.producer)):
+            self._params[request.request_id] = p
+
+    @property
+    def checkpoint_tokens(self) -> int:
+        """vLLM's prefill state-checkpoint granularity, read where its scheduler reads it, at use
+        (vLLM's engine resolves both after the connector exists): ``cache_config.block_size``, the
+        unit ``Scheduler._mamba_block_aligned_split`` ends prefill steps at (it can be finer than the
+        KV cache groups' block), or the prefix-cache hit alignment
+        (``kv_cache_config.cache_hit_alignment_tokens``) where that is finer still (sub-block hits)."""
+        align = getattr(self._kv_cache_config, "cache_hit_alignment_tokens", None) or self.block_size
+        return int(min(self._vllm_config.cache_config.block_size, align))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         p = self._params.get(request.request_id)
         if p is None or not p.pull or request.request_id in self._loading:
             return 0, False
-        carried = plan.carried_tokens(len(request.prompt_token_ids or ()), self.has_state)
+        carried = plan.carried_tokens(len(request.prompt_token_ids or ()), self.has_state, self.checkpoint_tokens)
         n = plan.remote_tokens(carried, num_computed_tokens)
         self._matched[request.request_id] = num_computed_tokens
         return n, n > 0
@@ -346,7 +358,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             if self.kinds[g] != "state":
                 out.append(list(ids))
                 continue
-            i = plan.state_index(tokens, self.block_size, self.mamba_mode)
+            i = plan.state_index(tokens, self.block_size)
             slot = ids[i] if i < len(ids) else NULL_BLOCK
             if slot == NULL_BLOCK:
                 error = f"no state block at index {i} of group {g} for {tokens} tokens"
@@ -359,7 +371,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         if p is None or not p.pull or num_external_tokens == 0 or rid in self._loading:
             return
         base = self._matched.pop(rid, 0) // self.block_size
-        carried = plan.carried_tokens(len(request.prompt_token_ids), self.has_state)
+        carried = plan.carried_tokens(len(request.prompt_token_ids), self.has_state, self.checkpoint_tokens)
         tables, error = self._state_slots(blocks.get_block_ids(), carried)
         self._loads.append(_Load(rid, p.id, carried, base, tables, error))
         self._loading.add(rid)
@@ -387,17 +399,18 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             elif new:
                 for table, more in zip(self._blocks[rid], new):
                     table += list(more)
-            prompt_len = self._prompt_len.get(rid, 0)
-            self._add_save(meta, rid, p, prompt_len, cached.num_computed_tokens[i], sched.get(rid, 0), resumed, exact)
+            self._add_save(meta, rid, p, 0, cached.num_computed_tokens[i], sched.get(rid, 0), resumed, exact)
         return meta
 
     def _add_save(self, meta: PrfaasMeta, rid: str, p: plan.RemoteParams, prompt_len: int, start: int, n: int,
                   first: bool, exact) -> None:
+        """Queue this step's pushes of request ``rid``: computed tokens ``[start, start + n)`` of a
+        ``prompt_len``-token prompt (0: the one recorded at its first step)."""
         if prompt_len:
-            self._prompt_len[rid] = prompt_len
-        prompt_len = self._prompt_len.get(rid, prompt_len)
-        if start >= prompt_len:
-            return  # decoding: the prompt's KV went already
+            self._prompt_len[rid] = plan.carried_tokens(prompt_len, self.has_state, self.checkpoint_tokens)
+        prompt_len = self._prompt_len.get(rid, 0)
+        if prompt_len == 0 or (start >= prompt_len and not first):
+            return  # nothing to carry (the decode side prefills it), or decoding: the KV went already
         a, b = plan.blocks_to_send(start, start + n, prompt_len, self.block_size, first)
         last = start + n >= prompt_len
         if not (b > a or last):
@@ -407,6 +420,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         if self.has_state and last:
             current = exact.get_block_ids(rid) if exact is not None else None
             slots, error = self._state_slots(current or tables, prompt_len)
+            if start + n != prompt_len and start != prompt_len:
+                error = f"the step ends at token {start + n}, not at the state checkpoint {prompt_len}"
             if error:  # the decode side's load then fails (no progress) and vLLM recomputes there
                 log.warning("PrfaaS push of %s skipped: %s", p.id, error)
                 return
@@ -433,22 +448,6 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """The hybrid allocator's :meth:`request_finished` (every group's blocks are held or freed together)."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
-
-
-def _cut_last_token(request) -> bool:
-    """Drop the last prompt token of a producer's ``request`` (vLLM's ``Request``) for a model with
-    linear-attention state (module docstring), once; False when the prompt has one token only."""
-    params = request.kv_transfer_params
-    if params.get("_prfaas_cut"):
-        return True
-    if request.prompt_token_ids is None or request.num_prompt_tokens <= 1:
-        return False
-    del request.prompt_token_ids[-1:]
-    del request._all_token_ids[-1:]
-    request.num_prompt_tokens -= 1
-    request.max_tokens = 1
-    params["_prfaas_cut"] = True
-    return True
 
 
 async def _expect(rx: EarlyReceiver, tid: str, asm: BlockAssembly) -> None:

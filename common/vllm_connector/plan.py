@@ -20,12 +20,14 @@ Both ends must run the same checkpoint, dtype and block size (the transfer's fin
 connect).
 
 Hybrid models (linear attention / Mamba layers next to attention layers, vLLM's hybrid KV cache
-manager): a linear layer's wire layout is its fixed-size state, one slot of vLLM's state pool: the
-tensors ``conv.0`` (the causal-conv window) and ``rec.0`` (the recurrent state), back to back as
-vLLM packs them in the slot (:func:`layer_layouts`). The state must be the one *before* the prompt's
-last token: vLLM recomputes that token on the decode side after a full load (it needs its logits),
-and a recurrent state cannot be rewound, so the producer computes ``prompt_len - 1`` tokens and the
-transfer carries that many (:func:`carried_tokens`; vLLM's own NIXL connector does the same).
+manager with prefix caching on, ``mamba_cache_mode`` ``"align"``): a linear layer's wire layout is its
+fixed-size state, one slot of vLLM's state pool: the tensors ``conv.0`` (the causal-conv window) and
+``rec.0`` (the recurrent state), back to back as vLLM packs them in the slot (:func:`layer_layouts`).
+A recurrent state cannot be rewound, and vLLM keeps one only where a prefill step ends, so the
+transfer carries the prompt up to its last checkpoint before the last token (:func:`carried_tokens`):
+exactly where vLLM alone ends a prefill step and caches the state
+(``get_mamba_prefill_checkpoint_position``). The decode side computes the rest (under one
+block) itself, in the same chunk vLLM alone computes it in, so its tokens are bit-identical.
 """
 
 from __future__ import annotations
@@ -114,26 +116,23 @@ def layer_layouts(kinds: list[str], tokens: int, block_size: int, block_shape: l
     return out
 
 
-def carried_tokens(prompt_len: int, has_state: bool) -> int:
-    """Prompt tokens a transfer carries: all of them for an attention-only model, all but the last
-    for a model with linear-attention state (module docstring; 0 for a 1-token prompt, which the
+def carried_tokens(prompt_len: int, has_state: bool, checkpoint_tokens: int) -> int:
+    """Prompt tokens a transfer carries: all of them for an attention-only model; for a model with
+    linear-attention state the last multiple of ``checkpoint_tokens`` below ``prompt_len``, vLLM's
+    prefill checkpoint (module docstring; ``checkpoint_tokens`` is the block size, or the prefix-cache
+    hash block where vLLM caches sub-block states; 0 for a prompt no longer than that, which the
     decode side then prefills itself)."""
-    return max(0, prompt_len - 1) if has_state else prompt_len
+    return max(0, (prompt_len - 1) // checkpoint_tokens * checkpoint_tokens) if has_state else prompt_len
 
 
-def state_index(tokens: int, block_size: int, mode: str) -> int:
-    """Where in a linear layer's block list (one KV cache group's ``block_ids``) vLLM keeps the
-    state after ``tokens`` tokens (>= 1): slot 0 with ``mamba_cache_mode`` ``"none"`` (prefix caching
-    off: one state block per request), else (``"align"``: one block per ``block_size`` tokens, the
-    running state in the last one, as vLLM's ``mamba_get_block_table_tensor`` picks it)
-    ``(tokens - 1) // block_size``. Raises ``ValueError`` for another mode or ``tokens < 1``."""
+def state_index(tokens: int, block_size: int) -> int:
+    """Where in a linear layer's block list (one KV cache group's ``block_ids``, one block per
+    ``block_size`` tokens in ``mamba_cache_mode`` ``"align"``) vLLM keeps the state after ``tokens``
+    tokens: ``(tokens - 1) // block_size`` (slot ``p`` holds the state after ``(p + 1) * block_size``
+    tokens; vLLM's ``mamba_get_block_table_tensor``). Raises ``ValueError`` for ``tokens < 1``."""
     if tokens < 1:
         raise ValueError("no state before the first token")
-    if mode == "none":
-        return 0
-    if mode == "align":
-        return (tokens - 1) // block_size
-    raise ValueError(f"unsupported mamba_cache_mode {mode!r}")
+    return (tokens - 1) // block_size
 
 
 def remote_tokens(prompt_len: int, num_computed: int) -> int:
