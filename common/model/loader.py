@@ -67,39 +67,17 @@ def tiny_config(name: str) -> Any:
         pad_token_id=259,
         tie_word_embeddings=False,
     )
-    if name == "tiny-hybrid":
+    if name in ("tiny-hybrid", "tiny-hybrid-moe"):
         layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 2
-        return Qwen3NextConfig(
-            **common,
-            num_hidden_layers=len(layer_types),
-            layer_types=layer_types,
-            head_dim=64,
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=32,
-            linear_value_head_dim=32,
-            linear_num_key_heads=4,
-            linear_num_value_heads=8,
-            mlp_only_layers=list(range(len(layer_types))),
-        )
-    if name == "tiny-hybrid-moe":
-        layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 2
-        return Qwen3NextConfig(
-            **common,
-            num_hidden_layers=len(layer_types),
-            layer_types=layer_types,
-            head_dim=64,
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=64,
-            linear_value_head_dim=64,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            mlp_only_layers=[],
-            decoder_sparse_step=1,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=64,
-        )
+        if name == "tiny-hybrid":
+            variant = dict(linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=4,
+                           linear_num_value_heads=8, mlp_only_layers=list(range(len(layer_types))))
+        else:  # every MLP a sparse MoE block; vLLM's CPU gated-DeltaNet kernel needs head dim 64
+            variant = dict(linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
+                           linear_num_value_heads=4, mlp_only_layers=[], decoder_sparse_step=1, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+        return Qwen3NextConfig(**common, num_hidden_layers=len(layer_types), layer_types=layer_types, head_dim=64,
+                               linear_conv_kernel_dim=4, **variant)
     if name == "tiny-dense":
         return LlamaConfig(**common, num_hidden_layers=4)
     raise ModelLoadError(f"unknown embedded model {name!r}; choose {', '.join(TINY_SPECS)} or a checkpoint path")

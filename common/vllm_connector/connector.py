@@ -84,6 +84,7 @@ class _Save:
     first_block: int  # wire block of block_ids[g][0] of an attention group g
     block_ids: list[list[int]]  # per KV cache group: attention blocks to send; a state group's slot on the last step
     last: bool  # this step reaches the end of the prompt
+    state_before: bool = False  # the state is the step's initial one (a prefix hit up to the checkpoint)
 
 
 @dataclass
@@ -213,7 +214,13 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if self._rx is None or not isinstance(meta, PrfaasMeta):
+        if not isinstance(meta, PrfaasMeta):
+            return
+        if self._pusher is not None:  # a state this step's forward may overwrite in place goes first
+            for s in meta.saves:
+                if s.state_before:
+                    self._push_states(s, len(self._layers))
+        if self._rx is None:
             return
         for ld in meta.loads:
             tables = [ld.block_ids[g] for g in self._layer_group]
@@ -426,7 +433,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("PrfaaS push of %s skipped: %s", p.id, error)
                 return
         ids = [t[a:b] if k == "attention" else slots[g] for g, (k, t) in enumerate(zip(self.kinds, tables))]
-        meta.saves.append(_Save(rid, p.id, p.push_to, prompt_len, a, ids, last))
+        meta.saves.append(_Save(rid, p.id, p.push_to, prompt_len, a, ids, last, self.has_state and start == prompt_len))
 
     def update_connector_output(self, connector_output) -> None:
         for rid in connector_output.finished_recving or ():
