@@ -4,8 +4,9 @@ embedded seeded model vLLM's CPU build serves, in bfloat16 as its CPU gated-Delt
 
 Greedy tokens through vLLM prefill -> our link (attention blocks and every linear layer's state
 slot) -> vLLM decode equal vLLM alone, with every push acknowledged (no prompt fell back to a local
-re-prefill), also with a local prefix hit on the decode side; and a hybrid decode engine with prefix
-caching off is refused at start-up. Needs the vLLM venv (``PRFAAS_VLLM_PYTHON`` or ``~/venvs/vllm``)
+re-prefill), also with a local prefix hit on the decode side; a connection cut mid-transfer makes
+the decode side re-prefill with nothing leaked; and a hybrid decode engine with prefix caching off is
+refused at start-up. Needs the vLLM venv (``PRFAAS_VLLM_PYTHON`` or ``~/venvs/vllm``)
 and skips without it; about 2 minutes to start the pair on 2 shared cores, then a minute per test.
 """
 
@@ -80,6 +81,17 @@ def test_hybrid_greedy_tokens_equal_vllm_alone(hpair):
     assert ds["receiver"]["reserved_bytes"] == 0
 
 
+def _prefix_hits(url: str) -> float:
+    """vLLM's ``vllm:prefix_cache_hits_total`` (tokens served from its own prefix cache), all engines."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:prefix_cache_hits_total")
+
+
 def test_hybrid_local_prefix_hit_loads_only_the_tail(hpair):
     """A decode instance that holds a 512-token head in its own prefix cache (its attention blocks
     and the state checkpoint at 512: the 513-token prompt before ends a prefill step there) keeps
@@ -92,9 +104,50 @@ def test_hybrid_local_prefix_hit_loads_only_the_tail(hpair):
     want = complete(p.url, "tiny", b, 10)["tokens"]
     reset_caches(p, d)
     complete(d.url, "tiny", a, 1)  # the decode side caches the shared head locally
-    before = _counters(stats)[1]["receiver"]["acked"]
+    before, hits = _counters(stats)[1]["receiver"]["acked"], _prefix_hits(d.url)
     assert disagg(p.url, d.url, "tiny", b, 10, kv)["tokens"] == want
     assert _counters(stats)[1]["receiver"]["acked"] == before + 1
+    assert _prefix_hits(d.url) - hits >= 512  # the head came from the decode side's own cache
+
+
+def test_hybrid_cut_mid_transfer_reprefills_and_leaks_nothing(hpair):
+    """Every connection reset while a 4K prompt's blocks and state cross a slow link (no new one
+    allowed): the push fails, the decode side sees no progress for stall_s, vLLM re-prefills
+    locally (kv_load_failure_policy=recompute): same tokens, nothing reserved, nothing pending."""
+    import threading
+
+    from common.lab.link_proxy import LinkProxy
+    from common.vllm_connector.engine import LoopThread
+    p, d, kv, stats, _, _ = hpair
+    host, port = kv.split(":")
+    prompt = _prompts(1, [4200], seed=11)[0]
+    reset_caches(p, d)
+    want = complete(p.url, "tiny", prompt, 10)["tokens"]
+    reset_caches(p, d)
+    before = _counters(stats)[0]["pusher"]["failed"]
+    lt = LoopThread("proxy")
+    proxy = LinkProxy("127.0.0.1", 0, host, int(port), rate_bps=8e6)  # ~4.8 MB of KV and state: ~5 s
+    try:
+        pport = lt.call(proxy.start())
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(disagg(p.url, d.url, "tiny", prompt, 10, f"127.0.0.1:{pport}")))
+        t.start()
+        deadline = time.monotonic() + 60
+        while proxy.bytes_to_target < 1_000_000 and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+        async def cut():
+            proxy.drop_new_connections = True
+            return proxy.reset_all()
+        assert lt.call(cut()) >= 1
+        t.join(120)
+        assert out["tokens"] == want
+        ps, ds = _counters(stats)
+        assert ps["pusher"]["failed"] == before + 1
+        assert ps["pusher"]["pending_bytes"] == 0 and ps["pusher"]["open"] == 0
+        assert ds["active_loads"] == 0 and ds["receiver"]["transfers"] == 0 and ds["receiver"]["reserved_bytes"] == 0
+    finally:
+        lt.close(proxy.close)
 
 
 def test_hybrid_without_prefix_caching_is_refused(hpair):

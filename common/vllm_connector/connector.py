@@ -139,8 +139,11 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         self.kinds: list[str] = []  # per KV cache group
         self.group_of: dict[str, int] = {}  # layer name -> its group
         self.state_spec: list[tuple[str, list[int]]] = []  # (dtype name, shape) of conv and recurrent state
+        self.group_block: list[int] = []  # per group: tokens per block (a state group: per state slot)
         if kv_cache_config is not None:
             self.kinds = group_kinds(kv_cache_config)
+            self.group_block = [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+            self.block_size = self.group_block[self.kinds.index("attention")]  # vLLM may refine cache_config's later
             for gi, g in enumerate(kv_cache_config.kv_cache_groups):
                 self.group_of.update(dict.fromkeys(g.layer_names, gi))
                 if self.kinds[gi] == "state":
@@ -365,7 +368,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             if self.kinds[g] != "state":
                 out.append(list(ids))
                 continue
-            i = plan.state_index(tokens, self.block_size)
+            i = plan.state_index(tokens, self.group_block[g])
             slot = ids[i] if i < len(ids) else NULL_BLOCK
             if slot == NULL_BLOCK:
                 error = f"no state block at index {i} of group {g} for {tokens} tokens"
