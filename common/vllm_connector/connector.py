@@ -35,8 +35,8 @@ last block boundary before the prompt's last token, where vLLM ends a prefill st
 state). A linear layer's state is pushed at the ``save_kv_layer`` of the first attention layer after
 it (vLLM calls that hook for attention layers only), or in ``wait_for_save``. The consumer reports
 the carried tokens as the async load; the state lands in the slot vLLM reads
-(:func:`~common.vllm_connector.plan.state_index`), and vLLM computes the rest of the prompt (under one
-block) on top of it. Refused at start-up: a hybrid model with prefix caching off (``mamba_cache_mode``
+(:func:`~common.vllm_connector.plan.state_index`), and vLLM computes the rest of the prompt (at most
+one checkpoint unit) on top of it. Refused at start-up: a hybrid model with prefix caching off (``mamba_cache_mode``
 ``"none"`` keeps no state at a step boundary the decode side could resume from exactly),
 sliding-window/chunked-local attention groups, speculative decoding's extra state blocks, state
 groups of different shapes. ``KV_DONE`` goes in ``wait_for_save``, after the forward.

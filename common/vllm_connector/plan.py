@@ -26,8 +26,8 @@ fixed-size state, one slot of vLLM's state pool: the tensors ``conv.0`` (the cau
 A recurrent state cannot be rewound, and vLLM keeps one only where a prefill step ends, so the
 transfer carries the prompt up to its last checkpoint before the last token (:func:`carried_tokens`):
 exactly where vLLM alone ends a prefill step and caches the state
-(``get_mamba_prefill_checkpoint_position``). The decode side computes the rest (under one
-block) itself, in the same chunk vLLM alone computes it in, so its tokens are bit-identical.
+(``get_mamba_prefill_checkpoint_position``). The decode side computes the rest (at most one
+checkpoint unit) itself, in the same chunk vLLM alone computes it in, so its tokens are bit-identical.
 """
 
 from __future__ import annotations
