@@ -124,3 +124,45 @@ def test_push_streams_blocks_into_the_receiver():
             await pusher.close()
             await rx.close()
         lt.close(closer)
+
+
+def test_hybrid_layouts_tokens_and_state_index():
+    state = [("bfloat16", [3, 512]), ("float32", [4, 64, 64])]
+    lays = plan.layer_layouts(["state", "state", "attention"], 300, 256, [2, 256, 128], "bfloat16", state)
+    assert lays[2] == plan.wire_layouts(1, 300, 256, [2, 256, 128], "bfloat16")[0]
+    conv, rec = lays[0]["tensors"]
+    assert (conv["name"], conv["offset"], conv["nbytes"]) == ("conv.0", 0, 3 * 512 * 2)
+    assert (rec["name"], rec["offset"], rec["nbytes"]) == ("rec.0", 3072, 4 * 64 * 64 * 4)
+    assert lays[0]["total"] == 68608 and lays[0] == lays[1]
+    assert plan.layer_layouts(["attention"], 40, 16, [2, 16, 8], "float32", []) == plan.wire_layouts(1, 40, 16, [2, 16, 8], "float32")
+    for kinds, st in ((["state", "attention"], state[:1]), (["mamba"], state)):
+        with pytest.raises(ValueError):
+            plan.layer_layouts(kinds, 10, 16, [2, 16, 8], "float32", st)
+    # a hybrid transfer ends at vLLM's last state checkpoint before the last token
+    assert [plan.carried_tokens(n, True, 256) for n in (0, 1, 256, 257, 300, 512, 513, 4097)] == [0, 0, 0, 256, 256, 256, 512, 4096]
+    assert plan.carried_tokens(300, False, 256) == 300
+    assert [plan.carried_tokens(n, True, 128) for n in (128, 129, 700, 4200)] == [0, 128, 640, 4096]  # sub-block checkpoints
+    assert [plan.state_index(n, 256) for n in (1, 256, 257, 512, 513, 4096)] == [0, 0, 1, 1, 2, 15]
+    with pytest.raises(ValueError):
+        plan.state_index(0, 256)
+
+
+def test_block_assembly_per_layer_tables_and_state_slots():
+    """A hybrid transfer: layer 0 is a linear layer (one state slot, another tile size), layer 1 an
+    attention layer with its own block ids and a local prefix hit; each lands in its own slot."""
+    state = [("float32", [2, 4]), ("float32", [3])]
+    lays = plan.layer_layouts(["state", "attention"], 40, 16, [2, 16, 8], "float32", state)
+    states = torch.zeros(6, 11)  # 6 slots of 2*4 + 3 floats
+    attn = _fake_cache(1, 8, seed=4)[0]
+    asm = BlockAssembly("h", [states, attn], [[4], [6, 1, 3]], [0, 1], lays)
+    asm.allocate(lays)
+    slot = torch.arange(11, dtype=torch.float32)
+    asm.write(0, 0, slot.view(torch.uint8).numpy().tobytes())
+    assert torch.equal(states[4], slot) and states[:4].abs().sum() == 0 and states[5].abs().sum() == 0
+    src = torch.randn(3, 2, 16, 8)
+    keep = attn[6].clone()
+    asm.write(1, 0, src.view(torch.uint8).flatten().numpy().tobytes())
+    assert torch.equal(attn[6], keep) and torch.equal(attn[1], src[1]) and torch.equal(attn[3], src[2])
+    assert all(e.is_set() for e in asm.layer_ready)
+    with pytest.raises(KvError):  # a state layout that is not whole slots of this tensor
+        BlockAssembly("x", [torch.zeros(6, 5), attn], [[4], [6, 1, 3]], [0, 1], lays)

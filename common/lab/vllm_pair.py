@@ -40,13 +40,15 @@ def example_config(role: str, path: str) -> dict:
 
 def pair(python: str, model_dir: str, name: str, ports: tuple[int, int], logs: Path, producer_cfg: dict, consumer_cfg: dict,
          *, cores: tuple[str, str] = ("0", "1"), kv_gib: int = 1, eager: bool = True, project: str | None = None,
-         max_model_len: int = 8192, timeout: float = 900.0, extra_args: list[str] | None = None) -> tuple[VllmServer, VllmServer]:
+         max_model_len: int = 8192, timeout: float = 900.0, extra_args: list[str] | None = None,
+         dtype: str = "float32") -> tuple[VllmServer, VllmServer]:
     """Start the prefill and decode servers together and wait for both (``timeout`` s each; both get
-    ``extra_args``). On any failure both are stopped and the error is raised (``RuntimeError``/``TimeoutError``)."""
+    ``extra_args`` and ``dtype``). On any failure both are stopped and the error is raised (``RuntimeError``/``TimeoutError``)."""
     project = project or str(Path(__file__).resolve().parents[2])
     srvs = [VllmServer(python=python, model_dir=model_dir, served_name=name, port=ports[i], cores=cores[i],
                        log_path=logs / f"vllm-{role}.log", kv_gib=kv_gib, eager=eager, kv_config=cfg,
-                       project_path=project, dev_mode=True, max_model_len=max_model_len, extra_args=list(extra_args or []))
+                       project_path=project, dev_mode=True, max_model_len=max_model_len, extra_args=list(extra_args or []),
+                       dtype=dtype)
             for i, (role, cfg) in enumerate((("prefill", producer_cfg), ("decode", consumer_cfg)))]
     errors: list[BaseException] = []
 

@@ -41,6 +41,7 @@ class VllmServer:
     cores: str
     log_path: Path
     kv_gib: int = 2
+    dtype: str = "float32"  # --dtype (vLLM's CPU gated-DeltaNet kernel needs bfloat16)
     max_model_len: int = 8192
     eager: bool = False
     kv_config: dict | None = None  # --kv-transfer-config (a KV connector), or None
@@ -57,7 +58,7 @@ class VllmServer:
 
     def command(self) -> list[str]:
         cmd = ["taskset", "-c", self.cores, self.python, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", self.model_dir, "--served-model-name", self.served_name, "--dtype", "float32",
+               "--model", self.model_dir, "--served-model-name", self.served_name, "--dtype", self.dtype,
                "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(self.max_model_len)]
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]

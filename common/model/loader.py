@@ -7,6 +7,9 @@ peers prove it in their handshake fingerprint.
 Specs:
 - ``tiny-hybrid`` (default): Qwen3-Next layout, gated DeltaNet linear attention and full attention
   at 3:1 (the paper's KDA:MLA ratio), 8 layers, hidden 256, dense MLP.
+- ``tiny-hybrid-moe``: ``tiny-hybrid`` as vLLM's Qwen3-Next serves it (vLLM needs MoE blocks and its
+  CPU gated-DeltaNet kernel a linear head dim of 64): every layer's MLP a sparse MoE block (4 experts,
+  top-2, expert and shared-expert width 64), linear key/value head dim 64.
 - ``tiny-dense``: Llama layout, 4 layers, hidden 256, 2 KV heads.
 - ``emulated``: no weights; the workers run the emulated backend (``common/model/emulated.py``), and
   the gateway only needs its tokenizer and context length from :func:`load_model_info`.
@@ -42,6 +45,7 @@ DEFAULT_BLOCK_SIZE = 16  # tokens per KV block
 TINY_MAX_MODEL_LEN = 32768  # tokens
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_next", "lfm2")
 LINEAR_LAYER_TYPES = ("linear_attention", "conv", "mamba")
+TINY_SPECS = ("tiny-hybrid", "tiny-hybrid-moe", "tiny-dense")  # the embedded, seeded models
 
 
 class ModelLoadError(ValueError):
@@ -49,7 +53,7 @@ class ModelLoadError(ValueError):
 
 
 def tiny_config(name: str) -> Any:
-    """The transformers config of an embedded model (``tiny-hybrid`` or ``tiny-dense``)."""
+    """The transformers config of an embedded model (one of :data:`TINY_SPECS`)."""
     common = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=256,
@@ -63,23 +67,20 @@ def tiny_config(name: str) -> Any:
         pad_token_id=259,
         tie_word_embeddings=False,
     )
-    if name == "tiny-hybrid":
+    if name in ("tiny-hybrid", "tiny-hybrid-moe"):
         layer_types = (["linear_attention"] * 3 + ["full_attention"]) * 2
-        return Qwen3NextConfig(
-            **common,
-            num_hidden_layers=len(layer_types),
-            layer_types=layer_types,
-            head_dim=64,
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=32,
-            linear_value_head_dim=32,
-            linear_num_key_heads=4,
-            linear_num_value_heads=8,
-            mlp_only_layers=list(range(len(layer_types))),
-        )
+        if name == "tiny-hybrid":
+            variant = dict(linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=4,
+                           linear_num_value_heads=8, mlp_only_layers=list(range(len(layer_types))))
+        else:  # every MLP a sparse MoE block; vLLM's CPU gated-DeltaNet kernel needs head dim 64
+            variant = dict(linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
+                           linear_num_value_heads=4, mlp_only_layers=[], decoder_sparse_step=1, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+        return Qwen3NextConfig(**common, num_hidden_layers=len(layer_types), layer_types=layer_types, head_dim=64,
+                               linear_conv_kernel_dim=4, **variant)
     if name == "tiny-dense":
         return LlamaConfig(**common, num_hidden_layers=4)
-    raise ModelLoadError(f"unknown embedded model {name!r}; choose tiny-hybrid, tiny-dense or a checkpoint path")
+    raise ModelLoadError(f"unknown embedded model {name!r}; choose {', '.join(TINY_SPECS)} or a checkpoint path")
 
 
 def weight_hash(model: torch.nn.Module) -> str:
@@ -153,7 +154,7 @@ def load_model_info(spec: str | None = None, *, served_name: str | None = None) 
         from common.model.emulated import EMULATED_EOS, EMULATED_MAX_MODEL_LEN
 
         return ModelInfo(build_byte_tokenizer(), served_name or "prfaas/emulated", EMULATED_MAX_MODEL_LEN, list(EMULATED_EOS))
-    if spec in ("tiny-hybrid", "tiny-dense"):
+    if spec in TINY_SPECS:
         config, tokenizer = tiny_config(spec), build_byte_tokenizer()
         return ModelInfo(tokenizer, served_name or f"prfaas/{spec}", TINY_MAX_MODEL_LEN, _eos_ids(config, tokenizer))
     spec, served_name = resolve_spec(spec, served_name)
@@ -182,7 +183,7 @@ def resolve_spec(spec: str, served_name: str | None) -> tuple[str, str | None]:
 
 def _checkpoint_config(spec: str) -> Any:
     if not os.path.isdir(spec):
-        names = ", ".join(["tiny-hybrid", "tiny-dense", *NAMED_MODELS])
+        names = ", ".join([*TINY_SPECS, *NAMED_MODELS])
         raise ModelLoadError(f"model {spec!r} is neither a named model ({names}) nor a directory")
     try:
         config = AutoConfig.from_pretrained(spec, local_files_only=True)
@@ -199,7 +200,7 @@ def load_model(spec: str | None = None, *, seed: int = DEFAULT_SEED, served_name
     ``spec`` defaults to ``$PRFAAS_MODEL`` or :data:`DEFAULT_MODEL`. Raises :class:`ModelLoadError`.
     """
     spec = spec or os.environ.get("PRFAAS_MODEL") or DEFAULT_MODEL
-    if spec in ("tiny-hybrid", "tiny-dense"):
+    if spec in TINY_SPECS:
         config = tiny_config(spec)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -81,25 +81,37 @@ class LoopThread:
 class BlockAssembly(KvAssembly):
     """A transfer whose destination is one request's blocks in vLLM's paged KV cache.
 
-    ``layers``: vLLM's KV tensor of each layer, in layer order, ``[num_blocks, *block_shape]`` with
-    each block's tile contiguous; ``block_ids``: the request's block ids (vLLM's block table, one KV
-    group); ``base_block``: blocks it already holds from its local prefix cache (their wire bytes go
-    to a scratch buffer, never into a block other requests share); ``expected``: the layouts
-    (:func:`common.vllm_connector.plan.wire_layouts`) ``KV_BEGIN`` must announce. ``layer_flags``
-    mirror ``layer_ready`` as ``threading.Event`` for the compute thread (set on abort as well);
-    ``progress_at`` is the monotonic time of the latest new byte (or creation)."""
+    ``layers``: vLLM's KV tensor of each layer, in layer order, ``[num_blocks, *tile]`` with each
+    block's tile contiguous (an attention block, or a linear layer's state slot); ``block_ids``: the
+    request's block ids (vLLM's block table), one list for every layer or one list per layer (a
+    hybrid model's layers sit in different KV cache groups; a linear layer's list is its one state
+    slot); ``base_block``: blocks it already holds from its local prefix cache, an int for every
+    layer or one per layer (their wire bytes go to a scratch buffer, never into a block other
+    requests share); ``expected``: the layouts (:func:`common.vllm_connector.plan.layer_layouts`)
+    ``KV_BEGIN`` must announce; layer ``i`` carries ``expected[i]["total"] / tile bytes`` whole
+    tiles. ``layer_flags`` mirror ``layer_ready`` as ``threading.Event`` for the compute thread (set
+    on abort as well); ``progress_at`` is the monotonic time of the latest new byte (or creation).
+    Raises ``KvError`` when a layer's table is shorter than its wire tiles or its layout is not a
+    whole number of tiles."""
 
-    def __init__(self, req_id: str, layers: list[torch.Tensor], block_ids: list[int], base_block: int,
-                 expected: list[Layout]):
+    def __init__(self, req_id: str, layers: list[torch.Tensor], block_ids: list[int] | list[list[int]],
+                 base_block: int | list[int], expected: list[Layout]):
         super().__init__(req_id, len(layers), reserved_bytes=sum(int(lay["total"]) for lay in expected))
         self.expected = expected
-        self.block_bytes = layers[0][0].numel() * layers[0].element_size() if layers else 0
-        wire_blocks = int(expected[0]["tensors"][0]["shape"][0]) if expected else 0
-        if len(block_ids) < wire_blocks:
-            raise KvError(f"{req_id}: {len(block_ids)} blocks allocated for {wire_blocks} wire blocks")
-        self.scratch = bytearray(self.block_bytes)
-        self.views = [[byte_view(t[b]) if j >= base_block else memoryview(self.scratch)
-                       for j, b in enumerate(block_ids[:wire_blocks])] for t in layers]
+        tables = block_ids if block_ids and isinstance(block_ids[0], list) else [block_ids] * len(layers)
+        bases = base_block if isinstance(base_block, list) else [base_block] * len(layers)
+        self.tile_bytes = [t[0].numel() * t.element_size() for t in layers]
+        self.scratch = bytearray(max(self.tile_bytes, default=0))
+        self.views: list[list[memoryview]] = []
+        for i, t in enumerate(layers):
+            bb, total = self.tile_bytes[i], int(expected[i]["total"]) if i < len(expected) else 0
+            if bb == 0 or total % bb:
+                raise KvError(f"{req_id}: layer {i} carries {total} bytes, not whole tiles of {bb}")
+            wire = total // bb
+            if len(tables[i]) < wire:
+                raise KvError(f"{req_id}: {len(tables[i])} blocks allocated for {wire} wire blocks (layer {i})")
+            self.views.append([byte_view(t[b]) if j >= bases[i] else memoryview(self.scratch)[:bb]
+                               for j, b in enumerate(tables[i][:wire])])
         self.layer_flags = [threading.Event() for _ in layers]
         self.progress_at = time.monotonic()
 
@@ -109,7 +121,7 @@ class BlockAssembly(KvAssembly):
 
     def dest(self, layer: int, offset: int, n: int) -> list[memoryview]:
         self._check_range(layer, offset, n)
-        out, views, bb = [], self.views[layer], self.block_bytes
+        out, views, bb = [], self.views[layer], self.tile_bytes[layer]
         while n > 0:
             j, at = divmod(offset, bb)
             take = min(bb - at, n)

@@ -18,6 +18,16 @@ so the receiver maps a byte range straight onto the request's blocks. The tail o
 beyond the prompt travels too (it lands in the decode request's own block, which decode overwrites).
 Both ends must run the same checkpoint, dtype and block size (the transfer's fingerprint, checked at
 connect).
+
+Hybrid models (linear attention / Mamba layers next to attention layers, vLLM's hybrid KV cache
+manager with prefix caching on, ``mamba_cache_mode`` ``"align"``): a linear layer's wire layout is its
+fixed-size state, one slot of vLLM's state pool: the tensors ``conv.0`` (the causal-conv window) and
+``rec.0`` (the recurrent state), back to back as vLLM packs them in the slot (:func:`layer_layouts`).
+A recurrent state cannot be rewound, and vLLM keeps one only where a prefill step ends, so the
+transfer carries the prompt up to its last checkpoint before the last token (:func:`carried_tokens`):
+exactly where vLLM alone ends a prefill step and caches the state
+(``get_mamba_prefill_checkpoint_position``). The decode side computes the rest (at most one
+checkpoint unit) itself, in the same chunk vLLM alone computes it in, so its tokens are bit-identical.
 """
 
 from __future__ import annotations
@@ -84,6 +94,45 @@ def wire_layouts(num_layers: int, prompt_len: int, block_size: int, block_shape:
     of shape ``[n_blocks, *block_shape]`` and dtype name ``dtype``. Raises ``KvError`` for a bad dtype."""
     lay = make_layout([("kv", dtype, [n_blocks(prompt_len, block_size), *block_shape])])
     return [lay] * num_layers
+
+
+def layer_layouts(kinds: list[str], tokens: int, block_size: int, block_shape: list[int], dtype: str,
+                  state: list[tuple[str, list[int]]]) -> list[Layout]:
+    """Every layer's layout of a ``tokens``-token transfer of a model whose layer ``i`` is
+    ``kinds[i]``: ``"attention"`` (one tensor ``kv``, ``[n_blocks, *block_shape]`` of ``dtype``, as
+    :func:`wire_layouts`) or ``"state"`` (one state slot: ``conv.0`` and ``rec.0`` of the dtype names
+    and shapes ``state[0]`` and ``state[1]``). Raises ``ValueError`` for another kind or a ``state``
+    that is not two tensors, ``KvError`` for a bad dtype."""
+    attn = make_layout([("kv", dtype, [n_blocks(tokens, block_size), *block_shape])])
+    if "state" in kinds:
+        if len(state) != 2:
+            raise ValueError(f"a state slot holds a conv and a recurrent tensor, got {len(state)} tensors")
+        slot = make_layout([("conv.0", state[0][0], state[0][1]), ("rec.0", state[1][0], state[1][1])])
+    out = []
+    for k in kinds:
+        if k not in ("attention", "state"):
+            raise ValueError(f"unknown layer kind {k!r}")
+        out.append(attn if k == "attention" else slot)
+    return out
+
+
+def carried_tokens(prompt_len: int, has_state: bool, checkpoint_tokens: int) -> int:
+    """Prompt tokens a transfer carries: all of them for an attention-only model; for a model with
+    linear-attention state the last multiple of ``checkpoint_tokens`` below ``prompt_len``, vLLM's
+    prefill checkpoint (module docstring; ``checkpoint_tokens`` is the block size, or the prefix-cache
+    hash block where vLLM caches sub-block states; 0 for a prompt no longer than that, which the
+    decode side then prefills itself)."""
+    return max(0, (prompt_len - 1) // checkpoint_tokens * checkpoint_tokens) if has_state else prompt_len
+
+
+def state_index(tokens: int, block_size: int) -> int:
+    """Where in a linear layer's block list (one KV cache group's ``block_ids``, one block per
+    ``block_size`` tokens in ``mamba_cache_mode`` ``"align"``) vLLM keeps the state after ``tokens``
+    tokens: ``(tokens - 1) // block_size`` (slot ``p`` holds the state after ``(p + 1) * block_size``
+    tokens; vLLM's ``mamba_get_block_table_tensor``). Raises ``ValueError`` for ``tokens < 1``."""
+    if tokens < 1:
+        raise ValueError("no state before the first token")
+    return (tokens - 1) // block_size
 
 
 def remote_tokens(prompt_len: int, num_computed: int) -> int:
