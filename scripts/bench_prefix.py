@@ -70,6 +70,7 @@ import aiohttp
 
 from common.lab.cluster import Cluster
 from common.lab.completions import stream_once
+from common.lab.control_plane import cpu_seconds
 from common.lab.plots import progress, pyplot, run_dir, save, save_json
 from common.lab.trace import (
     BLOCK,
@@ -175,6 +176,9 @@ async def counters(cluster: Cluster) -> dict:
         "local": routes.get("local", 0),
         "evictions": sum((w["prefix_cache"] or {}).get("evictions", 0) for w in (*prefills, s["decode"])),
         "caches": [svc for svc in ("prefill_remote", "prefill_local", "decode") if s[svc]["prefix_cache"] is not None],
+        # CPU seconds of the prefill workers and of every service (load from other jobs does not inflate them)
+        "prefill_cpu_s": sum(cpu_seconds(cluster.procs[svc].pid) for svc in ("prefill_remote", "prefill_local")),
+        "all_cpu_s": sum(cpu_seconds(p.pid) for p in cluster.procs.values()),
     }
 
 
@@ -247,6 +251,8 @@ def summary(reqs: list[Request], m: dict) -> list[tuple[str, float, str, bool]]:
         ("KV received by decode, all (MiB)", m["decode_rx_bytes"] / 2**20, ".2f", True),
         ("prefix-cache evictions", m["evictions"], "d", False),
         ("cached tokens pulled across clusters", m["pulled"], "d", False),
+        ("prefill workers' CPU time (s)", m["prefill_cpu_s"], ".1f", True),
+        ("all services' CPU time (s)", m["all_cpu_s"], ".1f", True),
         ("replay wall time (s)", m["wall_s"], ".1f", True),
     ]
 
