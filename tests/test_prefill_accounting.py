@@ -133,7 +133,7 @@ async def test_a_prefill_shorter_than_a_thread_hop_runs_on_the_loop_with_the_sam
         worker = PrefillWorker(backend, "p0", prefix_cache_bytes=0, block_size=16, connections=1)
         threads = []
         real = worker._compute
-        worker._compute = lambda *a, **k: threads.append(1) or real(*a, **k)
+        worker._compute = lambda *a, t=threads, f=real, **k: t.append(1) or f(*a, **k)
         try:
             asm = rx.expect("r", backend.kv_bytes(64))
             args = PrefillArgs(req_id="r", kv_addr=f"127.0.0.1:{port}", sampling={"max_tokens": 1}, input_ids=list(range(1, 65)))
