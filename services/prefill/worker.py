@@ -398,15 +398,20 @@ class PrefillWorker:
             if self.kv_stream == "after":  # the non-pipelined baseline: nothing leaves before the prefill ends
                 await asyncio.shield(compute)
             while True:
-                getter = asyncio.ensure_future(ready.get())
-                await asyncio.wait({getter, compute}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    compute.result()  # re-raises a compute failure
+                if compute.done():
+                    compute.result()  # re-raises a compute failure at once
                     if ready.empty():
                         break
+                    i, state, seq_from = ready.get_nowait()
+                elif not ready.empty():  # a layer is waiting: no task and no wait for it
+                    i, state, seq_from = ready.get_nowait()
+                else:
                     getter = asyncio.ensure_future(ready.get())
-                i, state, seq_from = await getter
+                    await asyncio.wait({getter, compute}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        getter.cancel()
+                        continue  # the compute ended: re-raise its failure, or drain what it queued
+                    i, state, seq_from = getter.result()
                 state = self.faults.on_layer(i, state)
                 ranges = []
                 if "k" in state:
