@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -115,6 +116,10 @@ def report(res: dict, out: Path) -> None:
         if "cpu_ms_per_req" in r:
             print(f"  {name:<6}" + "  ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_req"].items())
                   + f"  total {sum(r['cpu_ms_per_req'].values()):.2f}")
+    if "cpu_ms_per_req" in rows["c32"]:  # what the machine's cores would sustain were they all ours (load-robust)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        print(f"CPU-bound ceiling at c32: {cores} cores / {sum(rows['c32']['cpu_ms_per_req'].values()):.2f} CPU ms per "
+              f"request = {cores * 1e3 / sum(rows['c32']['cpu_ms_per_req'].values()):.0f} req/s")
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
     names = list(rows)
