@@ -10,7 +10,8 @@ by ``--time-scale`` (1000, as Dynamo's mocker with ``--speedup-ratio 1000``: a 1
 waits 33 us, a decode step 6 us). Each request streams ``--output-tokens`` (100) tokens, greedy,
 ``ignore_eos``, from a token-id prompt of ``--prompt-tokens``; clients are closed-loop, each on one
 kept-alive connection (``common/lab/control_plane.py``). Runs, in order: sequential (TTFT overhead:
-TTFT minus the scaled profiled prefill), 8 concurrent, 32 concurrent; then the same client against a
+TTFT minus the scaled profiled prefill), 8 concurrent, 32 concurrent (with ``--breakdown N``, first N
+rounds of one request timed hop by hop: ``common/lab/ttft_breakdown.py``); then the same client against a
 null SSE server (no work but the writes: the client's and loopback HTTP's own ceiling) at 32.
 
 Reference (not run here): Dynamo 1.6.1's Rust frontend with its mocker at ``--speedup-ratio 1000``
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -39,6 +41,8 @@ from common.lab.cluster import free_port  # noqa: E402
 from common.lab.control_plane import cpu_seconds, drive, null_server, summarise  # noqa: E402
 from common.lab.emulated_pd import PROFILE, OurSystem  # noqa: E402
 from common.lab.plots import progress, pyplot, run_dir, save, save_json  # noqa: E402
+from common.lab.ttft_breakdown import breakdown  # noqa: E402
+from common.lab.ttft_breakdown import report as breakdown_lines  # noqa: E402
 from common.model.emulated import EmulatedProfile, Scales  # noqa: E402
 
 DYNAMO_REQ_S = (135.0, 143.0)  # the notes' range at concurrency 32, speedup 1000
@@ -57,8 +61,9 @@ async def run(args: argparse.Namespace) -> dict:
     engine_ttft = EmulatedProfile.from_file(PROFILE).t_prefill(args.prompt_tokens) / args.time_scale
     plan = [(name, conc, n) for name, conc, n in (("seq", 1, args.seq), ("c8", 8, args.requests), ("c32", 32, args.requests))
             if name in args.runs or name == "c32"]
-    total = args.warmup + sum(n for _, _, n in plan) + args.requests
+    total = args.warmup + sum(n for _, _, n in plan) + args.requests + args.breakdown
     rows: dict[str, dict] = {}
+    res_breakdown = None
     make = body_of(args.prompt_tokens, args.output_tokens)
     logs = Path(args.logs or tempfile.mkdtemp(prefix="bench-control-plane-"))
     await asyncio.to_thread(logs.mkdir, parents=True, exist_ok=True)
@@ -75,6 +80,8 @@ async def run(args: argparse.Namespace) -> dict:
                       file=sys.stderr, flush=True)
                 await asyncio.sleep(args.pause)
             pids = dict(zip(system.names, (p.pid for p in system.procs)))
+            if args.breakdown:
+                res_breakdown = await breakdown((host, int(port)), system.router_addr, make, args.breakdown, engine_ttft)
             for name, conc, n in plan:
                 cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"client": time.process_time()}
                 rows[name] = summarise(await drive(host, int(port), make, n, conc, bar.update), engine_ttft)
@@ -84,7 +91,8 @@ async def run(args: argparse.Namespace) -> dict:
             system.stop()
         async with null_server(args.output_tokens) as nport:
             rows["null_c32"] = summarise(await drive("127.0.0.1", nport, make, args.requests, 32, bar.update))
-    return {"rows": rows, "engine_ttft_ms": engine_ttft * 1e3, "time_scale": args.time_scale, "one_host": args.one_host,
+    return {"rows": rows, "breakdown": res_breakdown,
+            "engine_ttft_ms": engine_ttft * 1e3, "time_scale": args.time_scale, "one_host": args.one_host,
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
 
 
@@ -101,11 +109,17 @@ def report(res: dict, out: Path) -> None:
         print(f"{name:<10}{r['requests']:>9}{r['req_per_s']:>9.1f}{r['stream_tok_per_s']:>9.0f}{r['ttft_ms_p50']:>13.2f}"
               f"{r['ttft_ms_p99']:>9.2f}{r['ttft_overhead_ms_p50']:>14.2f}"
               f"{r['chunks_per_request']:>11.1f}{r['req_per_s'] / null:>9.2f}{dyn:>11.2f}")
+    if res.get("breakdown"):
+        print("\n".join(breakdown_lines(res["breakdown"])))
     print("CPU ms per request (user + system, all threads; the load from other jobs does not inflate these):")
     for name, r in rows.items():
         if "cpu_ms_per_req" in r:
             print(f"  {name:<6}" + "  ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_req"].items())
                   + f"  total {sum(r['cpu_ms_per_req'].values()):.2f}")
+    if "cpu_ms_per_req" in rows["c32"]:  # what the machine's cores would sustain were they all ours (load-robust)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        print(f"CPU-bound ceiling at c32: {cores} cores / {sum(rows['c32']['cpu_ms_per_req'].values()):.2f} CPU ms per "
+              f"request = {cores * 1e3 / sum(rows['c32']['cpu_ms_per_req'].values()):.0f} req/s")
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
     names = list(rows)
@@ -133,6 +147,9 @@ def main() -> None:
     p.add_argument("--one-host", action="store_true",
                    help="run PD-P and PD-D in one emulated host process (default: one process each)")
     p.add_argument("--pause", type=float, default=0.0, help="seconds to wait after the warm-up (attach a profiler)")
+    p.add_argument("--breakdown", type=int, default=0, metavar="ROUNDS",
+                   help="before the runs, time each hop of one request at concurrency 1 this many rounds "
+                        "(common/lab/ttft_breakdown.py) and print where the TTFT goes")
     p.add_argument("--out", default=None)
     p.add_argument("--logs", default=None, help="folder for the services' logs (default: a fresh temporary one, kept)")
     args = p.parse_args()

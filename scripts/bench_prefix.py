@@ -35,6 +35,14 @@ length of the replayed requests under the ideal cache, so that a good share goes
 With the cache off every request's ``l`` is its whole prompt; with it on, the router subtracts the
 cached prefix, so routes differ between the runs (the table shows the split).
 
+Scarce bandwidth (the router's default regime) with the prefix trade (``--trade-gbps``, default 1): the
+route is the paper's threshold rule on each cluster's own cache; the chosen cluster then pulls the
+other's longer prefix when moving it costs less than recomputing it (``PrefixTrade`` in
+``services/router/placement.py``). ``--trade-gbps 0``: no moves at all.
+
+Other traces: ``--trace PATH`` replays any trace in this format, e.g. the synthetic ones of
+``python -m common.lab.synth_trace --shape agent|branchy|single --out PATH`` (other prefix reuse).
+
 Cross-cluster bytes: KV bytes the PrfaaS cluster's prefill worker wrote to the PD cluster (its links'
 ``bytes_sent``). TTFT: from sending the request to the first chunk with a token, at the client.
 
@@ -62,6 +70,7 @@ import aiohttp
 
 from common.lab.cluster import Cluster
 from common.lab.completions import stream_once
+from common.lab.control_plane import cpu_seconds
 from common.lab.plots import progress, pyplot, run_dir, save, save_json
 from common.lab.trace import (
     BLOCK,
@@ -167,6 +176,9 @@ async def counters(cluster: Cluster) -> dict:
         "local": routes.get("local", 0),
         "evictions": sum((w["prefix_cache"] or {}).get("evictions", 0) for w in (*prefills, s["decode"])),
         "caches": [svc for svc in ("prefill_remote", "prefill_local", "decode") if s[svc]["prefix_cache"] is not None],
+        # CPU seconds of the prefill workers and of every service (load from other jobs does not inflate them)
+        "prefill_cpu_s": sum(cpu_seconds(cluster.procs[svc].pid) for svc in ("prefill_remote", "prefill_local")),
+        "all_cpu_s": sum(cpu_seconds(p.pid) for p in cluster.procs.values()),
     }
 
 
@@ -239,6 +251,8 @@ def summary(reqs: list[Request], m: dict) -> list[tuple[str, float, str, bool]]:
         ("KV received by decode, all (MiB)", m["decode_rx_bytes"] / 2**20, ".2f", True),
         ("prefix-cache evictions", m["evictions"], "d", False),
         ("cached tokens pulled across clusters", m["pulled"], "d", False),
+        ("prefill workers' CPU time (s)", m["prefill_cpu_s"], ".1f", True),
+        ("all services' CPU time (s)", m["all_cpu_s"], ".1f", True),
         ("replay wall time (s)", m["wall_s"], ".1f", True),
     ]
 
@@ -287,9 +301,10 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (default 4)")
     p.add_argument("--max-input", type=int, default=2048, help="cap on a scaled prompt, tokens (default 2048)")
     p.add_argument("--max-output", type=int, default=8, help="cap on a scaled output, tokens (default 8)")
-    p.add_argument("--trade-gbps", type=float, default=0.0,
-                   help="scarce-bandwidth prefix trade: move a cached prefix across clusters when its KV over a link "
-                        "of this many Gbit/s costs less than re-prefilling it (default 0: the paper's scarce rule, no moves)")
+    p.add_argument("--trade-gbps", type=float, default=1.0,
+                   help="scarce-bandwidth prefix trade: the chosen cluster pulls the other's longer cached prefix when its "
+                        "KV over a link of this many Gbit/s costs less than re-prefilling it (default 1; 0: the paper's "
+                        "scarce rule, no moves)")
     p.add_argument("--seed", type=int, default=0, help="picks the conversations and the block tokens (default 0)")
     p.add_argument("--log-dir", type=Path, help="keep the services' logs here (default: a temporary directory)")
     p.add_argument("--out", default=None, help="folder for prefix.png and prefix.json (default runs/bench_prefix)")
@@ -325,6 +340,10 @@ def main() -> None:
         on = asyncio.run(measure(args, reqs, threshold, True, log_dir))
         off = asyncio.run(measure(args, reqs, threshold, False, log_dir))
     table(reqs, on, off)
+    if on["trade"]:
+        tr = on["trade"]
+        print(f"prefix trade (scarce bandwidth, {args.trade_gbps:g} Gbit/s): a move costs {tr['move_fixed_s'] * 1e3:.2f} ms + "
+              f"{tr['move_s_per_token'] * 1e6:.2f} us/token against {tr['prefill_s_per_token'] * 1e6:.0f} us/token of prefill")
     hit = ratio(on["prefill_hit"], on["prefill_prompt"])
     print("hit rate = prefill-side: prompt tokens whose compute was skipped / prompt tokens prefilled (both prefill "
           "workers);\ndecode transfer hit rate = prompt tokens the decode worker held already (not sent) / its prompt "

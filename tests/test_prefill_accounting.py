@@ -119,3 +119,31 @@ async def test_a_staged_request_cancelled_leaves_at_once(rig):
     assert not a.done()
     await a
     assert (worker.completed, worker.running) == (1, 0)
+
+
+async def test_a_prefill_shorter_than_a_thread_hop_runs_on_the_loop_with_the_same_answer():
+    # The mocker profile at time x1000: a 64-token prefill waits ~20 us, less than the hop to a
+    # compute thread, so it runs on the event loop; at x1 it takes the thread. Both deliver the
+    # same first token and every KV byte, and free the accelerator.
+    answers = {}
+    for scale in (1000.0, 1.0):
+        backend = EmulatedBackend(EmulatedProfile.from_file("dynamo_mocker"), Scales(time_scale=scale))
+        rx = KvReceiver("rx", backend.loaded.fingerprint, len(backend.layer_layouts(1)))
+        port = await rx.start("127.0.0.1", 0)
+        worker = PrefillWorker(backend, "p0", prefix_cache_bytes=0, block_size=16, connections=1)
+        threads = []
+        real = worker._compute
+        worker._compute = lambda *a, t=threads, f=real, **k: t.append(1) or f(*a, **k)
+        try:
+            asm = rx.expect("r", backend.kv_bytes(64))
+            args = PrefillArgs(req_id="r", kv_addr=f"127.0.0.1:{port}", sampling={"max_tokens": 1}, input_ids=list(range(1, 65)))
+            out = await worker.prefill(args)
+            await asyncio.wait_for(asm.done.wait(), 10)
+            assert asm.error is None and asm.bytes_received == asm.nbytes > 0
+            assert (backend.inline_prefill(64), bool(threads)) == ((True, False) if scale > 1 else (False, True))
+            assert not worker._accelerator.locked() and worker.completed == 1 and worker.running == 0
+            answers[scale] = (out["first_token"], asm.final["first_token"], asm.nbytes)
+        finally:
+            await worker.close()
+            await rx.close()
+    assert answers[1000.0] == answers[1.0]

@@ -399,26 +399,35 @@ def test_choose_cluster_scarce_with_trade_takes_the_cheaper_side():
     assert choose_cluster(1000, 850, 400, 100, False)[:2] == (REMOTE, 600)
     route, l, why = choose_cluster(1000, 850, 400, 100, False, CHEAP_MOVE)
     assert (route, l) == (REMOTE, 150) and "move prefix pd->prfaas" in why
-    # prfaas holds 950, pd 0 and the move is cheap: local after pulling the prefix (l = 50 <= t)
+    # prfaas holds 950, pd 0 and the move is cheap: still remote from prfaas's own cache, no move (the
+    # trade never changes the route: pulling 950 tokens into PD-P only to pass t would spend the link)
     route, l, why = choose_cluster(1000, 0, 950, 100, False, CHEAP_MOVE)
-    assert (route, l) == (LOCAL, 50) and "move prefix prfaas->pd" in why
+    assert (route, l) == (REMOTE, 50) and "move" not in why
+    # pd holds 920 (l_local 80 <= t), prfaas 990: local, and pulling the 70 more tokens beats recomputing them
+    route, l, why = choose_cluster(1000, 920, 990, 100, False, CHEAP_MOVE)
+    assert (route, l) == (LOCAL, 10) and "move prefix prfaas->pd" in why
+    assert choose_cluster(1000, 920, 930, 100, False, CHEAP_MOVE)[:2] == (LOCAL, 80)  # 10 more tokens: not worth it
     # a link dearer than compute: the paper's scarce rule exactly
     dear = PrefixTrade(move_s_per_token=2e-5, prefill_s_per_token=1e-5)
     assert choose_cluster(1000, 850, 400, 100, False, dear)[:2] == (REMOTE, 600)
 
 
 def test_place_with_prefix_scarce_trade_names_the_move_and_its_source():
-    # 100 tokens, 10-token blocks, t = 50; prfaas holds 9 blocks: scarce and no trade -> remote, l = 10
+    # 100 tokens, 10-token blocks, t = 50; pd holds 6 blocks (l_local = 40 <= t), prfaas 9: scarce and
+    # no trade -> local, l = 40; with a cheap move the pd worker pulls the 30 tokens it lacks, l = 10
     ws = prefix_workers()
     trade = PrefixTrade(move_s_per_token=1e-6, prefill_s_per_token=1e-5)
-    p = place_with_prefix(100, 10, {"remote-p": 9, "local-q": 3}, 50, ws, {}, bandwidth_plentiful=False, trade=trade)
+    p = place_with_prefix(100, 10, {"remote-p": 9, "local-q": 6}, 50, ws, {}, bandwidth_plentiful=False, trade=trade)
     assert (p.route, p.incremental_len, p.prefix_move) == (LOCAL, 10, ("prfaas", "pd"))
     assert p.prefix_source == {"name": "remote-p", "addr": "remote-p:1", "tokens": 90}
     assert p.prefill["name"] == "local-q"  # the pd worker with the longest own prefix pulls the rest
-    p = place_request(100, 50, ws, {}, block_size=10, prefix_blocks={"remote-p": 9, "local-q": 3}, prefix_trade=trade)
+    p = place_request(100, 50, ws, {}, block_size=10, prefix_blocks={"remote-p": 9, "local-q": 6}, prefix_trade=trade)
     assert p.prefix_move == ("prfaas", "pd")
-    p = place_request(100, 50, ws, {}, block_size=10, prefix_blocks={"remote-p": 9, "local-q": 3})
-    assert (p.route, p.prefix_move, p.prefix_source) == (REMOTE, None, None)
+    p = place_request(100, 50, ws, {}, block_size=10, prefix_blocks={"remote-p": 9, "local-q": 6})
+    assert (p.route, p.incremental_len, p.prefix_move, p.prefix_source) == (LOCAL, 40, None, None)
+    # pd holds 3 (l_local = 70 > t): remote from prfaas's own 9 blocks whatever the trade, nothing moves
+    p = place_with_prefix(100, 10, {"remote-p": 9, "local-q": 3}, 50, ws, {}, bandwidth_plentiful=False, trade=trade)
+    assert (p.route, p.incremental_len, p.prefix_move, p.prefix_source) == (REMOTE, 10, None, None)
     # the fallback cluster may pull too: no alive prfaas worker, pd pulls nothing (the holder is dead)
     dead = prefix_workers(remote_p={"alive": False})
     p = place_with_prefix(100, 10, {"remote-p": 9, "local-q": 3}, 50, dead, {}, False, trade=trade)

@@ -9,7 +9,8 @@ change (they cross process and machine boundaries). Pure: no state, no I/O.
 from __future__ import annotations
 
 import hashlib
-import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 __all__ = ["ROOT_HASH", "block_hashes"]
@@ -18,7 +19,7 @@ ROOT_HASH = 0
 """Parent hash of a sequence's first block (8 zero bytes fed to the hash)."""
 
 _U64 = 1 << 64
-_U32 = 1 << 32
+assert array("I").itemsize == 4, "block hashes pack token ids as 32-bit unsigned ints"
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH) -> list[int]:
@@ -45,21 +46,20 @@ def block_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if not 0 <= parent < _U64:
         raise ValueError(f"parent hash {parent} out of range [0, 2**64)")
-    try:
-        in_range = not len(tokens) or (0 <= min(tokens) and max(tokens) < _U32)
+    try:  # every id packed at once (one C loop, range-checked): ~2x faster than a struct.pack per block
+        packed = array("I", list(tokens) if isinstance(tokens, (bytes, bytearray, memoryview)) else tokens)
+    except OverflowError as e:
+        raise ValueError(f"token ids must be in [0, 2**32): {e}") from None
     except TypeError as e:
         raise ValueError(f"token ids must be ints: {e}") from None
-    if not in_range:
-        raise ValueError(f"token ids must be in [0, 2**32), got min {min(tokens)} max {max(tokens)}")
-    fmt = struct.Struct(f"<{block_size}I")
+    if sys.byteorder != "little":  # pragma: no cover - the hashes are of little-endian ids everywhere
+        packed.byteswap()
+    raw = packed.tobytes()
+    step = block_size * 4
     out: list[int] = []
-    h = parent
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        try:
-            packed = fmt.pack(*tokens[start:start + block_size])
-        except struct.error as e:
-            raise ValueError(f"token ids in block {start // block_size} are not ints: {e}") from None
-        digest = hashlib.blake2b(h.to_bytes(8, "little") + packed, digest_size=8).digest()
-        h = int.from_bytes(digest, "little")
-        out.append(h)
+    h = parent.to_bytes(8, "little")
+    blake2b = hashlib.blake2b
+    for start in range(0, len(tokens) // block_size * step, step):
+        h = blake2b(h + raw[start : start + step], digest_size=8).digest()
+        out.append(int.from_bytes(h, "little"))
     return out

@@ -41,11 +41,12 @@ class OurSystem:
     url: str = ""
     names: list[str] = field(default_factory=list)  # the service of each of ``procs``: planner, router, gateway, host
     split_hosts: bool = False  # each worker in its own emulated host process (host-p, host-d), as separate machines would be
+    router_addr: str = ""  # host:port of the router's RPC listener, once started
 
     def start(self, disaggregated: bool, proxy: LinkProxy | None, decode_kv_port: int) -> None:
         tag = "disagg" if disaggregated else "agg"
         planner, router, gw = (f"127.0.0.1:{free_port()}" for _ in range(3))
-        self.url = f"http://{gw}"
+        self.url, self.router_addr = f"http://{gw}", router
         py = [sys.executable, "-m"]
         common = ["--planner", planner, "--router", router, "--backend", "emulated", "--emulated-profile", PROFILE]
         decode = ["pd", "--name", "pd-d", "--role", "decode", "--listen", f"127.0.0.1:{free_port()}",

@@ -48,7 +48,11 @@ def load_trace(path: Path = TRACE) -> list[dict]:
 
 
 def conversation(row: dict) -> int:
-    """The conversation a trace row belongs to: its second hash id (every row starts with id 0)."""
+    """The conversation a trace row belongs to: its ``conversation`` field where it has one (the
+    synthetic traces of :mod:`common.lab.synth_trace`), else its second hash id (every row of the
+    conversation trace starts with id 0)."""
+    if "conversation" in row:
+        return row["conversation"]
     ids = row["hash_ids"]
     return ids[1] if len(ids) > 1 else ids[0]
 

@@ -134,6 +134,12 @@ class EmulatedBackend(Backend):
         else:
             self._sleep(left)
 
+    def inline_prefill(self, new_tokens: int) -> bool:
+        """Whether a prefill of ``new_tokens`` waits so little (below :data:`INLINE_STEP_S`, with
+        decode steps short enough to run inline too) that running it on the event loop costs less
+        than the hop to a compute thread and one loop wake-up per layer back."""
+        return self.inline_steps and self.encode is None and self.prefill_seconds(new_tokens) < INLINE_STEP_S
+
     def prefill_seconds(self, new_tokens: int) -> float:
         """Real seconds the prefill of ``new_tokens`` carried tokens waits."""
         return self.profile.t_prefill(new_tokens * self.scales.token_scale) / self.scales.time_scale

@@ -384,6 +384,7 @@ class DecodeWorker:
             timings = dict(final.get("timings") or {})
             landed = [x for x in asm.layer_done_at if x is not None]
             timings.update({"kv_done_s": time.monotonic() - leg.started_at, "kv_bytes": asm.nbytes,
+                            "arrived_at": arrived, "leg_started_at": leg.started_at,  # monotonic: a request's timeline
                             # None while the transfer's tail is still landing (an early start)
                             "last_received_at": max(landed) if len(landed) == asm.num_layers else None})
             for r, tok, lp in zip(reqs, firsts, first_lps):

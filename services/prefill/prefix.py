@@ -30,7 +30,8 @@ from common.rpc.errors import RpcError
 log = logging.getLogger("prfaas.prefill")
 
 
-def checkpoint_positions(prompt_len: int, block_size: int, hit_blocks: int, every: int) -> list[int]:
+def checkpoint_positions(prompt_len: int, block_size: int, hit_blocks: int, every: int,
+                         cached_blocks: int = 0) -> list[int]:
     """Token positions (multiples of ``block_size``) after which a hybrid model's prefill keeps its
     linear states, so a later prompt can resume there (a prefix hit needs K/V blocks *and* the states
     at its end).
@@ -40,10 +41,18 @@ def checkpoint_positions(prompt_len: int, block_size: int, hit_blocks: int, ever
     there); and the last block a repeat of this same prompt can use, ``(prompt_len - 1) // block_size``
     (a prefill always computes at least the last token, so when ``prompt_len`` is a multiple of
     ``block_size`` that is one block short of the last full one). Sorted, each above ``hit_blocks``.
+
+    ``cached_blocks``: how many leading blocks of the prompt the cache holds, with or without states
+    (the hit stops at the last checkpoint among them). When that is more than the hit, the prompt
+    leaves (or ends on) a cached chain at a block boundary without a checkpoint: a branch point, such
+    as a system prompt every conversation shares or an earlier turn that a regenerated answer leaves.
+    The prefill computes through it anyway, so its states are kept there too (one more chunk
+    boundary, one slot), and the next prompt that branches at the same block resumes from it. Only
+    up to the repeat's last usable block, ``(prompt_len - 1) // block_size``.
     """
     full = prompt_len // block_size
     reusable = (prompt_len - 1) // block_size if prompt_len else 0
-    ends = {full, reusable} - {0}
+    ends = {full, reusable, min(cached_blocks, reusable)} - {0}
     return sorted({k * block_size for k in range(hit_blocks + 1, full + 1) if k % every == 0}
                   | {k * block_size for k in ends if k > hit_blocks})
 
@@ -174,7 +183,8 @@ class PrefillPrefix:
         hit = Hit(store)
         bs = self.block_size
         hit.hashes = block_hashes(input_ids, bs)
-        n, blocks, slot = cache.match(hit.hashes[: (len(input_ids) - 1) // bs], need_state=bool(store.linear_layers))
+        usable = hit.hashes[: (len(input_ids) - 1) // bs]
+        n, blocks, slot = cache.match(usable, need_state=bool(store.linear_layers))
         if n:
             store.pool.incref(blocks)  # pinned: eviction cannot take them while we read
             hit.blocks, hit.tokens = blocks[:n], n * bs
@@ -183,7 +193,10 @@ class PrefillPrefix:
                           {name: t[slot].unsqueeze(0).clone() for name, t in store.states[i].items()}
                           for i in range(len(store.specs))]
         if store.linear_layers:
-            hit.checkpoints = checkpoint_positions(len(input_ids), bs, n, self.checkpoint_every)
+            cached = n  # blocks held past the hit, without states: a branch point there gets a checkpoint
+            while cached < len(usable) and usable[cached] in cache:
+                cached += 1
+            hit.checkpoints = checkpoint_positions(len(input_ids), bs, n, self.checkpoint_every, cached)
         return hit
 
     def store_prompt(self, hit: Hit, final_kv: dict[int, dict], checkpoints: dict[int, dict]) -> None:

@@ -21,7 +21,9 @@ Request lifecycle (who frees what):
 Prefix cache: a later prompt that starts with cached blocks resumes after them (the compute of the
 cached prefix is skipped; at least the last token is always computed, for the logits). A hybrid
 model can resume only at a block boundary where the linear states were checkpointed: every
-``checkpoint_every`` blocks and at the prompt's last full block. Each checkpoint costs one state
+``checkpoint_every`` blocks, at the prompt's last full block, and where the prompt leaves a cached
+chain that has no checkpoint (a branch point, :func:`~services.prefill.prefix.checkpoint_positions`).
+Each checkpoint costs one state
 slot (``slot_pages`` blocks of the pool; tiny-hybrid: 8 blocks, i.e. 256 KiB against 32 KiB per
 block of 16 tokens), so checkpointing every 32 blocks costs at most 25% on top of the cached K/V.
 The decode worker names ``kv_from``, the tokens it already holds; only ``[kv_from, len)`` is sent.
@@ -316,6 +318,26 @@ class PrefillWorker:
         finally:
             self._accelerator.release()
 
+    def _compute_inline(self, on_start, began: list[float], computed_at: list[float], ready: asyncio.Queue,
+                        args: tuple, extra: dict[str, Any]) -> asyncio.Future:
+        """:meth:`_compute` on the event loop, for a prefill shorter than a thread hop (the emulated
+        backend at a large time scale, ``inline_prefill``); the caller holds the accelerator, released
+        here. Layers go straight onto ``ready``; returns a done future with the logits or the error."""
+        fut = asyncio.get_running_loop().create_future()
+        try:
+            began.append(time.monotonic())
+            on_start()
+
+            def on_layer(i: int, state: dict, seq_from: int | None) -> None:
+                computed_at.append(time.monotonic())
+                ready.put_nowait((i, state, seq_from))
+            fut.set_result(self.backend.prefill(args[0], on_layer, *args[2:], **extra))
+        except Exception as e:  # noqa: BLE001 - handed to the awaiting code, as the thread's future would
+            fut.set_exception(e)
+        finally:
+            self._accelerator.release()
+        return fut
+
     async def _run(self, req_id: str, input_ids: list[int], sampling: SamplingParams, link: KvLink,
                    kv_from: int = 0, release_slot=lambda: None, delivered: list[bool] | None = None,
                    prompt_len: int | None = None, on_start=lambda: None, priority: int = 0) -> dict[str, Any]:
@@ -360,9 +382,12 @@ class PrefillWorker:
             checkpoints[pos] = states
 
         began: list[float] = []  # when the compute thread took the accelerator
-        compute = asyncio.ensure_future(asyncio.to_thread(
-            self._compute, loop, on_start, stop, began, input_ids, on_layer, stop.is_set, chunk_tokens,
-            hit.prefix, hit.tokens, hit.checkpoints, on_checkpoint, **extra))
+        args = (input_ids, on_layer, stop.is_set, chunk_tokens, hit.prefix, hit.tokens, hit.checkpoints, on_checkpoint)
+        inline = getattr(self.backend, "inline_prefill", None)
+        if inline is not None and inline(n_in - hit.tokens) and self._accelerator.acquire(blocking=False):
+            compute = self._compute_inline(on_start, began, computed_at, ready, args, extra)
+        else:
+            compute = asyncio.ensure_future(asyncio.to_thread(self._compute, loop, on_start, stop, began, *args, **extra))
         transfer = None
         sent_at = 0.0
         sent_upto = [kv_from] * len(layouts)  # per attention layer: tokens already sent
@@ -373,15 +398,20 @@ class PrefillWorker:
             if self.kv_stream == "after":  # the non-pipelined baseline: nothing leaves before the prefill ends
                 await asyncio.shield(compute)
             while True:
-                getter = asyncio.ensure_future(ready.get())
-                await asyncio.wait({getter, compute}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    compute.result()  # re-raises a compute failure
+                if compute.done():
+                    compute.result()  # re-raises a compute failure at once
                     if ready.empty():
                         break
+                    i, state, seq_from = ready.get_nowait()
+                elif not ready.empty():  # a layer is waiting: no task and no wait for it
+                    i, state, seq_from = ready.get_nowait()
+                else:
                     getter = asyncio.ensure_future(ready.get())
-                i, state, seq_from = await getter
+                    await asyncio.wait({getter, compute}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        getter.cancel()
+                        continue  # the compute ended: re-raise its failure, or drain what it queued
+                    i, state, seq_from = getter.result()
                 state = self.faults.on_layer(i, state)
                 ranges = []
                 if "k" in state:

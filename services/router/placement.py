@@ -273,11 +273,17 @@ def choose_cluster(prompt_len: int, l_pd: int, l_prfaas: int, threshold: int,
     :func:`incremental_lengths` (so each is <= ``prompt_len - 1``). The threshold rule is paper
     "Routing": ``l > t`` goes remote, ``l <= t`` local (``l == t`` stays local). Short-timescale loop:
 
-    * bandwidth scarce: each cluster is judged on its own cache, no KV moves between clusters. Local
-      if ``prompt_len - l_pd <= t`` (``l = prompt_len - l_pd``), else remote with
-      ``l = prompt_len - l_prfaas``. With ``trade``, the cheaper side of the trade: a cluster's own
-      prefix becomes the other's longer one when moving the difference costs less than recomputing
-      it (:func:`usable_prefix`); ``reason`` then names the move.
+    * bandwidth scarce: the route is judged on each cluster's own cache. Local if
+      ``prompt_len - l_pd <= t`` (``l = prompt_len - l_pd``), else remote with
+      ``l = prompt_len - l_prfaas``. With ``trade``, the cheaper side of the trade, for the chosen
+      cluster only: it starts from the other cluster's longer prefix when moving the difference
+      costs less than recomputing it (:func:`usable_prefix`; ``l`` shrinks and ``reason`` names the
+      move). The trade never changes the route: a move made only to pass the threshold (a
+      conversation cached in PrfaaS pulled into PD-P for a short turn, which PrfaaS can compute
+      from its own cache) would spend the scarce link on a whole history, and a conversation that
+      flips between clusters leaves its branch points' state checkpoints behind. On the replays of
+      ``scripts/bench_prefix.py`` (the conversation trace and three synthetic ones) routing by the
+      trade instead moved 50-250x the tokens for a hit rate up to 1.2 points lower.
     * bandwidth plentiful: ``l_prefix = max(l_prfaas, l_pd)``, ``l = prompt_len - l_prefix``, remote
       if ``l > t`` else local. When the longer prefix sits in the other cluster, ``l`` assumes it is
       moved across first, and ``reason`` ends with ``"; move prefix <from>-><to>"`` (see
@@ -295,11 +301,12 @@ def choose_cluster(prompt_len: int, l_pd: int, l_prfaas: int, threshold: int,
             raise ValueError(f"{name}={v} must be in [0, prompt_len - 1 = {prompt_len - 1}] tokens")
 
     if not bandwidth_plentiful:
-        pd_from, prfaas_from = usable_prefix(l_pd, l_prfaas, trade), usable_prefix(l_prfaas, l_pd, trade)
-        l_local = prompt_len - pd_from
+        l_local = prompt_len - l_pd
         if choose_route(l_local, threshold) == LOCAL:
-            moved = "; move prefix prfaas->pd (cheaper than recompute)" if pd_from != l_pd else ""
-            return LOCAL, l_local, f"scarce: l_local={l_local} <= t={threshold}{moved}"
+            pd_from = usable_prefix(l_pd, l_prfaas, trade)
+            moved = f"; move prefix prfaas->pd (cheaper than recompute), l={prompt_len - pd_from}" if pd_from != l_pd else ""
+            return LOCAL, prompt_len - pd_from, f"scarce: l_local={l_local} <= t={threshold}{moved}"
+        prfaas_from = usable_prefix(l_prfaas, l_pd, trade)
         l_remote = prompt_len - prfaas_from
         moved = "; move prefix pd->prfaas (cheaper than recompute)" if prfaas_from != l_prfaas else ""
         return REMOTE, l_remote, f"scarce: l_local={l_local} > t={threshold}; remote l={l_remote}{moved}"
