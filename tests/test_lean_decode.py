@@ -109,7 +109,7 @@ def test_fused_weights_keep_the_modules_and_the_weight_hash(dense):
 
 def test_native_attention_equals_sdpa_over_runs():
     """The kernel against per-row SDPA (``attend_rows``) on rows of one and of several runs, at 9 query
-    heads over 3 KV heads; a layout the kernel does not take is refused."""
+    heads over 3 KV heads, on 1 to 8 threads; a layout the kernel does not take is refused."""
     from common.model.paged_attention import attend_rows
 
     lib = attn_kernel.load()
@@ -133,5 +133,8 @@ def test_native_attention_equals_sdpa_over_runs():
     want = attend_rows(q.unsqueeze(2), store, 0, runs, 0.125).view(len(seqs), 9, 64)
     got = attn_kernel.attend(lib, q, store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for threads in (1, 2, 3, 8):  # rows split over threads: each row's arithmetic is the same
+        split = attn_kernel.attend(lib, q, store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125, threads)
+        assert torch.equal(split, got), threads
     with pytest.raises(ValueError):
         attn_kernel.attend(lib, q.double(), store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125)

@@ -32,16 +32,18 @@ import torch
 
 SOURCE = r"""
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 /* q: [rows, H*G, D]; out: [rows, H*G, D]; k, v: arena base, head stride hs floats, token stride D.
-   run_off[r]..run_off[r+1]: row r's runs, each (first token index, tokens) in run_tok/run_len. */
-void paged_decode_attention(const float *q, const float *k, const float *v, float *out,
-                            int64_t rows, int64_t H, int64_t G, int64_t D, int64_t hs,
-                            const int64_t *run_off, const int64_t *run_tok, const int64_t *run_len,
-                            float scale, float *scratch) {
-    for (int64_t r = 0; r < rows; r++) {
+   run_off[r]..run_off[r+1]: row r's runs, each (first token index, tokens) in run_tok/run_len.
+   Rows [r0, r1) only; scratch: G * (the longest row's tokens) floats. */
+static void rows_attention(const float *q, const float *k, const float *v, float *out,
+                           int64_t r0, int64_t r1, int64_t H, int64_t G, int64_t D, int64_t hs,
+                           const int64_t *run_off, const int64_t *run_tok, const int64_t *run_len,
+                           float scale, float *scratch) {
+    for (int64_t r = r0; r < r1; r++) {
         int64_t n = 0;
         for (int64_t u = run_off[r]; u < run_off[r + 1]; u++) n += run_len[u];
         for (int64_t h = 0; h < H; h++) {
@@ -91,10 +93,57 @@ void paged_decode_attention(const float *q, const float *k, const float *v, floa
         }
     }
 }
+
+struct part { const float *q, *k, *v; float *out; int64_t r0, r1, H, G, D, hs;
+              const int64_t *off, *tok, *len; float scale; float *scratch; };
+
+static void *run_part(void *arg) {
+    struct part *p = (struct part *)arg;
+    rows_attention(p->q, p->k, p->v, p->out, p->r0, p->r1, p->H, p->G, p->D, p->hs, p->off, p->tok, p->len,
+                   p->scale, p->scratch);
+    return NULL;
+}
+
+/* All rows on `threads` threads (this one and threads - 1 started here), each a run of rows of about
+   equal tokens; scratch: threads * `per` floats. */
+void paged_decode_attention(const float *q, const float *k, const float *v, float *out,
+                            int64_t rows, int64_t H, int64_t G, int64_t D, int64_t hs,
+                            const int64_t *run_off, const int64_t *run_tok, const int64_t *run_len,
+                            float scale, float *scratch, int64_t per, int64_t threads) {
+    if (threads > 8) threads = 8;
+    if (threads > rows) threads = rows;
+    if (threads <= 1) {
+        rows_attention(q, k, v, out, 0, rows, H, G, D, hs, run_off, run_tok, run_len, scale, scratch);
+        return;
+    }
+    int64_t total = 0;
+    for (int64_t u = 0; u < run_off[rows]; u++) total += run_len[u];
+    struct part parts[8];
+    pthread_t tid[8];
+    int started[8] = {0};
+    int64_t r = 0, acc = 0;
+    for (int64_t t = 0; t < threads; t++) {
+        int64_t r0 = r, goal = total * (t + 1) / threads;
+        while (r < rows && (acc < goal || t == threads - 1)) {
+            for (int64_t u = run_off[r]; u < run_off[r + 1]; u++) acc += run_len[u];
+            r++;
+        }
+        struct part p = {q, k, v, out, r0, r, H, G, D, hs, run_off, run_tok, run_len, scale, scratch + t * per};
+        parts[t] = p;
+    }
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = parts[t].r1 > parts[t].r0 && pthread_create(&tid[t], NULL, run_part, &parts[t]) == 0;
+    run_part(&parts[0]);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else run_part(&parts[t]);
+    }
+}
 """
 
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fPIC", "-shared")
 MAX_GROUP = 64  # query heads per KV head the kernel's stack arrays hold
+MAX_THREADS = 8  # threads one call splits its rows over (the C source caps it the same)
 
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet
 
@@ -118,7 +167,7 @@ def _build(compiler: str) -> str:
         with open(src, "w") as f:
             f.write(SOURCE)
         so = os.path.join(tmp, "paged_attn.so")
-        subprocess.run([compiler, *FLAGS, "-o", so, src, "-lm"], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *FLAGS, "-o", so, src, "-lm", "-lpthread"], check=True, capture_output=True, timeout=120)
         os.replace(so, path)
     return path
 
@@ -141,7 +190,7 @@ def load() -> ctypes.CDLL | None:
         return None
     fn = lib.paged_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_float, ptr]
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64]
     fn.restype = None
     _LIB = lib
     return lib
@@ -151,7 +200,8 @@ class RunTable:
     """One decode step's rows as runs of tokens for :func:`attend`: built once per step, used by every
     layer. ``runs[r]``: row ``r``'s ``(first_block, tokens)`` pairs (``PagedKvStore.runs``);
     ``block_size``: tokens per block. Holds int64 tensors ``off`` ``[rows + 1]``, ``tok`` and ``len``
-    ``[runs]`` (first token index in the arena, tokens), and a float32 scratch of ``G * max tokens``."""
+    ``[runs]`` (first token index in the arena, tokens), and a float32 scratch of ``G * max tokens``
+    per thread, for up to :data:`MAX_THREADS` threads."""
 
     def __init__(self, runs: list[list[tuple[int, int]]], block_size: int, group: int):
         off = [0]
@@ -168,13 +218,16 @@ class RunTable:
         self.off = torch.tensor(off, dtype=torch.long)
         self.tok = torch.tensor(tok, dtype=torch.long)
         self.len = torch.tensor(lens, dtype=torch.long)
-        self.scratch = torch.empty(max(1, group * longest), dtype=torch.float32)
+        self.per = max(1, group * longest)
+        self.scratch = torch.empty(self.per * MAX_THREADS, dtype=torch.float32)
 
 
 def attend(lib: ctypes.CDLL, q: torch.Tensor, karena: torch.Tensor, varena: torch.Tensor, table: RunTable,
-           scale: float) -> torch.Tensor:
+           scale: float, threads: int | None = None) -> torch.Tensor:
     """Attention of one new token per row: ``q`` float32 ``[rows, q_heads, d]`` (contiguous) against
     the rows' runs in ``karena``/``varena`` (float32 ``[kv_heads, pages, block, d]``, contiguous).
+    ``threads`` (default ``torch.get_num_threads()``, at most :data:`MAX_THREADS`): the rows are split
+    into that many runs of about equal tokens, each on its own thread (started per call).
     Returns float32 ``[rows, q_heads, d]``. Raises ``ValueError`` on a shape, dtype or layout the
     kernel does not take."""
     rows, qh, d = q.shape
@@ -187,5 +240,6 @@ def attend(lib: ctypes.CDLL, q: torch.Tensor, karena: torch.Tensor, varena: torc
     out = torch.empty_like(q)
     lib.paged_decode_attention(q.data_ptr(), karena.data_ptr(), varena.data_ptr(), out.data_ptr(), rows, h, group,
                                d, karena.stride(0), table.off.data_ptr(), table.tok.data_ptr(),
-                               table.len.data_ptr(), float(scale), table.scratch.data_ptr())
+                               table.len.data_ptr(), float(scale), table.scratch.data_ptr(), table.per,
+                               min(MAX_THREADS, threads or torch.get_num_threads()))
     return out
