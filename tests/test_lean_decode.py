@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from common.kv.paged_store import PagedKvStore
+from common.model import attn_kernel
 from common.model.backend import TorchBackend
 from common.model.lean_decode import LeanLlamaDecoder, lean_supported
 from common.model.loader import load_model
@@ -51,9 +52,11 @@ def rows_in(be: TorchBackend, store: PagedKvStore, tag: str):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_lean_step_equals_the_transformers_step(dense, packed):
-    lean_step = dense.lean if packed else LeanLlamaDecoder(dense.model, pack_weights=False)
+    """Without packed weights and native attention: bit for bit. The default (both): to rounding."""
+    lean_step = dense.lean if packed else LeanLlamaDecoder(dense.model, pack_weights=False, native_attention=False)
     if packed:
         assert all(L[1].packed is not None for L in lean_step.layers), "tiny-dense's weights were not packed"
+        assert lean_step.native is not None, "the native attention kernel did not build (is a C compiler there?)"
     store = PagedKvStore(dense.state_specs, 8 << 20, BS)
     generic, lean = rows_in(dense, store, "g"), rows_in(dense, store, "l")
     tokens = [65 + k for k in range(len(LENGTHS))]
@@ -64,7 +67,7 @@ def test_lean_step_equals_the_transformers_step(dense, packed):
         multi = max(multi, max(len(store.runs(s, s.length + 1)) for s in lean))
         a = decode_step(dense.model, store, generic, tokens)
         b = lean_step.step(store, lean, tokens)
-        if packed:  # another SGEMM kernel at 6 rows: float32 rounding apart, the same greedy tokens
+        if packed:  # another SGEMM kernel at 6 rows, another attention sum order: rounding apart, same greedy tokens
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
             assert torch.equal(a.argmax(-1), b.argmax(-1))
         else:
@@ -102,3 +105,36 @@ def test_fused_weights_keep_the_modules_and_the_weight_hash(dense):
     assert weight_hash(dense.model) == dense.loaded.weight_hash
     attn = dense.model.model.layers[0].self_attn
     assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+
+
+def test_native_attention_equals_sdpa_over_runs():
+    """The kernel against per-row SDPA (``attend_rows``) on rows of one and of several runs, at 9 query
+    heads over 3 KV heads, on 1 to 8 threads; a layout the kernel does not take is refused."""
+    from common.model.paged_attention import attend_rows
+
+    lib = attn_kernel.load()
+    if lib is None:
+        pytest.skip("no C compiler: the lean step keeps per-row SDPA")
+    specs = [{"k": ("float32", [1, 3, -1, 64]), "v": ("float32", [1, 3, -1, 64])}]
+    store = PagedKvStore(specs, 64 << 20, BS)
+    gen = torch.Generator().manual_seed(0)
+    store.k[0].normal_(generator=gen)
+    store.v[0].normal_(generator=gen)
+    seqs = []
+    for k, n in enumerate([1, 16, 17, 300, 45]):
+        s = store.reserve(f"r{k}", n)
+        store.reserve(f"gap{k}", 1)
+        store.grow(s, n + 40)  # past the gap: a second run
+        s.length = n + 33
+        seqs.append(s)
+    runs = [store.runs(s, s.length) for s in seqs]
+    assert max(len(r) for r in runs) >= 2
+    q = torch.randn(len(seqs), 9, 64, generator=gen)
+    want = attend_rows(q.unsqueeze(2), store, 0, runs, 0.125).view(len(seqs), 9, 64)
+    got = attn_kernel.attend(lib, q, store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for threads in (1, 2, 3, 8):  # rows split over threads: each row's arithmetic is the same
+        split = attn_kernel.attend(lib, q, store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125, threads)
+        assert torch.equal(split, got), threads
+    with pytest.raises(ValueError):
+        attn_kernel.attend(lib, q.double(), store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125)

@@ -7,11 +7,13 @@ fifth of the step). :class:`LeanLlamaDecoder` runs each layer as a short list of
 model's own parameters: RMSNorm written as transformers writes it, one matmul for q/k/v and one for
 gate/up (the model's separate weights become row slices of one fused tensor, so no weight is stored
 twice), rotary embedding from the model's own ``rotary_emb``, the new K/V written into the paged
-store, attention per row over its blocks (:func:`common.model.paged_attention.attend_rows`), the output
-and down projections, residual adds. The matmuls and the lm_head run through MKL-packed copies of their
+store (one ``index_copy_`` per tensor), attention of every row over its blocks in one native call per
+layer (``common/model/attn_kernel.py``; per-row SDPA, :func:`common.model.paged_attention.attend_rows`,
+where no C compiler exists), the output and down projections, residual adds; rotary embedding runs
+once over the q and k heads together. The matmuls and the lm_head run through MKL-packed copies of their
 weights at the batch sizes where that is faster (``common/model/packed_gemm.py``). Outputs agree with
-the transformers forward to float32 rounding (bit for bit without the packed copies), which the
-exactness tests check against ``generate``.
+the transformers forward to float32 rounding (bit for bit without the packed copies and the native
+attention), which the exactness tests check against ``generate``.
 
 Supported (:func:`lean_supported`): ``llama`` and ``mistral`` configs with every layer full attention,
 no attention or MLP bias, SiLU, and no sliding window. Other models keep
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from common.kv.paged_store import PagedKvStore, PagedSeq
+from common.model import attn_kernel
 from common.model.packed_gemm import pack
 from common.model.paged_attention import attend_rows
 
@@ -58,9 +61,11 @@ class LeanLlamaDecoder:
     a :class:`PagedKvStore`. Building it fuses q/k/v and gate/up weights in place (the modules keep
     working, on views). ``pack_weights``: the step's matmuls (and the lm_head) also get MKL-packed
     copies, used at the row counts where they are faster (``common/model/packed_gemm.py``; about the
-    weights' bytes again in memory). Not thread-safe: one step at a time."""
+    weights' bytes again in memory). ``native_attention``: attention through the compiled kernel of
+    ``common/model/attn_kernel.py`` where it builds (``native`` is None otherwise). Not thread-safe:
+    one step at a time."""
 
-    def __init__(self, model: torch.nn.Module, pack_weights: bool = True):
+    def __init__(self, model: torch.nn.Module, pack_weights: bool = True, native_attention: bool = True):
         if not lean_supported(model):
             raise ValueError(f"the lean decode step does not support {model.config.model_type!r} with this config")
         base = model.model
@@ -79,6 +84,7 @@ class LeanLlamaDecoder:
             ))
         self.q_out, self.kv_out = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
         self.inter = c.intermediate_size
+        self.native = attn_kernel.load() if native_attention else None  # None: per-row SDPA
 
     @staticmethod
     def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -106,23 +112,27 @@ class LeanLlamaDecoder:
             if len(s.blocks) * bs <= s.length:
                 raise ValueError(f"{s.req_id}: no block for token {s.length}; grow() first")
         runs = [store.runs(s, s.length + 1) for s in seqs]
-        wb = torch.tensor([s.blocks[s.length // bs] for s in seqs], dtype=torch.long)
-        wo = torch.tensor([s.length % bs for s in seqs], dtype=torch.long)
+        # the new token's place in an arena viewed as [H, pages * block, d]: one index_copy_ per tensor
+        at = torch.tensor([s.blocks[s.length // bs] * bs + s.length % bs for s in seqs], dtype=torch.long)
         pos = torch.tensor([[s.length] for s in seqs], dtype=torch.long)
         h = self.embed(torch.tensor(tokens, dtype=torch.long))  # [rows, D]
         cos, sin = self.rotary(h, pos)  # [rows, 1, d]
-        qo, kvo, d = self.q_out, self.kv_out, self.head_dim
+        qo, kvo, d, qh = self.q_out, self.kv_out, self.head_dim, self.q_heads
+        table = attn_kernel.RunTable(runs, bs, qh // self.kv_heads) if self.native is not None else None
         for i, (ln1, qkv_proj, o_proj, scale, ln2, gate_up, down) in enumerate(self.layers):
             if wait_layer is not None:
                 wait_layer(i)
             qkv = qkv_proj(self._rms(ln1, h))
-            q = self._rope(qkv[:, :qo].view(rows, self.q_heads, d), cos, sin)
-            k = self._rope(qkv[:, qo:qo + kvo].view(rows, self.kv_heads, d), cos, sin)
-            v = qkv[:, qo + kvo:].view(rows, self.kv_heads, d)
-            store.k[i][:, wb, wo] = k.transpose(0, 1)
-            store.v[i][:, wb, wo] = v.transpose(0, 1)
-            attn = attend_rows(q.unsqueeze(2), store, i, runs, scale).reshape(rows, qo)
-            h = h + o_proj(attn)
+            qk = self._rope(qkv[:, :qo + kvo].view(rows, qh + self.kv_heads, d), cos, sin)  # q and k heads at once
+            karena, varena = store.k[i], store.v[i]
+            flat = (karena.shape[0], karena.shape[1] * bs, d)
+            karena.view(flat).index_copy_(1, at, qk[:, qh:].transpose(0, 1))
+            varena.view(flat).index_copy_(1, at, qkv[:, qo + kvo:].view(rows, self.kv_heads, d).transpose(0, 1))
+            if table is not None:
+                attn = attn_kernel.attend(self.native, qk[:, :qh].contiguous(), karena, varena, table, scale)
+            else:
+                attn = attend_rows(qk[:, :qh].unsqueeze(2), store, i, runs, scale)
+            h = h + o_proj(attn.reshape(rows, qo))
             gu = gate_up(self._rms(ln2, h))
             h = h + down(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])
         logits = self.lm_head(self._rms(self.norm, h))
