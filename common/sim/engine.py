@@ -211,21 +211,25 @@ class Simulation:
         hashes = req.hashes[: req.length // bs] if req.hashes else []
         req.hashes = hashes
         blocks = self.index.lookup(hashes) if hashes else {}
-        p = placement.place_request(req.length, int(self.threshold), self.workers, self.leases.inflight, block_size=bs,
+        leases, windex = self.leases, self.windex
+        p = placement.place_request(req.length, int(self.threshold), self.workers, leases.inflight, block_size=bs,
                                     prefix_blocks=blocks, bandwidth_plentiful=self.plentiful,
-                                    prefill_work=self.leases.prefill_work, index=self.windex)
+                                    prefill_work=leases.prefill_work, index=windex)
         self.decisions[p.route] += 1
-        self.recent_lengths.append(p.incremental_len)
-        work = p.incremental_len + self.fixed[p.prefill["cluster"]]
-        self.leases.place(req.rid + 1, p.prefill["name"], p.decode["name"], work, self.q.now)
-        self.windex.touch(p.prefill["name"])
-        self.windex.touch(p.decode["name"])
+        l = p.incremental_len
+        self.recent_lengths.append(l)
+        pf, dec = p.prefill["name"], p.decode["name"]
+        leases.place(req.rid + 1, pf, dec, l + self.fixed[p.prefill["cluster"]], self.q.now)
+        windex.touch(pf)
+        windex.touch(dec)
         req.route = p.route
-        req.prefill, req.decode = self.inst[p.prefill["name"]], self.inst[p.decode["name"]]
+        inst = self.inst
+        req.prefill, d = inst[pf], inst[dec]
+        req.decode = d
         self.open += 1
-        req.decode.reserve(req)
-        if req.decode.admit_q:
-            self.admitting.add(req.decode.name)
+        d.reserve(req)
+        if d.admit_q:
+            self.admitting.add(dec)
 
     def _admitted(self, req: SimRequest) -> None:
         self.dirty.add(req.prefill.name)
@@ -276,17 +280,18 @@ class Simulation:
             self._finished(req)
 
     def _finished(self, req: SimRequest) -> None:
-        req.t_end = self.q.now
+        req.t_end = end = self.q.now
         self.leases.release(req.rid + 1)
         self.windex.touch(req.decode.name)
         self.open -= 1
         o = self.outcomes[req.rid]
-        o.ttft = req.t_first - req.arrival
-        o.end = req.t_end
+        first, steps = req.t_first, req.steps
+        o.ttft = first - req.arrival
+        o.end = end
         o.exact = True
-        o.tokens = req.steps + 1
-        if req.steps > 0 and req.t_end > req.t_first:
-            o.decode_rate = req.steps / (req.t_end - req.t_first)
+        o.tokens = steps + 1
+        if steps > 0 and end > first:
+            o.decode_rate = steps / (end - first)
         o.prefix = req.hit
 
     # ------------------------------------------------------------------ reports and the planner
