@@ -93,6 +93,54 @@ def test_link_reports_backlog_only_when_flows_are_held():
     assert link.held_now() == pytest.approx(76.0) and link.backlogged_s() == pytest.approx(4.0)
 
 
+def test_link_serves_a_path_in_order_and_shares_between_paths():
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    out: dict[str, float] = {}
+    link.start(50, lambda: out.__setitem__("a1", q.now), queue="a")
+    link.start(50, lambda: out.__setitem__("a2", q.now), queue="a")  # waits behind a1: not shared with it
+    link.start(100, lambda: out.__setitem__("b", q.now), queue="b")
+    assert len(link.flows) == 2 and len(link.waiting) == 1
+    q.run()
+    # paths a and b share 5 B/s each: a1 ends at 10 s, a2 then takes path a's share (50 B by 20 s), b too
+    assert out == pytest.approx({"a1": 10.0, "a2": 20.0, "b": 20.0})
+    assert not link.head and not link.queues and not link.waiting
+
+
+def test_link_waiting_flow_keeps_a_cap_set_while_it_waits():
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    out: dict[str, float] = {}
+    link.start(20, lambda: out.__setitem__("1", q.now), cap=10.0, queue="p")
+    f2 = link.start(20, lambda: out.__setitem__("2", q.now), cap=1.0, queue="p")
+    link.set_cap(f2, 5.0)  # still waiting: it starts at 2 s with the new cap
+    q.run()
+    assert out == pytest.approx({"1": 2.0, "2": 6.0})
+
+
+def test_sender_view_counts_buffered_bytes_as_written_and_times_the_worst_queue():
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    link.start(100, lambda: None, queue="a")  # all produced at once (no cap)
+    link.start(40, lambda: None, cap=4.0, queue="b")  # produced at 4 B/s: at its cap, never queued
+    q.run(until=2.0)
+    # the link gives b its 4 B/s and a the other 6: a has 12 B delivered, 88 B produced and waiting
+    written, queued, delay = link.sender_view(buffer_bytes=50.0)
+    assert written == pytest.approx(12 + 50 + 8)  # a: delivered + the buffer's 50 B; b: its 8 B, delivered
+    assert queued == pytest.approx(38.0)  # a's bytes beyond its buffer stay in the sender
+    assert delay == pytest.approx(50 / 6)  # a byte entering a's buffer now waits 50 B at 6 B/s
+    written, queued, delay = link.sender_view(buffer_bytes=1e9)
+    assert written == pytest.approx(100 + 8) and queued == 0.0 and delay == pytest.approx(88 / 6)
+
+
+def test_sender_view_of_an_uncongested_link_is_what_it_delivered():
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    link.start(40, lambda: None, cap=4.0, queue="a")
+    q.run(until=5.0)
+    assert link.sender_view(0.0) == (pytest.approx(20.0), 0.0, 0.0)
+
+
 PROFILE = EmulatedProfile.from_dict({"name": "t", "lengths": [1, 2], "prefill_s": [1, 1], "kv_bytes_fixed": 0,
                                      "kv_bytes_per_token": 1, "decode": {"bs_max": 2, "batch": [1, 2], "step_s": [0.1, 0.2]}})
 
@@ -249,3 +297,19 @@ def test_the_simulator_does_not_import_torch():
     import sys
     code = "import sys, common.sim.scenarios; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_engine_rtt_sample_arrives_after_the_queue_it_measured():
+    # 1 B/s link, 10 B buffered on one path: a ping sent at 0 s waits 10 s behind them
+    sim = Simulation(SimConfig(1, 1, 1, threshold=0, link_gbps=8e-9, link_buffer_bytes=1e9, ping_interval_s=5.0))
+    sim.link.start(10, lambda: None, queue=("prfaas-0", "pd-1"))
+    link_of = lambda: sim.workers[0]["stats"]["links"]["kv"]  # noqa: E731
+    sim._link_signals(0.0)
+    assert link_of()["rtt_ms"] is None  # sent, not back yet
+    sim.q.run(until=5.0)
+    sim._link_signals(5.0)
+    assert link_of()["rtt_ms"] is None  # one ping in flight at a time
+    sim.q.run(until=10.5)
+    sim._link_signals(10.5)
+    assert link_of()["rtt_ms"] == pytest.approx(0.1 + 10_000.0)
+    assert sim._link_prev[0] == pytest.approx(10.0)  # the senders counted every buffered byte as written

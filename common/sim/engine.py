@@ -16,13 +16,17 @@ What runs here is the real code, called as the services call it:
 
 Modelled (``common/sim/instances.py``, ``common/sim/link.py``): prefill queues and compute, decode
 KV admission and batches, the shared cross-cluster link (the KVCache of a remote prefill streams while
-it computes and is capped by its production rate), prefix caches, per-request host overheads as two
+it computes and is capped by its production rate; each prefill worker's path to a decode worker carries
+its transfers in order, behind ``link_buffer_bytes`` of socket and proxy buffers, and the link is shared
+between paths), prefix caches, per-request host overheads as two
 constants (``host_overhead_s`` on the prefill worker, added to its service time; ``remote_overhead_s``
 before a remote request's first token; 0 for an ideal system, fitted for the emulated cluster in
 ``scripts/simulate.py``). Not modelled: the PD-P -> PD-D transfer inside the PD cluster as a flow
 (instant at prefill end, apart from the host overhead), failures. Load reports
 reach the router's and the planner's view every ``report_s`` seconds: prefill ``waiting``, decode
-``admission_queue`` (what the planner's loops read), the link's goodput, capacity, RTT and backlog;
+``admission_queue`` (what the planner's loops read), the KV senders' goodput (bytes written into the
+paths' buffers), capacity, RTT (one ping every ``ping_interval_s``, back after the worst path's queue)
+and backlog;
 the router's load of a worker is then its own in-flight count (plus a prefill worker's queue), the
 decode workers' reported ``running``/``waiting`` (which the router adds to its in-flight count of
 the same requests) are left out.
@@ -67,7 +71,8 @@ class SimConfig:
     and decode-pool bytes, ``block_size`` tokens per KV block, the prompt-length distribution the
     planner models (log-normal ``mu``, ``sigma`` on [``lo``, ``hi``]), per-request host overheads
     (seconds: ``host_overhead_s`` held on the prefill worker, ``remote_overhead_s`` more before a
-    remote request's first token)."""
+    remote request's first token), the buffers (bytes) of each prefill -> decode path in front of the
+    link (``link_buffer_bytes``) and the seconds between the KV senders' pings (``ping_interval_s``)."""
 
     n_prfaas: int
     n_p: int
@@ -89,6 +94,7 @@ class SimConfig:
     host_overhead_s: float = 0.0
     remote_overhead_s: float = 0.0
     link_buffer_bytes: float = 64 * 2**20
+    ping_interval_s: float = 1.0
     mu: float = 9.90
     sigma: float = 1.00
     lo: float = 128.0
@@ -167,6 +173,9 @@ class Simulation:
         self.role_changes: list[dict[str, Any]] = []
         self.timeline: list[dict[str, float]] = []
         self._link_prev = (0.0, 0.0)
+        self._delivered_prev = 0.0
+        self._ping: tuple[float, float] | None = None  # the ping on its way: (when it returns s, its RTT ms)
+        self._ping_next = 0.0
         self._goodput = Ewma(half_life_s=5.0)
         self._capacity = WindowedMax(30.0)
         self._rtt = Ewma(alpha=0.125)
@@ -239,7 +248,8 @@ class Simulation:
         self.dirty.add(req.prefill.name)
         if req.prefill.cluster == "prfaas":
             nbytes = req.kv_prfaas
-            req.flow = self.link.start(nbytes, lambda: self._kv_done(req), nbytes / seconds if seconds > 0 else math.inf)
+            req.flow = self.link.start(nbytes, lambda: self._kv_done(req), nbytes / seconds if seconds > 0 else math.inf,
+                                       queue=(req.prefill.name, req.decode.name))  # the sender's path to that decode worker
         else:
             req.kv_done = True
 
@@ -321,28 +331,39 @@ class Simulation:
 
     def _link_signals(self, now: float) -> None:
         """The KV senders' link snapshot (``common/transfer/link_stats.py`` keys and estimators): goodput
-        EWMA (half-life 5 s), capacity = the largest rate of a report interval the sender was backlogged
-        throughout, over the last 30 s (None without one), smoothed RTT and its 3 s floor. Between the
-        sender and the link sits a buffer of ``link_buffer_bytes`` (socket and middlebox buffers): the
-        bytes held back by the link fill it first, and only what exceeds it stays queued in the sender
-        (backlogged); the RTT grows by the buffer's queueing delay."""
+        EWMA (half-life 5 s) of the bytes the senders have written, capacity = the largest rate of a
+        report interval the senders were backlogged throughout, over the last 30 s (None without one),
+        smoothed RTT and its 3 s floor. Each sender's path to a decode worker has ``link_buffer_bytes``
+        of socket and proxy buffers in front of the link (:meth:`SharedLink.sender_view`): a sender
+        counts a byte as sent once the buffers take it, only what exceeds their room stays queued in
+        the sender (backlogged), and a ping waits behind the bytes buffered on its path, so the RTT
+        grows by the worst path's queueing delay."""
         link = self.link
-        b, t = link.delivered_now(), now
+        b, queued, delay_s = link.sender_view(link.buffer_bytes)
+        t = now
         b0, t0 = self._link_prev
         self._link_prev = (b, t)
         rate = 8 * (b - b0) / (t - t0) if t > t0 else 0.0
         self._goodput.update(rate, now)
-        held = link.held_now()
         was = self._engine_backlogged_since
-        self._engine_backlogged_since = (was if was is not None else now) if held > link.buffer_bytes else None
+        self._engine_backlogged_since = (was if was is not None else now) if queued > 0 else None
         if t > t0 and was is not None and self._engine_backlogged_since is not None:
             self._capacity.update(rate, now)
         rtt_min = max(link.rtt * 1e3, 0.1)
-        delay_ms = 1e3 * min(held, link.buffer_bytes) / link.capacity
-        rtt = self._rtt.update(rtt_min + delay_ms, now)
-        self._floor.update(rtt_min + delay_ms, now)
+        # a ping waits behind the worst path's buffered bytes, so its sample arrives that much later
+        if self._ping is None and now >= self._ping_next:
+            sample_ms = rtt_min + 1e3 * delay_s
+            self._ping = (now + sample_ms / 1e3, sample_ms)
+            self._ping_next = now + self.cfg.ping_interval_s
+        if self._ping is not None and self._ping[0] <= now:
+            self._rtt.update(self._ping[1], now)
+            self._floor.update(self._ping[1], now)
+            self._ping = None
+        rtt = self._rtt.value
         backlogged_s = 0.0 if self._engine_backlogged_since is None else now - self._engine_backlogged_since
-        self._egress = rate
+        d = link.delivered_now()  # the timeline's egress: what crossed the link (the emulated cluster's proxy count)
+        self._egress = 8 * (d - self._delivered_prev) / (t - t0) if t > t0 else 0.0
+        self._delivered_prev = d
         if self.cfg.n_prfaas:
             self.workers[0]["stats"]["links"] = {"kv": {
                 "goodput_bps": self._goodput.value or 0.0, "capacity_bps": self._capacity.value(now), "rtt_ms": rtt,
