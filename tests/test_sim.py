@@ -125,12 +125,12 @@ def test_sender_view_counts_buffered_bytes_as_written_and_times_the_worst_queue(
     link.start(40, lambda: None, cap=4.0, queue="b")  # produced at 4 B/s: at its cap, never queued
     q.run(until=2.0)
     # the link gives b its 4 B/s and a the other 6: a has 12 B delivered, 88 B produced and waiting
-    written, queued, delay = link.sender_view(buffer_bytes=50.0)
+    written, queued, delays = link.sender_view(buffer_bytes=50.0)
     assert written == pytest.approx(12 + 50 + 8)  # a: delivered + the buffer's 50 B; b: its 8 B, delivered
     assert queued == pytest.approx(38.0)  # a's bytes beyond its buffer stay in the sender
-    assert delay == pytest.approx(50 / 6)  # a byte entering a's buffer now waits 50 B at 6 B/s
-    written, queued, delay = link.sender_view(buffer_bytes=1e9)
-    assert written == pytest.approx(100 + 8) and queued == 0.0 and delay == pytest.approx(88 / 6)
+    assert delays == {"a": pytest.approx(50 / 6)}  # a byte entering a's buffer now waits 50 B at 6 B/s
+    written, queued, delays = link.sender_view(buffer_bytes=1e9)
+    assert written == pytest.approx(100 + 8) and queued == 0.0 and delays == {"a": pytest.approx(88 / 6)}
 
 
 def test_sender_view_of_an_uncongested_link_is_what_it_delivered():
@@ -138,7 +138,7 @@ def test_sender_view_of_an_uncongested_link_is_what_it_delivered():
     link = SharedLink(q, capacity=10.0)
     link.start(40, lambda: None, cap=4.0, queue="a")
     q.run(until=5.0)
-    assert link.sender_view(0.0) == (pytest.approx(20.0), 0.0, 0.0)
+    assert link.sender_view(0.0) == (pytest.approx(20.0), 0.0, {})
 
 
 PROFILE = EmulatedProfile.from_dict({"name": "t", "lengths": [1, 2], "prefill_s": [1, 1], "kv_bytes_fixed": 0,
@@ -299,17 +299,43 @@ def test_the_simulator_does_not_import_torch():
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
+def test_path_pings_come_back_after_the_queue_and_idle_connections_answer_at_once():
+    from common.sim.pings import PathPings
+
+    pings = PathPings(interval_s=5.0, connections=2)
+    assert pings.tick(0.0, {"p": 10.0}, 1.0) == (1.0, 1.0)  # joins; its first round is later (its phase)
+    first = pings.paths["p"].next
+    assert 0.0 < first < 5.0
+    rtt, floor = pings.tick(first, {"p": 9.0}, 1.0)  # the idle connection answers now, the loaded one in 9 s
+    assert rtt == 1.0 and floor == 1.0 and pings.paths["p"].out == (pytest.approx(first + 9.001), pytest.approx(9001.0))
+    for k in range(1, 20):  # reports every 0.5 s; the next round (idle answer) at +5 s
+        rtt, floor = pings.tick(first + 0.5 * k, {"p": 9.0}, 1.0)
+    assert floor == pytest.approx(9001.0) and 1.0 < rtt < 9001.0  # at +9.5 s: the idle answer at +5 s left the 3 s window
+    assert pings.tick(first + 10.0, {"p": 9.0}, 1.0)[1] == 1.0  # the round at +10 s: an idle answer again
+    for k in range(200):  # queue gone: idle answers bring the EWMA back, then the path leaves
+        pings.tick(first + 20.0 + 5 * k, {}, 1.0)
+    assert not pings.paths
+    pings = PathPings(interval_s=5.0, connections=1)  # one connection: every ping waits behind the queue
+    pings.tick(0.0, {"p": 2.0}, 1.0)
+    t = pings.paths["p"].next
+    pings.tick(t, {"p": 2.0}, 1.0)
+    assert pings.tick(t + 2.5, {"p": 2.0}, 1.0) == (pytest.approx(2001.0), pytest.approx(2001.0))
+    with pytest.raises(ValueError):
+        PathPings(0.0, 1)
+
+
 def test_engine_rtt_sample_arrives_after_the_queue_it_measured():
-    # 1 B/s link, 10 B buffered on one path: a ping sent at 0 s waits 10 s behind them
-    sim = Simulation(SimConfig(1, 1, 1, threshold=0, link_gbps=8e-9, link_buffer_bytes=1e9, ping_interval_s=5.0))
+    # 1 B/s link, 10 B buffered on one path, one connection: its ping waits 10 s behind them
+    sim = Simulation(SimConfig(1, 1, 1, threshold=0, link_gbps=8e-9, link_buffer_bytes=1e9, ping_interval_s=5.0,
+                               kv_connections=1))
     sim.link.start(10, lambda: None, queue=("prfaas-0", "pd-1"))
     link_of = lambda: sim.workers[0]["stats"]["links"]["kv"]  # noqa: E731
     sim._link_signals(0.0)
-    assert link_of()["rtt_ms"] is None  # sent, not back yet
-    sim.q.run(until=5.0)
-    sim._link_signals(5.0)
-    assert link_of()["rtt_ms"] is None  # one ping in flight at a time
-    sim.q.run(until=10.5)
-    sim._link_signals(10.5)
-    assert link_of()["rtt_ms"] == pytest.approx(0.1 + 10_000.0)
+    first = sim._pings.paths[("prfaas-0", "pd-1")].next
+    sim.q.run(until=first)
+    sim._link_signals(first)  # the ping goes out
+    assert link_of()["rtt_ms"] == 0.1  # no path has answered yet: the base RTT
+    sim.q.run(until=first + 10.5)
+    sim._link_signals(first + 10.5)
+    assert link_of()["rtt_ms"] == pytest.approx(0.1 + 1e3 * (10 - first))  # what waited when it was sent
     assert sim._link_prev[0] == pytest.approx(10.0)  # the senders counted every buffered byte as written

@@ -48,7 +48,8 @@ from common.model.emulated_profile import EmulatedProfile
 from common.sim.events import EventQueue
 from common.sim.instances import DecodeInstance, PrefillInstance, SimRequest
 from common.sim.link import SharedLink
-from common.transfer.estimators import Ewma, WindowedMax, WindowedMin
+from common.sim.pings import PathPings
+from common.transfer.estimators import Ewma, WindowedMax
 from services.planner import throughput as tm
 from services.planner.control import Controller
 from services.planner.long_loop import LongConfig, LongLoop
@@ -72,7 +73,8 @@ class SimConfig:
     planner models (log-normal ``mu``, ``sigma`` on [``lo``, ``hi``]), per-request host overheads
     (seconds: ``host_overhead_s`` held on the prefill worker, ``remote_overhead_s`` more before a
     remote request's first token), the buffers (bytes) of each prefill -> decode path in front of the
-    link (``link_buffer_bytes``) and the seconds between the KV senders' pings (``ping_interval_s``)."""
+    link (``link_buffer_bytes``), the seconds between the KV senders' pings on each connection
+    (``ping_interval_s``) and the connections per path (``kv_connections``, the workers' ``--kv-connections``)."""
 
     n_prfaas: int
     n_p: int
@@ -95,6 +97,7 @@ class SimConfig:
     remote_overhead_s: float = 0.0
     link_buffer_bytes: float = 64 * 2**20
     ping_interval_s: float = 1.0
+    kv_connections: int = 4
     mu: float = 9.90
     sigma: float = 1.00
     lo: float = 128.0
@@ -174,12 +177,9 @@ class Simulation:
         self.timeline: list[dict[str, float]] = []
         self._link_prev = (0.0, 0.0)
         self._delivered_prev = 0.0
-        self._ping: tuple[float, float] | None = None  # the ping on its way: (when it returns s, its RTT ms)
-        self._ping_next = 0.0
+        self._pings = PathPings(cfg.ping_interval_s, cfg.kv_connections)  # the senders' RTT probes, per path
         self._goodput = Ewma(half_life_s=5.0)
         self._capacity = WindowedMax(30.0)
-        self._rtt = Ewma(alpha=0.125)
-        self._floor = WindowedMin(3.0)
         self._egress = 0.0
         self._engine_backlogged_since: float | None = None
         self._relearned_at = -math.inf
@@ -339,7 +339,7 @@ class Simulation:
         the sender (backlogged), and a ping waits behind the bytes buffered on its path, so the RTT
         grows by the worst path's queueing delay."""
         link = self.link
-        b, queued, delay_s = link.sender_view(link.buffer_bytes)
+        b, queued, delays = link.sender_view(link.buffer_bytes)
         t = now
         b0, t0 = self._link_prev
         self._link_prev = (b, t)
@@ -350,16 +350,7 @@ class Simulation:
         if t > t0 and was is not None and self._engine_backlogged_since is not None:
             self._capacity.update(rate, now)
         rtt_min = max(link.rtt * 1e3, 0.1)
-        # a ping waits behind the worst path's buffered bytes, so its sample arrives that much later
-        if self._ping is None and now >= self._ping_next:
-            sample_ms = rtt_min + 1e3 * delay_s
-            self._ping = (now + sample_ms / 1e3, sample_ms)
-            self._ping_next = now + self.cfg.ping_interval_s
-        if self._ping is not None and self._ping[0] <= now:
-            self._rtt.update(self._ping[1], now)
-            self._floor.update(self._ping[1], now)
-            self._ping = None
-        rtt = self._rtt.value
+        rtt, floor = self._pings.tick(now, delays, rtt_min)
         backlogged_s = 0.0 if self._engine_backlogged_since is None else now - self._engine_backlogged_since
         d = link.delivered_now()  # the timeline's egress: what crossed the link (the emulated cluster's proxy count)
         self._egress = 8 * (d - self._delivered_prev) / (t - t0) if t > t0 else 0.0
@@ -367,7 +358,7 @@ class Simulation:
         if self.cfg.n_prfaas:
             self.workers[0]["stats"]["links"] = {"kv": {
                 "goodput_bps": self._goodput.value or 0.0, "capacity_bps": self._capacity.value(now), "rtt_ms": rtt,
-                "rtt_min_ms": rtt_min, "rtt_floor_ms": self._floor.value(now), "backlogged_s": backlogged_s,
+                "rtt_min_ms": rtt_min, "rtt_floor_ms": floor, "backlogged_s": backlogged_s,
                 "stalls": 0, "retransmits": 0}}
 
     def _long_tick(self, now: float) -> None:

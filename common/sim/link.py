@@ -174,31 +174,31 @@ class SharedLink:
         now = self.q.now
         return self.done_bytes + sum(f.size - max(0.0, f.left_at(now)) for f in self.flows.values())
 
-    def sender_view(self, buffer_bytes: float) -> tuple[float, float, float]:
+    def sender_view(self, buffer_bytes: float) -> tuple[float, float, dict[Any, float]]:
         """What the senders see now with ``buffer_bytes`` of buffers per path (for flows without a
         path, per flow) between them and the link: ``(written, queued, delay_s)``. ``written``: bytes
         the senders have handed to the path so far (delivered, plus what is produced and buffered,
         up to the buffers' room): the bytes a KV sender counts as sent. ``queued``: produced bytes
-        beyond the buffers' room (the senders' own queue). ``delay_s``: the longest a byte entering
-        a path's buffers now waits to cross the link at that path's current rate (seconds; what a
-        ping on that path measures on top of the RTT)."""
+        beyond the buffers' room (the senders' own queue). ``delays``: per path with bytes buffered,
+        how long a byte entering its buffers now waits to cross the link at the path's current rate
+        (seconds; what a ping on that path measures on top of the RTT)."""
         now = self.q.now
         if not self.waiting and not self.congested:  # every flow at its cap: delivered as produced
-            return self.delivered_now(), 0.0, 0.0
+            return self.delivered_now(), 0.0, {}
         paths: dict[Any, list[float]] = {}  # path -> [delivered, produced, rate] of its live flows
         for fid, f in self.flows.items():
             left = max(0.0, f.left_at(now))
             paths[f.key if f.key is not None else ("flow", fid)] = [f.size - left, f.produced_at(now), f.rate]
         for f in self.waiting.values():
             paths[f.key][1] += f.produced_at(now)
-        written, queued, delay = self.done_bytes, 0.0, 0.0
-        for delivered, produced, rate in paths.values():
+        written, queued, delays = self.done_bytes, 0.0, {}
+        for key, (delivered, produced, rate) in paths.items():
             inside = min(produced, delivered + buffer_bytes)
             written += inside
             queued += produced - inside
             if inside > delivered:
-                delay = max(delay, (inside - delivered) / rate if rate > 0 else math.inf)
-        return written, queued, delay
+                delays[key] = (inside - delivered) / rate if rate > 0 else math.inf
+        return written, queued, delays
 
     # ----------------------------------------------------------------- internals
     def _add_demand(self, cap: float, sign: int) -> None:
