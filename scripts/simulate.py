@@ -72,6 +72,7 @@ def emulated_base(scales: dict, host_overhead_s: float = EMULATED_HOST_OVERHEAD_
     b = EmulatedModel(EmulatedProfile.from_file("h20_table6_fit"), s).byte_scale
     return SimConfig(0, 0, 1, output_scale=s.output_scale, link_buffer_bytes=KV_CONNECTIONS * (4 << 20) / b,
                      ping_interval_s=PING_INTERVAL_S * s.time_scale, kv_connections=KV_CONNECTIONS,
+                     ping_timeout_s=3.0 * s.time_scale, stall_timeout_s=5.0 * s.time_scale,  # KvLink's, real seconds
                      prefix_cache_bytes=(32 << 20) / b, decode_pool_bytes=(64 << 20) / b,
                      host_overhead_s=host_overhead_s, remote_overhead_s=remote_overhead_s)
 

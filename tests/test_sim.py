@@ -307,7 +307,7 @@ def test_path_pings_come_back_after_the_queue_and_idle_connections_answer_at_onc
     first = pings.paths["p"].next
     assert 0.0 < first < 5.0
     rtt, floor = pings.tick(first, {"p": 9.0}, 1.0)  # the idle connection answers now, the loaded one in 9 s
-    assert rtt == 1.0 and floor == 1.0 and pings.paths["p"].out == (pytest.approx(first + 9.001), pytest.approx(9001.0))
+    assert rtt == 1.0 and floor == 1.0 and pings.paths["p"].out == (first, pytest.approx(first + 9.001), pytest.approx(9001.0))
     for k in range(1, 20):  # reports every 0.5 s; the next round (idle answer) at +5 s
         rtt, floor = pings.tick(first + 0.5 * k, {"p": 9.0}, 1.0)
     assert floor == pytest.approx(9001.0) and 1.0 < rtt < 9001.0  # at +9.5 s: the idle answer at +5 s left the 3 s window
@@ -339,3 +339,28 @@ def test_engine_rtt_sample_arrives_after_the_queue_it_measured():
     sim._link_signals(first + 10.5)
     assert link_of()["rtt_ms"] == pytest.approx(0.1 + 1e3 * (10 - first))  # what waited when it was sent
     assert sim._link_prev[0] == pytest.approx(10.0)  # the senders counted every buffered byte as written
+
+
+def test_a_late_pong_fails_the_connection_and_the_path_sends_its_transfer_again():
+    from common.sim.pings import PathPings
+
+    pings = PathPings(interval_s=5.0, connections=2, fail_after_s=25.0)
+    pings.tick(0.0, {"p": 40.0}, 1.0)
+    first = pings.paths["p"].next
+    pings.tick(first, {"p": 40.0}, 1.0)  # the loaded connection's ping waits 40 s
+    pings.tick(first + 25.0, {"p": 40.0}, 1.0)
+    assert pings.failed == []  # not later than 25 s yet
+    pings.tick(first + 25.5, {"p": 40.0}, 1.0)
+    assert pings.failed == ["p"] and pings.paths["p"].out is None  # lost with its connection
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    out: dict[str, float] = {}
+    link.start(100, lambda: out.__setitem__("a", q.now), queue="a")
+    q.run(until=4.0)
+    assert link.resend("a") == pytest.approx(40.0) and link.resend("b") == 0.0
+    q.run()
+    assert out == {"a": pytest.approx(14.0)}  # 100 B again from 4 s at 10 B/s
+    written, _, _ = link.sender_view(1e9)
+    assert written == pytest.approx(140.0)  # the sender wrote the 40 B twice
+    with pytest.raises(ValueError):
+        PathPings(1.0, 1, fail_after_s=0.0)

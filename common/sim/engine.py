@@ -74,7 +74,9 @@ class SimConfig:
     (seconds: ``host_overhead_s`` held on the prefill worker, ``remote_overhead_s`` more before a
     remote request's first token), the buffers (bytes) of each prefill -> decode path in front of the
     link (``link_buffer_bytes``), the seconds between the KV senders' pings on each connection
-    (``ping_interval_s``) and the connections per path (``kv_connections``, the workers' ``--kv-connections``)."""
+    (``ping_interval_s``), the connections per path (``kv_connections``, the workers' ``--kv-connections``)
+    and the senders' liveness timeouts (``ping_timeout_s``, ``stall_timeout_s``: a pong later than both fails
+    the path's loaded connection and its chunks are sent again)."""
 
     n_prfaas: int
     n_p: int
@@ -98,6 +100,8 @@ class SimConfig:
     link_buffer_bytes: float = 64 * 2**20
     ping_interval_s: float = 1.0
     kv_connections: int = 4
+    ping_timeout_s: float = 3.0
+    stall_timeout_s: float = 5.0
     mu: float = 9.90
     sigma: float = 1.00
     lo: float = 128.0
@@ -177,7 +181,8 @@ class Simulation:
         self.timeline: list[dict[str, float]] = []
         self._link_prev = (0.0, 0.0)
         self._delivered_prev = 0.0
-        self._pings = PathPings(cfg.ping_interval_s, cfg.kv_connections)  # the senders' RTT probes, per path
+        self._pings = PathPings(cfg.ping_interval_s, cfg.kv_connections,  # the senders' RTT probes and liveness, per path
+                                fail_after_s=max(cfg.ping_timeout_s, cfg.stall_timeout_s))
         self._goodput = Ewma(half_life_s=5.0)
         self._capacity = WindowedMax(30.0)
         self._egress = 0.0
@@ -351,6 +356,8 @@ class Simulation:
             self._capacity.update(rate, now)
         rtt_min = max(link.rtt * 1e3, 0.1)
         rtt, floor = self._pings.tick(now, delays, rtt_min)
+        for key in self._pings.failed:  # a connection failed: its written chunks go again
+            link.resend(key)
         backlogged_s = 0.0 if self._engine_backlogged_since is None else now - self._engine_backlogged_since
         d = link.delivered_now()  # the timeline's egress: what crossed the link (the emulated cluster's proxy count)
         self._egress = 8 * (d - self._delivered_prev) / (t - t0) if t > t0 else 0.0

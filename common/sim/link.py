@@ -80,6 +80,7 @@ class SharedLink:
         self.waiting: dict[int, Flow] = {}  # flows queued behind their path's earlier flows
         self.queues: dict[Hashable, deque[int]] = {}  # path -> its waiting flows, in order
         self.head: dict[Hashable, int] = {}  # path -> the flow of it on the link now
+        self.resent_bytes = 0.0  # bytes sent again after a connection failed (:meth:`resend`)
 
     # ----------------------------------------------------------------- flows
     def start(self, nbytes: float, on_done: Callable[[], Any], cap: float = math.inf, queue: Hashable | None = None) -> int:
@@ -150,6 +151,22 @@ class SharedLink:
         else:
             self._reallocate()
 
+    def resend(self, key: Hashable) -> float:
+        """Path ``key``'s loaded connection failed: the sender sends the chunks it had written on it again
+        (``Transfer.unwrite_on``), also those that had crossed, so its transfer on the link starts over
+        (what is buffered behind it was not delivered and stays queued). Returns the bytes sent again
+        (0 when the path has nothing on the link); :meth:`sender_view` counts them as written."""
+        fid = self.head.get(key)
+        if fid is None:
+            return 0.0
+        f = self.flows[fid]
+        now = self.q.now
+        again = f.size - max(0.0, f.left_at(now))
+        f.left, f.at = f.size, now
+        self.resent_bytes += again
+        self._reallocate()
+        return again
+
     def set_capacity(self, capacity: float) -> None:
         """Change the link's capacity (bytes/s, > 0), e.g. a bandwidth swing."""
         if not capacity > 0:
@@ -184,14 +201,14 @@ class SharedLink:
         (seconds; what a ping on that path measures on top of the RTT)."""
         now = self.q.now
         if not self.waiting and not self.congested:  # every flow at its cap: delivered as produced
-            return self.delivered_now(), 0.0, {}
+            return self.delivered_now() + self.resent_bytes, 0.0, {}
         paths: dict[Any, list[float]] = {}  # path -> [delivered, produced, rate] of its live flows
         for fid, f in self.flows.items():
             left = max(0.0, f.left_at(now))
             paths[f.key if f.key is not None else ("flow", fid)] = [f.size - left, f.produced_at(now), f.rate]
         for f in self.waiting.values():
             paths[f.key][1] += f.produced_at(now)
-        written, queued, delays = self.done_bytes, 0.0, {}
+        written, queued, delays = self.done_bytes + self.resent_bytes, 0.0, {}
         for key, (delivered, produced, rate) in paths.items():
             inside = min(produced, delivered + buffer_bytes)
             written += inside

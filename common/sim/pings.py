@@ -12,6 +12,11 @@ reads the worst path (``services/planner/control.py`` takes the largest RTT and 
 
 A path joins when bytes wait on it and leaves once its queue is empty, no ping is out and its
 smoothed RTT is back within 1 % of the base (what the real link would then report, to that 1 %).
+
+Liveness: the sender fails a connection whose pong is later than ``max(ping_timeout, stall_timeout)``
+(``common/transfer/connection.py`` ``overdue``; the shorter ``ping_timeout`` applies only while bytes
+wait in the sender's own buffers, which the paths' buffers keep empty here): :meth:`PathPings.tick`
+returns those paths, their ping lost with the connection, and the caller re-sends (``SharedLink.resend``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ class _Path:
         self.rtt = Ewma(alpha=0.125)
         self.floor = WindowedMin(floor_window_s)
         self.next = first_at  # s: the next ping round
-        self.out: tuple[float, float] | None = None  # the loaded connection's ping: (back at s, RTT ms)
+        self.out: tuple[float, float, float] | None = None  # the loaded connection's ping: (sent s, back at s, RTT ms)
 
 
 class PathPings:
@@ -38,14 +43,17 @@ class PathPings:
     (>= 1), ``floor_window_s`` the floor's window (s). :meth:`tick` at each report; raises
     ``ValueError`` for a bad setting."""
 
-    def __init__(self, interval_s: float, connections: int, floor_window_s: float = 3.0):
-        if not interval_s > 0 or connections < 1:
-            raise ValueError(f"need interval_s > 0 and connections >= 1, got {interval_s!r}, {connections!r}")
+    def __init__(self, interval_s: float, connections: int, floor_window_s: float = 3.0, fail_after_s: float = float("inf")):
+        if not interval_s > 0 or connections < 1 or not fail_after_s > 0:
+            raise ValueError(f"need interval_s > 0, connections >= 1, fail_after_s > 0, got {interval_s!r}, {connections!r}, "
+                             f"{fail_after_s!r}")
         self.interval_s, self.connections, self.floor_window_s = interval_s, connections, floor_window_s
+        self.fail_after_s = fail_after_s
+        self.failed: list[Hashable] = []  # paths whose loaded connection failed at the latest tick
         self.paths: dict[Hashable, _Path] = {}
         self._joined = 0
 
-    def tick(self, now: float, delays: dict[Hashable, float], base_ms: float) -> tuple[float, float]:
+    def tick(self, now: float, delays: dict[Hashable, float], base_ms: float) -> tuple[float, float]:  # noqa: C901
         """Send the rounds that are due and fold in the pongs that are back, at ``now`` (s). ``delays``:
         seconds a byte entering each path's buffers waits now (paths not named: none). Returns the
         worst path's smoothed RTT and RTT floor (ms; ``base_ms`` when no path is probed)."""
@@ -54,6 +62,7 @@ class PathPings:
                 self._joined += 1
                 self.paths[key] = _Path(now + (self._joined * _GOLDEN % 1.0) * self.interval_s, self.floor_window_s)
         worst_rtt, worst_floor, quiet = base_ms, base_ms, []
+        self.failed = []
         for key, p in self.paths.items():
             d = delays.get(key, 0.0)
             if now >= p.next:
@@ -62,12 +71,15 @@ class PathPings:
                     p.floor.update(base_ms, now)
                 if p.out is None:
                     sample = base_ms + 1e3 * d
-                    p.out = (now + sample / 1e3, sample)
+                    p.out = (now, now + sample / 1e3, sample)
                 while p.next <= now:
                     p.next += self.interval_s
-            if p.out is not None and p.out[0] <= now:
-                p.rtt.update(p.out[1], now)
-                p.floor.update(p.out[1], now)
+            if p.out is not None and p.out[1] <= now:
+                p.rtt.update(p.out[2], now)
+                p.floor.update(p.out[2], now)
+                p.out = None
+            elif p.out is not None and now - p.out[0] > self.fail_after_s:
+                self.failed.append(key)
                 p.out = None
             rtt, floor = p.rtt.value, p.floor.value(now)
             if rtt is not None:
