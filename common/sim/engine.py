@@ -312,11 +312,14 @@ class Simulation:
     # ------------------------------------------------------------------ reports and the planner
     def _report(self) -> None:
         now, rs = self.q.now, self.cfg.report_s
+        inst_of, by_name, touch = self.inst, self.by_name, self.windex.touch
         for name in self.dirty:  # only the prefill workers whose queues changed since the last report
-            inst, st = self.inst[name], self.by_name[name]["stats"]
-            if isinstance(inst, PrefillInstance) and st.get("waiting") != len(inst.queue):
-                st["waiting"] = len(inst.queue)
-                self.windex.touch(name)
+            inst, st = inst_of[name], by_name[name]["stats"]
+            if isinstance(inst, PrefillInstance):
+                n = len(inst.queue)
+                if st.get("waiting") != n:
+                    st["waiting"] = n
+                    touch(name)
         self.dirty.clear()
         for name in self.admitting:  # decode workers whose KV admission queue is or was non-empty
             self.by_name[name]["stats"]["admission_queue"] = len(self.inst[name].admit_q)
@@ -359,7 +362,7 @@ class Simulation:
         for key in self._pings.failed:  # a connection failed: its written chunks go again
             link.resend(key)
         backlogged_s = 0.0 if self._engine_backlogged_since is None else now - self._engine_backlogged_since
-        d = link.delivered_now()  # the timeline's egress: what crossed the link (the emulated cluster's proxy count)
+        d = link.delivered_seen  # the timeline's egress: what crossed the link (the emulated cluster's proxy count)
         self._egress = 8 * (d - self._delivered_prev) / (t - t0) if t > t0 else 0.0
         self._delivered_prev = d
         if self.cfg.n_prfaas:
@@ -430,7 +433,7 @@ class Simulation:
         self._arrivals_end = max(arrivals, default=0.0)
         for start, gbps in link_phases:
             self.q.at(start, self.link.set_capacity, gbps * GBPS)
-        self._src = (arrivals, ls, hashes, steps, look)
+        self._src = (arrivals, ls, hashes, steps, look["tp"], look["tp_r"], look["kv"], look["kv_r"], look["t_pd"])
         self.q.stream(arrivals, self._arrive_k)
         self.q.after(0.0, self._report)
         # Without the cyclic collector while the events run: a run holds millions of live objects (outcomes,
@@ -447,9 +450,9 @@ class Simulation:
 
     def _arrive_k(self, k: int) -> None:
         """Request ``k`` of the run arrives (the event queue's stream)."""
-        arrivals, ls, hashes, steps, look = self._src
-        req = SimRequest(k, arrivals[k], ls[k], list(hashes[k]) if hashes is not None else None, steps,
-                         (look["tp"][k], look["tp_r"][k]))
-        req.kv_bytes, req.kv_prfaas = look["kv"][k], look["kv_r"][k]
-        self.outcomes[k] = Outcome(ls[k], arrivals[k], look["t_pd"][k])
+        arrivals, ls, hashes, steps, tp, tp_r, kv, kv_r, t_pd = self._src
+        at, length = arrivals[k], ls[k]
+        req = SimRequest(k, at, length, list(hashes[k]) if hashes is not None else None, steps, (tp[k], tp_r[k]))
+        req.kv_bytes, req.kv_prfaas = kv[k], kv_r[k]
+        self.outcomes[k] = Outcome(length, at, t_pd[k])
         self._arrive(req)
