@@ -58,6 +58,8 @@ from services.planner import throughput as tm  # noqa: E402
 # holds the prefill worker (it is added to its service time), the remote extra only delays the first token.
 EMULATED_HOST_OVERHEAD_S = 0.06
 EMULATED_REMOTE_OVERHEAD_S = 0.03
+KV_CONNECTIONS = 2  # the emulated cluster's --kv-connections: each with its own 4 MiB link-proxy buffer
+PING_INTERVAL_S = 1.0  # real seconds between the KV sender's pings on each connection (KvLink's ping_interval)
 NAMES = {"prfaas": "PrfaaS-PD", "homog": "Homogeneous PD", "naive": "Naive heterogeneous"}
 
 def emulated_base(scales: dict, host_overhead_s: float = EMULATED_HOST_OVERHEAD_S,
@@ -68,7 +70,9 @@ def emulated_base(scales: dict, host_overhead_s: float = EMULATED_HOST_OVERHEAD_
     per-request host overheads (seconds, see :data:`EMULATED_HOST_OVERHEAD_S`)."""
     s = Scales(**scales)
     b = EmulatedModel(EmulatedProfile.from_file("h20_table6_fit"), s).byte_scale
-    return SimConfig(0, 0, 1, output_scale=s.output_scale, link_buffer_bytes=(4 << 20) / b,
+    return SimConfig(0, 0, 1, output_scale=s.output_scale, link_buffer_bytes=KV_CONNECTIONS * (4 << 20) / b,
+                     ping_interval_s=PING_INTERVAL_S * s.time_scale, kv_connections=KV_CONNECTIONS,
+                     ping_timeout_s=3.0 * s.time_scale, stall_timeout_s=5.0 * s.time_scale,  # KvLink's, real seconds
                      prefix_cache_bytes=(32 << 20) / b, decode_pool_bytes=(64 << 20) / b,
                      host_overhead_s=host_overhead_s, remote_overhead_s=remote_overhead_s)
 

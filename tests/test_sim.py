@@ -93,6 +93,54 @@ def test_link_reports_backlog_only_when_flows_are_held():
     assert link.held_now() == pytest.approx(76.0) and link.backlogged_s() == pytest.approx(4.0)
 
 
+def test_link_serves_a_path_in_order_and_shares_between_paths():
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    out: dict[str, float] = {}
+    link.start(50, lambda: out.__setitem__("a1", q.now), queue="a")
+    link.start(50, lambda: out.__setitem__("a2", q.now), queue="a")  # waits behind a1: not shared with it
+    link.start(100, lambda: out.__setitem__("b", q.now), queue="b")
+    assert len(link.flows) == 2 and len(link.waiting) == 1
+    q.run()
+    # paths a and b share 5 B/s each: a1 ends at 10 s, a2 then takes path a's share (50 B by 20 s), b too
+    assert out == pytest.approx({"a1": 10.0, "a2": 20.0, "b": 20.0})
+    assert not link.head and not link.queues and not link.waiting
+
+
+def test_link_waiting_flow_keeps_a_cap_set_while_it_waits():
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    out: dict[str, float] = {}
+    link.start(20, lambda: out.__setitem__("1", q.now), cap=10.0, queue="p")
+    f2 = link.start(20, lambda: out.__setitem__("2", q.now), cap=1.0, queue="p")
+    link.set_cap(f2, 5.0)  # still waiting: it starts at 2 s with the new cap
+    q.run()
+    assert out == pytest.approx({"1": 2.0, "2": 6.0})
+
+
+def test_sender_view_counts_buffered_bytes_as_written_and_times_the_worst_queue():
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    link.start(100, lambda: None, queue="a")  # all produced at once (no cap)
+    link.start(40, lambda: None, cap=4.0, queue="b")  # produced at 4 B/s: at its cap, never queued
+    q.run(until=2.0)
+    # the link gives b its 4 B/s and a the other 6: a has 12 B delivered, 88 B produced and waiting
+    written, queued, delays = link.sender_view(buffer_bytes=50.0)
+    assert written == pytest.approx(12 + 50 + 8)  # a: delivered + the buffer's 50 B; b: its 8 B, delivered
+    assert queued == pytest.approx(38.0)  # a's bytes beyond its buffer stay in the sender
+    assert delays == {"a": pytest.approx(50 / 6)}  # a byte entering a's buffer now waits 50 B at 6 B/s
+    written, queued, delays = link.sender_view(buffer_bytes=1e9)
+    assert written == pytest.approx(100 + 8) and queued == 0.0 and delays == {"a": pytest.approx(88 / 6)}
+
+
+def test_sender_view_of_an_uncongested_link_is_what_it_delivered():
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    link.start(40, lambda: None, cap=4.0, queue="a")
+    q.run(until=5.0)
+    assert link.sender_view(0.0) == (pytest.approx(20.0), 0.0, {})
+
+
 PROFILE = EmulatedProfile.from_dict({"name": "t", "lengths": [1, 2], "prefill_s": [1, 1], "kv_bytes_fixed": 0,
                                      "kv_bytes_per_token": 1, "decode": {"bs_max": 2, "batch": [1, 2], "step_s": [0.1, 0.2]}})
 
@@ -249,3 +297,70 @@ def test_the_simulator_does_not_import_torch():
     import sys
     code = "import sys, common.sim.scenarios; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_path_pings_come_back_after_the_queue_and_idle_connections_answer_at_once():
+    from common.sim.pings import PathPings
+
+    pings = PathPings(interval_s=5.0, connections=2)
+    assert pings.tick(0.0, {"p": 10.0}, 1.0) == (1.0, 1.0)  # joins; its first round is later (its phase)
+    first = pings.paths["p"].next
+    assert 0.0 < first < 5.0
+    rtt, floor = pings.tick(first, {"p": 9.0}, 1.0)  # the idle connection answers now, the loaded one in 9 s
+    assert rtt == 1.0 and floor == 1.0 and pings.paths["p"].out == (first, pytest.approx(first + 9.001), pytest.approx(9001.0))
+    for k in range(1, 20):  # reports every 0.5 s; the next round (idle answer) at +5 s
+        rtt, floor = pings.tick(first + 0.5 * k, {"p": 9.0}, 1.0)
+    assert floor == pytest.approx(9001.0) and 1.0 < rtt < 9001.0  # at +9.5 s: the idle answer at +5 s left the 3 s window
+    assert pings.tick(first + 10.0, {"p": 9.0}, 1.0)[1] == 1.0  # the round at +10 s: an idle answer again
+    for k in range(200):  # queue gone: idle answers bring the EWMA back, then the path leaves
+        pings.tick(first + 20.0 + 5 * k, {}, 1.0)
+    assert not pings.paths
+    pings = PathPings(interval_s=5.0, connections=1)  # one connection: every ping waits behind the queue
+    pings.tick(0.0, {"p": 2.0}, 1.0)
+    t = pings.paths["p"].next
+    pings.tick(t, {"p": 2.0}, 1.0)
+    assert pings.tick(t + 2.5, {"p": 2.0}, 1.0) == (pytest.approx(2001.0), pytest.approx(2001.0))
+    with pytest.raises(ValueError):
+        PathPings(0.0, 1)
+
+
+def test_engine_rtt_sample_arrives_after_the_queue_it_measured():
+    # 1 B/s link, 10 B buffered on one path, one connection: its ping waits 10 s behind them
+    sim = Simulation(SimConfig(1, 1, 1, threshold=0, link_gbps=8e-9, link_buffer_bytes=1e9, ping_interval_s=5.0,
+                               kv_connections=1))
+    sim.link.start(10, lambda: None, queue=("prfaas-0", "pd-1"))
+    link_of = lambda: sim.workers[0]["stats"]["links"]["kv"]  # noqa: E731
+    sim._link_signals(0.0)
+    first = sim._pings.paths[("prfaas-0", "pd-1")].next
+    sim.q.run(until=first)
+    sim._link_signals(first)  # the ping goes out
+    assert link_of()["rtt_ms"] == 0.1  # no path has answered yet: the base RTT
+    sim.q.run(until=first + 10.5)
+    sim._link_signals(first + 10.5)
+    assert link_of()["rtt_ms"] == pytest.approx(0.1 + 1e3 * (10 - first))  # what waited when it was sent
+    assert sim._link_prev[0] == pytest.approx(10.0)  # the senders counted every buffered byte as written
+
+
+def test_a_late_pong_fails_the_connection_and_the_path_sends_its_transfer_again():
+    from common.sim.pings import PathPings
+
+    pings = PathPings(interval_s=5.0, connections=2, fail_after_s=25.0)
+    pings.tick(0.0, {"p": 40.0}, 1.0)
+    first = pings.paths["p"].next
+    pings.tick(first, {"p": 40.0}, 1.0)  # the loaded connection's ping waits 40 s
+    pings.tick(first + 25.0, {"p": 40.0}, 1.0)
+    assert pings.failed == []  # not later than 25 s yet
+    pings.tick(first + 25.5, {"p": 40.0}, 1.0)
+    assert pings.failed == ["p"] and pings.paths["p"].out is None  # lost with its connection
+    q = EventQueue()
+    link = SharedLink(q, capacity=10.0)
+    out: dict[str, float] = {}
+    link.start(100, lambda: out.__setitem__("a", q.now), queue="a")
+    q.run(until=4.0)
+    assert link.resend("a") == pytest.approx(40.0) and link.resend("b") == 0.0
+    q.run()
+    assert out == {"a": pytest.approx(14.0)}  # 100 B again from 4 s at 10 B/s
+    written, _, _ = link.sender_view(1e9)
+    assert written == pytest.approx(140.0)  # the sender wrote the 40 B twice
+    with pytest.raises(ValueError):
+        PathPings(1.0, 1, fail_after_s=0.0)

@@ -90,7 +90,7 @@ class Slo:
         return self.ttft_base_s + self.ttft_factor * t_pd
 
 
-@dataclass
+@dataclass(slots=True)  # a million of them in a simulated hour at 10,000 GPUs
 class Outcome:
     """One request: ``length`` (unscaled tokens), ``arrival`` (s), ``ttft`` (s, None: no token),
     ``decode_rate`` (unscaled tokens/s after the first token), ``exact`` (tokens equal the emulated

@@ -16,13 +16,17 @@ What runs here is the real code, called as the services call it:
 
 Modelled (``common/sim/instances.py``, ``common/sim/link.py``): prefill queues and compute, decode
 KV admission and batches, the shared cross-cluster link (the KVCache of a remote prefill streams while
-it computes and is capped by its production rate), prefix caches, per-request host overheads as two
+it computes and is capped by its production rate; each prefill worker's path to a decode worker carries
+its transfers in order, behind ``link_buffer_bytes`` of socket and proxy buffers, and the link is shared
+between paths), prefix caches, per-request host overheads as two
 constants (``host_overhead_s`` on the prefill worker, added to its service time; ``remote_overhead_s``
 before a remote request's first token; 0 for an ideal system, fitted for the emulated cluster in
 ``scripts/simulate.py``). Not modelled: the PD-P -> PD-D transfer inside the PD cluster as a flow
 (instant at prefill end, apart from the host overhead), failures. Load reports
 reach the router's and the planner's view every ``report_s`` seconds: prefill ``waiting``, decode
-``admission_queue`` (what the planner's loops read), the link's goodput, capacity, RTT and backlog;
+``admission_queue`` (what the planner's loops read), the KV senders' goodput (bytes written into the
+paths' buffers), capacity, RTT (one ping every ``ping_interval_s``, back after the worst path's queue)
+and backlog;
 the router's load of a worker is then its own in-flight count (plus a prefill worker's queue), the
 decode workers' reported ``running``/``waiting`` (which the router adds to its in-flight count of
 the same requests) are left out.
@@ -44,7 +48,8 @@ from common.model.emulated_profile import EmulatedProfile
 from common.sim.events import EventQueue
 from common.sim.instances import DecodeInstance, PrefillInstance, SimRequest
 from common.sim.link import SharedLink
-from common.transfer.estimators import Ewma, WindowedMax, WindowedMin
+from common.sim.pings import PathPings
+from common.transfer.estimators import Ewma, WindowedMax
 from services.planner import throughput as tm
 from services.planner.control import Controller
 from services.planner.long_loop import LongConfig, LongLoop
@@ -67,7 +72,11 @@ class SimConfig:
     and decode-pool bytes, ``block_size`` tokens per KV block, the prompt-length distribution the
     planner models (log-normal ``mu``, ``sigma`` on [``lo``, ``hi``]), per-request host overheads
     (seconds: ``host_overhead_s`` held on the prefill worker, ``remote_overhead_s`` more before a
-    remote request's first token)."""
+    remote request's first token), the buffers (bytes) of each prefill -> decode path in front of the
+    link (``link_buffer_bytes``), the seconds between the KV senders' pings on each connection
+    (``ping_interval_s``), the connections per path (``kv_connections``, the workers' ``--kv-connections``)
+    and the senders' liveness timeouts (``ping_timeout_s``, ``stall_timeout_s``: a pong later than both fails
+    the path's loaded connection and its chunks are sent again)."""
 
     n_prfaas: int
     n_p: int
@@ -89,6 +98,10 @@ class SimConfig:
     host_overhead_s: float = 0.0
     remote_overhead_s: float = 0.0
     link_buffer_bytes: float = 64 * 2**20
+    ping_interval_s: float = 1.0
+    kv_connections: int = 4
+    ping_timeout_s: float = 3.0
+    stall_timeout_s: float = 5.0
     mu: float = 9.90
     sigma: float = 1.00
     lo: float = 128.0
@@ -167,10 +180,11 @@ class Simulation:
         self.role_changes: list[dict[str, Any]] = []
         self.timeline: list[dict[str, float]] = []
         self._link_prev = (0.0, 0.0)
+        self._delivered_prev = 0.0
+        self._pings = PathPings(cfg.ping_interval_s, cfg.kv_connections,  # the senders' RTT probes and liveness, per path
+                                fail_after_s=max(cfg.ping_timeout_s, cfg.stall_timeout_s))
         self._goodput = Ewma(half_life_s=5.0)
         self._capacity = WindowedMax(30.0)
-        self._rtt = Ewma(alpha=0.125)
-        self._floor = WindowedMin(3.0)
         self._egress = 0.0
         self._engine_backlogged_since: float | None = None
         self._relearned_at = -math.inf
@@ -211,21 +225,25 @@ class Simulation:
         hashes = req.hashes[: req.length // bs] if req.hashes else []
         req.hashes = hashes
         blocks = self.index.lookup(hashes) if hashes else {}
-        p = placement.place_request(req.length, int(self.threshold), self.workers, self.leases.inflight, block_size=bs,
+        leases, windex = self.leases, self.windex
+        p = placement.place_request(req.length, int(self.threshold), self.workers, leases.inflight, block_size=bs,
                                     prefix_blocks=blocks, bandwidth_plentiful=self.plentiful,
-                                    prefill_work=self.leases.prefill_work, index=self.windex)
+                                    prefill_work=leases.prefill_work, index=windex)
         self.decisions[p.route] += 1
-        self.recent_lengths.append(p.incremental_len)
-        work = p.incremental_len + self.fixed[p.prefill["cluster"]]
-        self.leases.place(req.rid + 1, p.prefill["name"], p.decode["name"], work, self.q.now)
-        self.windex.touch(p.prefill["name"])
-        self.windex.touch(p.decode["name"])
+        l = p.incremental_len
+        self.recent_lengths.append(l)
+        pf, dec = p.prefill["name"], p.decode["name"]
+        leases.place(req.rid + 1, pf, dec, l + self.fixed[p.prefill["cluster"]], self.q.now)
+        windex.touch(pf)
+        windex.touch(dec)
         req.route = p.route
-        req.prefill, req.decode = self.inst[p.prefill["name"]], self.inst[p.decode["name"]]
+        inst = self.inst
+        req.prefill, d = inst[pf], inst[dec]
+        req.decode = d
         self.open += 1
-        req.decode.reserve(req)
-        if req.decode.admit_q:
-            self.admitting.add(req.decode.name)
+        d.reserve(req)
+        if d.admit_q:
+            self.admitting.add(dec)
 
     def _admitted(self, req: SimRequest) -> None:
         self.dirty.add(req.prefill.name)
@@ -235,7 +253,8 @@ class Simulation:
         self.dirty.add(req.prefill.name)
         if req.prefill.cluster == "prfaas":
             nbytes = req.kv_prfaas
-            req.flow = self.link.start(nbytes, lambda: self._kv_done(req), nbytes / seconds if seconds > 0 else math.inf)
+            req.flow = self.link.start(nbytes, lambda: self._kv_done(req), nbytes / seconds if seconds > 0 else math.inf,
+                                       queue=(req.prefill.name, req.decode.name))  # the sender's path to that decode worker
         else:
             req.kv_done = True
 
@@ -276,27 +295,31 @@ class Simulation:
             self._finished(req)
 
     def _finished(self, req: SimRequest) -> None:
-        req.t_end = self.q.now
+        req.t_end = end = self.q.now
         self.leases.release(req.rid + 1)
         self.windex.touch(req.decode.name)
         self.open -= 1
         o = self.outcomes[req.rid]
-        o.ttft = req.t_first - req.arrival
-        o.end = req.t_end
+        first, steps = req.t_first, req.steps
+        o.ttft = first - req.arrival
+        o.end = end
         o.exact = True
-        o.tokens = req.steps + 1
-        if req.steps > 0 and req.t_end > req.t_first:
-            o.decode_rate = req.steps / (req.t_end - req.t_first)
+        o.tokens = steps + 1
+        if steps > 0 and end > first:
+            o.decode_rate = steps / (end - first)
         o.prefix = req.hit
 
     # ------------------------------------------------------------------ reports and the planner
     def _report(self) -> None:
         now, rs = self.q.now, self.cfg.report_s
+        inst_of, by_name, touch = self.inst, self.by_name, self.windex.touch
         for name in self.dirty:  # only the prefill workers whose queues changed since the last report
-            inst, st = self.inst[name], self.by_name[name]["stats"]
-            if isinstance(inst, PrefillInstance) and st.get("waiting") != len(inst.queue):
-                st["waiting"] = len(inst.queue)
-                self.windex.touch(name)
+            inst, st = inst_of[name], by_name[name]["stats"]
+            if isinstance(inst, PrefillInstance):
+                n = len(inst.queue)
+                if st.get("waiting") != n:
+                    st["waiting"] = n
+                    touch(name)
         self.dirty.clear()
         for name in self.admitting:  # decode workers whose KV admission queue is or was non-empty
             self.by_name[name]["stats"]["admission_queue"] = len(self.inst[name].admit_q)
@@ -316,32 +339,36 @@ class Simulation:
 
     def _link_signals(self, now: float) -> None:
         """The KV senders' link snapshot (``common/transfer/link_stats.py`` keys and estimators): goodput
-        EWMA (half-life 5 s), capacity = the largest rate of a report interval the sender was backlogged
-        throughout, over the last 30 s (None without one), smoothed RTT and its 3 s floor. Between the
-        sender and the link sits a buffer of ``link_buffer_bytes`` (socket and middlebox buffers): the
-        bytes held back by the link fill it first, and only what exceeds it stays queued in the sender
-        (backlogged); the RTT grows by the buffer's queueing delay."""
+        EWMA (half-life 5 s) of the bytes the senders have written, capacity = the largest rate of a
+        report interval the senders were backlogged throughout, over the last 30 s (None without one),
+        smoothed RTT and its 3 s floor. Each sender's path to a decode worker has ``link_buffer_bytes``
+        of socket and proxy buffers in front of the link (:meth:`SharedLink.sender_view`): a sender
+        counts a byte as sent once the buffers take it, only what exceeds their room stays queued in
+        the sender (backlogged), and a ping waits behind the bytes buffered on its path, so the RTT
+        grows by the worst path's queueing delay."""
         link = self.link
-        b, t = link.delivered_now(), now
+        b, queued, delays = link.sender_view(link.buffer_bytes)
+        t = now
         b0, t0 = self._link_prev
         self._link_prev = (b, t)
         rate = 8 * (b - b0) / (t - t0) if t > t0 else 0.0
         self._goodput.update(rate, now)
-        held = link.held_now()
         was = self._engine_backlogged_since
-        self._engine_backlogged_since = (was if was is not None else now) if held > link.buffer_bytes else None
+        self._engine_backlogged_since = (was if was is not None else now) if queued > 0 else None
         if t > t0 and was is not None and self._engine_backlogged_since is not None:
             self._capacity.update(rate, now)
         rtt_min = max(link.rtt * 1e3, 0.1)
-        delay_ms = 1e3 * min(held, link.buffer_bytes) / link.capacity
-        rtt = self._rtt.update(rtt_min + delay_ms, now)
-        self._floor.update(rtt_min + delay_ms, now)
+        rtt, floor = self._pings.tick(now, delays, rtt_min)
+        for key in self._pings.failed:  # a connection failed: its written chunks go again
+            link.resend(key)
         backlogged_s = 0.0 if self._engine_backlogged_since is None else now - self._engine_backlogged_since
-        self._egress = rate
+        d = link.delivered_seen  # the timeline's egress: what crossed the link (the emulated cluster's proxy count)
+        self._egress = 8 * (d - self._delivered_prev) / (t - t0) if t > t0 else 0.0
+        self._delivered_prev = d
         if self.cfg.n_prfaas:
             self.workers[0]["stats"]["links"] = {"kv": {
                 "goodput_bps": self._goodput.value or 0.0, "capacity_bps": self._capacity.value(now), "rtt_ms": rtt,
-                "rtt_min_ms": rtt_min, "rtt_floor_ms": self._floor.value(now), "backlogged_s": backlogged_s,
+                "rtt_min_ms": rtt_min, "rtt_floor_ms": floor, "backlogged_s": backlogged_s,
                 "stalls": 0, "retransmits": 0}}
 
     def _long_tick(self, now: float) -> None:
@@ -406,7 +433,7 @@ class Simulation:
         self._arrivals_end = max(arrivals, default=0.0)
         for start, gbps in link_phases:
             self.q.at(start, self.link.set_capacity, gbps * GBPS)
-        self._src = (arrivals, ls, hashes, steps, look)
+        self._src = (arrivals, ls, hashes, steps, look["tp"], look["tp_r"], look["kv"], look["kv_r"], look["t_pd"])
         self.q.stream(arrivals, self._arrive_k)
         self.q.after(0.0, self._report)
         # Without the cyclic collector while the events run: a run holds millions of live objects (outcomes,
@@ -423,9 +450,9 @@ class Simulation:
 
     def _arrive_k(self, k: int) -> None:
         """Request ``k`` of the run arrives (the event queue's stream)."""
-        arrivals, ls, hashes, steps, look = self._src
-        req = SimRequest(k, arrivals[k], ls[k], list(hashes[k]) if hashes is not None else None, steps,
-                         (look["tp"][k], look["tp_r"][k]))
-        req.kv_bytes, req.kv_prfaas = look["kv"][k], look["kv_r"][k]
-        self.outcomes[k] = Outcome(ls[k], arrivals[k], look["t_pd"][k])
+        arrivals, ls, hashes, steps, tp, tp_r, kv, kv_r, t_pd = self._src
+        at, length = arrivals[k], ls[k]
+        req = SimRequest(k, at, length, list(hashes[k]) if hashes is not None else None, steps, (tp[k], tp_r[k]))
+        req.kv_bytes, req.kv_prfaas = kv[k], kv_r[k]
+        self.outcomes[k] = Outcome(length, at, t_pd[k])
         self._arrive(req)

@@ -57,26 +57,35 @@ class EventQueue:
 
     def run(self, until: float = math.inf) -> None:
         """Fire events in order until the queue and the stream are empty or the next event is after
-        ``until`` (s); the clock ends at the last event fired (or at ``until`` when finite and reached)."""
+        ``until`` (s); the clock ends at the last event fired (or at ``until`` when finite and reached).
+        ``fired`` and the stream position are brought up to date when it returns (or raises)."""
         heap, pop = self._heap, heapq.heappop
         st, sfn = self._stream if self._stream is not None else ([], None)
         i, n = self._stream_i, len(st)
-        while True:
-            if i < n and (not heap or st[i] < heap[0][0]):
-                t = st[i]
+        fired = 0
+        try:
+            while True:
+                if heap:  # the stream's next arrival goes first only when strictly earlier: at equal times heap events do
+                    t = heap[0][0]
+                    from_stream = i < n and st[i] < t
+                elif i < n:
+                    from_stream = True
+                else:
+                    break
+                if from_stream:
+                    t = st[i]
                 if t > until:
                     break
                 self.now = t
-                self.fired += 1
-                i += 1
-                self._stream_i = i
-                sfn(i - 1)
-                continue
-            if not heap or heap[0][0] > until:
-                break
-            t, _, fn, args = pop(heap)
-            self.now = t
-            self.fired += 1
-            fn(*args)
+                fired += 1
+                if from_stream:
+                    i += 1
+                    sfn(i - 1)
+                else:
+                    fn, args = pop(heap)[2:]
+                    fn(*args)
+        finally:
+            self.fired += fired
+            self._stream_i = i
         if (heap or i < n) and math.isfinite(until):
             self.now = max(self.now, until)

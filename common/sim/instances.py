@@ -86,10 +86,13 @@ class PrefillInstance:
             req.hit = min(n * self.block_size, req.length - 1)
         req.l = req.length - req.hit
         t = (req.tp[self.ci] if req.tp is not None and not req.hit else self.profile.t_prefill(req.l)) + self.overhead_s
-        req.t_prefill_start = self.q.now
+        q = self.q
+        req.t_prefill_start = q.now
         self.busy_s += t
         self.on_start(req, t)
-        self.q.after(t, self._done, req)
+        if not t >= 0:
+            raise ValueError(f"cannot schedule {t!r} s from now")
+        heapq.heappush(q._heap, (q.now + t, next(q._seq), self._done, (req,)))  # EventQueue.after, inline
 
     def _done(self, req: SimRequest) -> None:
         self.served += 1
@@ -158,12 +161,26 @@ class DecodeInstance:
             self.on_admitted(r)
 
     # ----------------------------------------------------------------- batch
+    # The hot path of a run (two calls per request): the step clock's arithmetic is written out in
+    # :meth:`join` and :meth:`_tick` (same operations, in the same order, as :meth:`_advance` and
+    # :meth:`_reschedule`), and the tick is pushed on the event heap directly (as ``EventQueue.after``).
     def join(self, req: SimRequest) -> None:
         """The request's KVCache and first token are in: it runs when a batch slot is free."""
-        if len(self.running) < self.bs_max:
-            self._advance()
-            self._add(req)
-            self._reschedule()
+        running = self.running
+        if len(running) < self.bs_max:
+            q = self.q
+            now = q.now
+            dt = now - self._at
+            if dt > 0 and running:
+                self.v += dt / self._step
+                self.rows_s += dt * len(running)
+            self._at = now
+            req.decode_start = now
+            heapq.heappush(running, (self.v + req.steps, next(self._seq), req))
+            self._version = version = self._version + 1
+            self._step = step = self._steps[len(running)]
+            left = running[0][0] - self.v
+            heapq.heappush(q._heap, (now + (left if left > 0.0 else 0.0) * step, next(q._seq), self._tick, (version,)))
         else:
             self.ready_q.append(req)
 
@@ -191,15 +208,23 @@ class DecodeInstance:
         if version != self._version:
             return
         self._advance()
+        running, pop = self.running, heapq.heappop
         done = []
-        while self.running and self.running[0][0] <= self.v + 1e-9:
-            done.append(heapq.heappop(self.running)[2])
-        while self.ready_q and len(self.running) < self.bs_max:
-            self._add(self.ready_q.popleft())
+        edge = self.v + 1e-9
+        while running and running[0][0] <= edge:
+            done.append(pop(running)[2])
+        ready = self.ready_q
+        while ready and len(running) < self.bs_max:
+            self._add(ready.popleft())
         self._reschedule()
+        admit_q, on_finish = self.admit_q, self.on_finish
         for r in done:
-            self._unreserve(r.kv_bytes)
-            self.on_finish(r)
+            self.reserved -= r.kv_bytes
+            while admit_q and (self.reserved + admit_q[0].kv_bytes <= self.pool_bytes or self.reserved <= 0):
+                a = admit_q.popleft()
+                self.reserved += a.kv_bytes
+                self.on_admitted(a)
+            on_finish(r)
 
     def stats(self) -> dict[str, int]:
         return {"running": len(self.running), "waiting": len(self.ready_q) + len(self.admit_q),

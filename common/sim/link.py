@@ -11,14 +11,26 @@ cap, independently of the others: a flow that starts, ends or changes cap touche
 plus its own completion event). Once they do not, every change re-divides the link among all flows
 (O(F log F) for F flows) under one completion timer.
 
-Signals: ``delivered`` bytes, :meth:`held_now` (bytes of the flows held below their cap: what a
-sender would have queued), whether the link is *backlogged* (some flow is held) and since when.
+Queues: a flow started with a ``queue`` key (one KV sender's path to one receiver: a prefill
+worker's connections to one decode worker) waits behind the earlier flows of that key and joins the
+sharing when they are done, as the real path does: the sender stripes each transfer's chunks over
+the path's connections in the order they are produced, and what the link holds back waits in that
+path's socket and proxy buffers, first in first out. The link is then shared fairly between paths
+(the emulated link's token bucket serves its connections in turn, and every path has the same
+number), not between transfers.
+
+Signals: ``delivered`` bytes, :meth:`held_now` (bytes of the flows held below their cap), whether the
+link is *backlogged* (some flow is held) and since when, and :meth:`sender_view`: what the KV
+senders see when each path has ``buffer_bytes`` of socket and proxy buffers in front of the link:
+the bytes they have written (produced bytes, as far as the path's buffers take them), the bytes
+beyond the buffers (their own queue) and the longest queueing delay a ping meets in a path's buffers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from common.sim.events import EventQueue
@@ -27,17 +39,26 @@ _EPS = 1e-3  # bytes: a flow with less left is done
 
 
 class Flow:
-    """One transfer: ``left`` bytes at time ``at``, ``cap`` and ``rate`` (bytes/s), ``on_done()``."""
+    """One transfer: ``left`` bytes at time ``at``, ``cap`` and ``rate`` (bytes/s), ``on_done()``;
+    ``key`` its path's queue (None: none), ``t0`` (s) when its bytes began to be produced at
+    ``prod`` bytes/s (its first cap; ``inf``: all there at once), until the cap is lifted."""
 
-    __slots__ = ("left", "at", "cap", "rate", "on_done", "version", "size")
+    __slots__ = ("left", "at", "cap", "rate", "on_done", "version", "size", "key", "t0", "prod")
 
-    def __init__(self, left: float, at: float, cap: float, on_done: Callable[[], Any]):
+    def __init__(self, left: float, at: float, cap: float, on_done: Callable[[], Any], key: Hashable | None = None):
         self.left, self.at, self.cap, self.rate, self.on_done = left, at, cap, 0.0, on_done
         self.version = 0
         self.size = left
+        self.key, self.t0, self.prod = key, at, cap
 
     def left_at(self, now: float) -> float:
         return self.left - self.rate * (now - self.at)
+
+    def produced_at(self, now: float) -> float:
+        """Bytes of the transfer produced by ``now`` (all of them once its cap is lifted)."""
+        if math.isinf(self.cap) or math.isinf(self.prod):
+            return self.size
+        return min(self.size, self.prod * (now - self.t0))
 
 
 class SharedLink:
@@ -56,28 +77,67 @@ class SharedLink:
         self.backlogged_since: float | None = None
         self._version = 0  # of the shared timer (congested regime)
         self._next_id = 0
+        self.waiting: dict[int, Flow] = {}  # flows queued behind their path's earlier flows
+        self.queues: dict[Hashable, deque[int]] = {}  # path -> its waiting flows, in order
+        self.head: dict[Hashable, int] = {}  # path -> the flow of it on the link now
+        self.resent_bytes = 0.0  # bytes sent again after a connection failed (:meth:`resend`)
+        self.delivered_seen = 0.0  # bytes delivered, as of the latest :meth:`sender_view`
 
     # ----------------------------------------------------------------- flows
-    def start(self, nbytes: float, on_done: Callable[[], Any], cap: float = math.inf) -> int:
-        """Start a flow of ``nbytes`` (>= 0) capped at ``cap`` bytes/s; returns its id. ``on_done`` is
-        called from the event queue when its last byte is delivered (an empty flow: now, never re-entrantly)."""
+    def start(self, nbytes: float, on_done: Callable[[], Any], cap: float = math.inf, queue: Hashable | None = None) -> int:
+        """Start a flow of ``nbytes`` (>= 0) capped at ``cap`` bytes/s; returns its id. With ``queue``
+        (a path's key) it waits until the earlier flows of that path are done. ``on_done`` is called
+        from the event queue when its last byte is delivered (an empty flow: now, never re-entrantly)."""
         if not nbytes >= 0 or not cap > 0:
             raise ValueError(f"a flow needs nbytes >= 0 and cap > 0, got {nbytes!r}, {cap!r}")
         fid = self._next_id
         self._next_id += 1
-        f = self.flows[fid] = Flow(float(nbytes), self.q.now, float(cap), on_done)
+        f = Flow(float(nbytes), self.q.now, float(cap), on_done, queue)
+        if queue is not None and queue in self.head:
+            self.waiting[fid] = f
+            self.queues.setdefault(queue, deque()).append(fid)
+            return fid
+        self._join(fid, f)
+        return fid
+
+    def _join(self, fid: int, f: Flow) -> None:
+        """Put flow ``fid`` on the link (its path's head, if it has one) and share the link anew."""
+        self.flows[fid] = f
+        if f.key is not None:
+            self.head[f.key] = fid
+        f.left, f.at = f.size, self.q.now
         self._add_demand(f.cap, 1)
         if not self.congested and self._fits():
             f.rate = f.cap
             self._arm(fid, f)
         else:
             self._reallocate()
-        return fid
+
+    def _next_of(self, f: Flow) -> Flow | None:
+        """Flow ``f`` (its path's head) is done: the path's next flow, moved onto the link without
+        sharing it anew (the caller does), or None."""
+        if f.key is None:
+            return None
+        waiting = self.queues.get(f.key)
+        if not waiting:
+            del self.head[f.key]
+            self.queues.pop(f.key, None)
+            return None
+        fid = waiting.popleft()
+        g = self.waiting.pop(fid)
+        self.flows[fid] = g
+        self.head[f.key] = fid
+        g.left, g.at = g.size, self.q.now
+        self._add_demand(g.cap, 1)
+        return g
 
     def set_cap(self, fid: int, cap: float) -> None:
         """Change flow ``fid``'s cap (bytes/s); a finished flow is ignored."""
         f = self.flows.get(fid)
         if f is None or f.cap == cap:
+            w = self.waiting.get(fid)
+            if w is not None:  # still queued behind its path: it takes the new cap when it starts
+                w.cap = float(cap)
             return
         now = self.q.now
         f.left, f.at = f.left_at(now), now
@@ -91,6 +151,22 @@ class SharedLink:
             self._arm(fid, f)
         else:
             self._reallocate()
+
+    def resend(self, key: Hashable) -> float:
+        """Path ``key``'s loaded connection failed: the sender sends the chunks it had written on it again
+        (``Transfer.unwrite_on``), also those that had crossed, so its transfer on the link starts over
+        (what is buffered behind it was not delivered and stays queued). Returns the bytes sent again
+        (0 when the path has nothing on the link); :meth:`sender_view` counts them as written."""
+        fid = self.head.get(key)
+        if fid is None:
+            return 0.0
+        f = self.flows[fid]
+        now = self.q.now
+        again = f.size - max(0.0, f.left_at(now))
+        f.left, f.at = f.size, now
+        self.resent_bytes += again
+        self._reallocate()
+        return again
 
     def set_capacity(self, capacity: float) -> None:
         """Change the link's capacity (bytes/s, > 0), e.g. a bandwidth swing."""
@@ -115,6 +191,34 @@ class SharedLink:
         """Bytes delivered up to the current time."""
         now = self.q.now
         return self.done_bytes + sum(f.size - max(0.0, f.left_at(now)) for f in self.flows.values())
+
+    def sender_view(self, buffer_bytes: float) -> tuple[float, float, dict[Any, float]]:
+        """What the senders see now with ``buffer_bytes`` of buffers per path (for flows without a
+        path, per flow) between them and the link: ``(written, queued, delay_s)``. ``written``: bytes
+        the senders have handed to the path so far (delivered, plus what is produced and buffered,
+        up to the buffers' room): the bytes a KV sender counts as sent. ``queued``: produced bytes
+        beyond the buffers' room (the senders' own queue). ``delays``: per path with bytes buffered,
+        how long a byte entering its buffers now waits to cross the link at the path's current rate
+        (seconds; what a ping on that path measures on top of the RTT)."""
+        now = self.q.now
+        if not self.waiting and not self.congested:  # every flow at its cap: delivered as produced
+            self.delivered_seen = self.delivered_now()
+            return self.delivered_seen + self.resent_bytes, 0.0, {}
+        paths: dict[Any, list[float]] = {}  # path -> [delivered, produced, rate] of its live flows
+        for fid, f in self.flows.items():
+            left = max(0.0, f.left_at(now))
+            paths[f.key if f.key is not None else ("flow", fid)] = [f.size - left, f.produced_at(now), f.rate]
+        for f in self.waiting.values():
+            paths[f.key][1] += f.produced_at(now)
+        written, queued, delays = self.done_bytes + self.resent_bytes, 0.0, {}
+        self.delivered_seen = self.done_bytes + sum(v[0] for v in paths.values())
+        for key, (delivered, produced, rate) in paths.items():
+            inside = min(produced, delivered + buffer_bytes)
+            written += inside
+            queued += produced - inside
+            if inside > delivered:
+                delays[key] = (inside - delivered) / rate if rate > 0 else math.inf
+        return written, queued, delays
 
     # ----------------------------------------------------------------- internals
     def _add_demand(self, cap: float, sign: int) -> None:
@@ -142,8 +246,12 @@ class SharedLink:
         self.done_bytes += f.size
         if not self.flows:
             self.demand = 0.0  # no drift from float sums
-        if self.congested:
+        g = self._next_of(f)
+        if self.congested or (g is not None and not self._fits()):
             self._reallocate()
+        elif g is not None:
+            g.rate = g.cap
+            self._arm(self.head[f.key], g)
         f.on_done()
 
     def _reallocate(self) -> None:
@@ -185,6 +293,7 @@ class SharedLink:
             self._add_demand(f.cap, -1)
             self.done_bytes += f.size
             callbacks.append(f.on_done)
+            self._next_of(f)
         if not self.flows:
             self.demand = 0.0
         self._reallocate()

@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)  # one per placed request: slots make it smaller and quicker to build
 class Lease:
     """One placed request: ``decode`` and ``prefill`` worker names, ``work`` (token-equivalents)
     queued on the prefill worker while ``prefill_open``, and ``at`` (seconds, monotonic)."""

@@ -347,14 +347,14 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
         alive: list[dict[str, Any]] = []
         present = {c: index.size(("prefill", c)) > 0 for c in CLUSTERS}
         prefills = {c: [index.by_name[n] for n in prefix_blocks if index.group.get(n) == ("prefill", c)]
-                    if present[c] and prefix_blocks else [] for c in CLUSTERS}
+                    if present[c] else [] for c in CLUSTERS} if prefix_blocks else {c: [] for c in CLUSTERS}
     else:
         alive = [w for w in workers if w.get("alive")]
         prefills = {c: [w for w in alive if w["role"] == "prefill" and w["cluster"] == c] for c in CLUSTERS}
         present = {c: bool(prefills[c]) for c in CLUSTERS}
 
     def longest(ws: list[dict[str, Any]]) -> int:
-        return max((prefix_blocks.get(w["name"], 0) for w in ws), default=0)
+        return max((prefix_blocks.get(w["name"], 0) for w in ws), default=0) if ws and prefix_blocks else 0
 
     lens = incremental_lengths(prompt_len, block_size, longest(prefills["pd"]), longest(prefills["prfaas"]))
     l_pd, l_prfaas = lens["l_pd"], lens["l_prfaas"]
