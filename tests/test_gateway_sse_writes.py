@@ -107,3 +107,32 @@ async def test_no_token_waits_for_the_next():
             gate.set()  # only now may the generator make the next token
     got, _ = await _serve(gw, "/v1/completions", body(False), on_event)
     assert [orjson.loads(e)["choices"][0]["text"] for e in got[:-1]] == list("pqr") and got[-1] == b"[DONE]"
+
+
+async def test_a_client_that_closes_after_done_is_answered_200_and_the_bookkeeping_ends():
+    """The client reads up to ``[DONE]`` and closes the connection while the stream's bookkeeping
+    after its last item still runs (the release to the router, here a 0.3 s wait). With handler
+    cancellation on, as the gateway serves, that close cancels the handler: the request still counts
+    as 200, not as a client abort (499), and the bookkeeping runs to its end."""
+    gw = Gateway(CTX, "127.0.0.1:9", "127.0.0.1:9", place_retry_s=0.0)
+    released = asyncio.Event()
+
+    async def generate(req, trace=None):
+        yield {"token_ids": [97], "text": "a", "finish_reason": "length", "usage": {"prompt_tokens": 5, "completion_tokens": 1}}
+        await asyncio.sleep(0.3)  # after the last item: its release and bookkeeping
+        released.set()
+    gw.dispatch.generate = generate
+    async with TestClient(TestServer(gw.app, handler_cancellation=True)) as client:
+        r = await client.post("/v1/completions", data=body(False))
+        assert r.status == 200
+        assert (await r.read()).rstrip().endswith(b"data: [DONE]")
+        r.close()
+        await client.session.close()  # the connection goes away before the bookkeeping ends
+        await asyncio.wait_for(released.wait(), 5.0)
+        for _ in range(50):
+            counts = {s.labels["status"]: s.value for m in gw.stats.registry.collect() if m.name == "prfaas_requests"
+                      for s in m.samples if s.name == "prfaas_requests_total"}
+            if counts:
+                break
+            await asyncio.sleep(0.02)
+    assert counts == {"200": 1.0}, counts

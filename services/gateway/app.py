@@ -41,13 +41,13 @@ import prometheus_client
 from aiohttp import web
 
 from common.model.loader import load_model_info
-from common.obs.http import add_metrics_flags, start_metrics
+from common.obs.http import start_metrics
 from common.obs.logctx import REQUEST_ID, valid_request_id
 from common.rpc.client import ClientPool, RpcClient
 from common.rpc.errors import RpcError
 from common.runtime import service
-from common.runtime.priority import CLASSES
 from services.gateway.auth import ApiKeys, parse_keys
+from services.gateway.cli import make_parser
 from services.gateway.dispatch import RETRY_REASONS, Dispatcher
 from services.gateway.http_limits import BodyBudget, HttpLimits, check_wire_size, read_body, serve_http
 from services.gateway.metrics import GatewayMetrics
@@ -92,6 +92,17 @@ REQUEST_ID_HEADER = "X-Request-Id"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 CLIENT_ID_KEY = web.RequestKey("client_request_id", str)  # the client's X-Request-Id ("" when absent)
 ID_KEY = web.RequestKey("request_id", str)  # the request's id, sent back as X-Request-Id
+COMPLETE_KEY = web.RequestKey("response_complete", bool)  # the whole response (a stream's [DONE] and end) is written
+
+
+async def _finish(gen) -> None:
+    """Run a stream's generator to its end after its last item (its release and bookkeeping), then close it."""
+    try:
+        with contextlib.suppress(OpenAIError):  # the client has its answer; nothing after [DONE] reaches it
+            async for _ in gen:
+                pass
+    finally:
+        await gen.aclose()
 
 
 @web.middleware
@@ -174,8 +185,13 @@ class Gateway:
         self.app.on_cleanup.append(self._cleanup)
         self.throughput = Throughput(time.monotonic())
         self.live_ids: set[str] = set()  # request ids in flight here: a client's X-Request-Id must be unique among them
+        self._finishing: set[asyncio.Future] = set()  # streams answered whose bookkeeping still runs (_stream)
 
     async def _cleanup(self, _app: web.Application) -> None:
+        if self._finishing:  # answered streams' bookkeeping: a moment to end, then cancelled
+            _, late = await asyncio.wait(self._finishing, timeout=5.0)
+            for t in late:
+                t.cancel()
         await self.dispatch.close()
         for c in [self.router, self.planner]:
             await c.close()
@@ -250,7 +266,7 @@ class Gateway:
             log.info("client closed the connection during %s", endpoint)
             return web.Response(status=499)
         except asyncio.CancelledError:
-            status = 499  # client closed the connection
+            status = 200 if request.get(COMPLETE_KEY) else 499  # the client closed the connection (after its answer: 200)
             raise
         finally:
             if owned:
@@ -357,11 +373,17 @@ class Gateway:
         out.append(b"data: [DONE]\n\n")
         try:
             await write(b"".join(out), eof=True)
-            with contextlib.suppress(OpenAIError):  # the client has its answer; nothing after [DONE] reaches it
-                async for _ in gen:  # ends at once after the last item: its release and bookkeeping run to the end
-                    pass
-        finally:
+        except BaseException:
             await gen.aclose()
+            raise
+        # The client has its whole answer: it may close the connection now, which cancels this handler
+        # (handler_cancellation). That is no abort, and the stream's release and bookkeeping must run to
+        # the end: they go on in a task of their own, which the gateway owns until it ends.
+        request[COMPLETE_KEY] = True
+        done = asyncio.ensure_future(_finish(gen))
+        self._finishing.add(done)
+        done.add_done_callback(self._finishing.discard)
+        await asyncio.shield(done)
         return resp
 
     # -- operations --------------------------------------------------------------------------
@@ -419,64 +441,6 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await metrics.close()
     server.close()
     await runner.cleanup()
-
-
-def _class_seconds(text: str) -> tuple[str, float]:
-    """``CLASS=SECONDS`` for ``--slo-ttft``: a priority class and a positive finite number."""
-    return service.keyed_number(text, lambda k: k in CLASSES, True, f"CLASS=SECONDS with CLASS one of {', '.join(CLASSES)}")
-
-
-def _share(text: str) -> float:
-    """``--low-priority-share``: a number in (0, 1]."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = float("nan")
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"expected a share in (0, 1], got {text!r}")
-    return v
-
-
-def make_parser() -> argparse.ArgumentParser:
-    """``prfaas gateway``'s flags, each defaulting from the environment where ``.env`` sets it."""
-    p = service.parser("gateway", "PrfaaS OpenAI-compatible gateway")
-    p.add_argument("--host", default=service.env_default("PRFAAS_GATEWAY_HOST", "127.0.0.1"),
-                   help="HTTP address to bind (env PRFAAS_GATEWAY_HOST)")
-    p.add_argument("--port", type=int, default=int(service.env_default("PRFAAS_GATEWAY_PORT", "8000")),
-                   help="HTTP port of the OpenAI API, /health and /metrics (env PRFAAS_GATEWAY_PORT)")
-    p.add_argument("--router", default=service.env_default("PRFAAS_ROUTER_ADDR"), help="router host:port (env PRFAAS_ROUTER_ADDR)")
-    p.add_argument("--planner", default=service.env_default("PRFAAS_PLANNER_ADDR"),
-                   help="planner host:port (env PRFAAS_PLANNER_ADDR)")
-    p.add_argument("--model", default=service.env_default("PRFAAS_MODEL"),
-                   help="the served model, for its tokenizer and chat template: smollm2-135m, tiny-hybrid (unset), "
-                        "tiny-dense, emulated or a checkpoint directory (env PRFAAS_MODEL)")
-    p.add_argument("--served-model-name", default=service.env_default("PRFAAS_SERVED_MODEL_NAME"),
-                   help="the model id clients send (env PRFAAS_SERVED_MODEL_NAME; default: the model's own)")
-    p.add_argument("--max-inflight", type=int, default=int(service.env_default("PRFAAS_MAX_INFLIGHT", "256")),
-                   help="requests in flight at once; more are answered 429 with Retry-After at once")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds a request may take in all, retries included (504 past it)")
-    p.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds a connection may take to send a whole request head (and may idle between requests)")
-    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive (408 past it)")
-    p.add_argument("--write-timeout", type=float, default=30.0,
-                   help="seconds a streaming client may take to read one chunk before it is cut off (its slot freed)")
-    p.add_argument("--max-connections", type=int, default=2048, help="open HTTP connections; more are answered 503")
-    p.add_argument("--api-key", action="append", default=None,
-                   help="a key clients must send as 'Authorization: Bearer <key>' (repeat for several; default: "
-                        "PRFAAS_API_KEY, comma-separated; none: no key needed). /health and /metrics stay open")
-    p.add_argument("--place-retry-s", type=float, default=15.0,
-                   help="seconds to keep asking an unreachable router (or one with no alive worker) for a placement")
-    p.add_argument("--slo-ttft", type=_class_seconds, action="append", default=[], metavar="CLASS=SECONDS",
-                   help="the TTFT SLO of a priority class (high: priority < 0, normal: 0, low: > 0) that "
-                        "prfaas_slo_ttft_total counts against; repeatable (default high=1 normal=2 low=10)")
-    p.add_argument("--low-priority-share", type=_share, default=0.75,
-                   help="share of --max-inflight the low priority class (priority > 0) may hold; past it low "
-                        "requests are answered 429 first")
-    p.add_argument("--log-stats-interval", type=float, default=float(service.env_default("PRFAAS_LOG_STATS_INTERVAL", "10")),
-                   help="seconds between the throughput log lines (0: none; env PRFAAS_LOG_STATS_INTERVAL)")
-    add_metrics_flags(p, "PRFAAS_GATEWAY_METRICS_PORT")
-    return p
 
 
 def main() -> None:
