@@ -7,12 +7,17 @@ order; models it does not cover are refused. The end-to-end tests on tiny-dense 
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from common.kv.paged_store import PagedKvStore
+from common.lab.procs import ROOT
 from common.model import attn_kernel
 from common.model.backend import TorchBackend
 from common.model.lean_decode import LeanLlamaDecoder, lean_supported
@@ -138,3 +143,20 @@ def test_native_attention_equals_sdpa_over_runs():
         assert torch.equal(split, got), threads
     with pytest.raises(ValueError):
         attn_kernel.attend(lib, q.double(), store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125)
+
+
+def test_loading_the_native_attention_keeps_subnormal_floats():
+    """The kernel's library must not change the process's floating-point state when it loads (a
+    library linked with -ffast-math sets flush-to-zero for every op after it): subnormals survive in
+    Python and in torch afterwards. In a fresh process, so that nothing loaded it before."""
+    code = ("import sys, torch\n"
+            "from common.model import attn_kernel\n"
+            "assert attn_kernel.load() is not None, 'no kernel built'\n"
+            "x = sys.float_info.min\n"
+            "assert x / 2 > 0, 'Python floats flush subnormals'\n"
+            "assert (torch.tensor([1e-40]) * 1.0).item() != 0, 'torch flushes subnormals'\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PRFAAS_NATIVE_ATTN="1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    if "no kernel built" in proc.stderr and shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler: the kernel is not built")
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -8,7 +8,7 @@ A/B interleaved, 0.74 ms per layer through per-row SDPA, 0.49 ms here. It is bou
 rows' K/V (7.9 MB a layer there, about 16 GB/s), so it gains less than the call count suggests.
 
 Mechanism: a small C source (below) is compiled once with the system C compiler (``$CC``, else
-``cc``; ``-O3 -march=native``) into a shared library cached under
+``cc``; ``-O3 -march=native``, never ``-ffast-math``: see :data:`FLAGS`) into a shared library cached under
 :func:`common.model.named.cache_root` ``/kernels/<digest of source, flags, compiler and CPU>.so`` (the
 CPU's model and flags are in the digest: ``-march=native`` code may not run on another CPU; written to a
 temporary name and renamed, so processes starting together are safe), and called through ``ctypes``
@@ -143,7 +143,12 @@ void paged_decode_attention(const float *q, const float *k, const float *v, floa
 }
 """
 
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fPIC", "-shared")
+# No -ffast-math: linking a shared library with it (or -Ofast) pulls in crtfastmath, which sets the
+# CPU's flush-to-zero and denormals-are-zero flags for the whole process when the library loads, so
+# every float op of torch and Python after it flushes subnormals (hypothesis refuses to run then).
+# The reassociation the dot products need to vectorize is allowed on its own, at compile time only.
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
+         "-fassociative-math", "-fno-signed-zeros", "-fPIC")
 MAX_GROUP = 64  # query heads per KV head the kernel's stack arrays hold
 MAX_THREADS = 8  # threads one call splits its rows over (the C source caps it the same)
 
@@ -179,8 +184,9 @@ def _build(compiler: str) -> str:
         src = os.path.join(tmp, "paged_attn.c")
         with open(src, "w") as f:
             f.write(SOURCE)
-        so = os.path.join(tmp, "paged_attn.so")
-        subprocess.run([compiler, *FLAGS, "-o", so, src, "-lm", "-lpthread"], check=True, capture_output=True, timeout=120)
+        obj, so = os.path.join(tmp, "paged_attn.o"), os.path.join(tmp, "paged_attn.so")
+        subprocess.run([compiler, *FLAGS, "-c", "-o", obj, src], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, "-shared", "-o", so, obj, "-lm", "-lpthread"], check=True, capture_output=True, timeout=120)
         os.replace(so, path)
     return path
 
