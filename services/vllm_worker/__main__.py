@@ -53,6 +53,7 @@ from services.vllm_worker.adapt import load_report, parse_metrics, stream_item, 
 from services.vllm_worker.kv_mirror import VllmPrefixMirror, cache_config
 
 log = logging.getLogger("prfaas.vllm_worker")
+CACHE_KNOWN_S = 30.0  # seconds a starting adapter waits for the engine's cache config before registering
 
 
 class VllmWorker:
@@ -115,6 +116,21 @@ class VllmWorker:
         if self.args.router:
             self.publisher = KvEventPublisher(self.args.router, self.args.name, self.args.cluster, self.args.role, self.mirror)
             self.publisher.start()
+
+    async def wait_cache_known(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s`` seconds) until the prefix mirror exists and, with ``--router``,
+        its publisher's first batch was answered: that batch tells the router the engine's caching
+        granule (``store_unit``), so the router's first placement on this worker already records its
+        tentative holdings in whole engine blocks. True when known; False on time-out (the engine's
+        ``/metrics`` not showing its cache config yet): the worker registers anyway."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.mirror is None or (self.publisher is not None and self.publisher.batches == 0):
+            if asyncio.get_running_loop().time() >= deadline:
+                log.warning("vLLM at %s: cache config or first kv_events batch not seen in %.0f s; registering anyway",
+                            self.url, timeout_s)
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     def _cached(self, input_ids: list[int]) -> None:
         if self.mirror is not None:
@@ -239,6 +255,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
             "fingerprint": {"model": args.model_name, "engine": "vllm"}}
     if args.role == "decode":
         info["kv_addr"] = args.kv_addr
+    await w.wait_cache_known(CACHE_KNOWN_S)  # before registering: see wait_cache_known
     agent = PlannerAgent(args.planner, info, w.stats, args.report_interval)
     agent.start()
 
