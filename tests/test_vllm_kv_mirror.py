@@ -116,3 +116,24 @@ def test_adapter_builds_the_mirror_from_metrics_and_clears_it_on_an_engine_resta
     assert len(w.mirror) == 3
     w.on_metrics(cfg.replace("100.0", "200.0"))  # a new engine process: its cache is empty
     assert len(w.mirror) == 0
+
+
+async def test_adapter_waits_for_its_cache_granule_to_reach_the_router_before_registering():
+    """``wait_cache_known``: False after the time-out while the engine shows no cache config; with a
+    publisher, it waits until the publisher's first batch (which carries ``store_unit``) was
+    answered, then True."""
+    import asyncio
+
+    from services.vllm_worker.__main__ import VllmWorker, make_parser
+    args = make_parser().parse_args(["--name", "v0", "--role", "prefill", "--listen", "127.0.0.1:1", "--planner", "127.0.0.1:2",
+                                     "--vllm-url", "http://127.0.0.1:3", "--model-name", "m"])
+    args.block_size = 16
+    w = VllmWorker(args)
+    assert await w.wait_cache_known(0.2) is False  # no cache config seen
+    w.mirror = VllmPrefixMirror(16, 128, 50)
+    w.publisher = KvEventPublisher("127.0.0.1:1", "v0", "prfaas", "prefill", w.mirror)  # never started: no batch yet
+    waiting = asyncio.ensure_future(w.wait_cache_known(5.0))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # the router has not heard the granule yet
+    w.publisher.batches = 1
+    assert await asyncio.wait_for(waiting, 2.0) is True
