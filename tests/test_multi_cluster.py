@@ -38,7 +38,8 @@ async def test_blackholing_one_prfaas_link_moves_long_requests_to_the_other(tmp_
         c.stall("pa")
         outs = await long_requests(c, 6, 2)
         assert [o.error for o in outs if o.error] == [] and all(o.exact for o in outs)
-        assert c.site_kv_bytes("pa") == used["pa"]  # nothing crossed the blackholed link
+        # no request's KV crossed the blackholed link (a control frame in flight when it went dark may have)
+        assert c.site_kv_bytes("pa") - used["pa"] < 0.01 * per_request, (c.site_kv_bytes("pa"), used["pa"])
         assert c.site_kv_bytes("pb") - used["pb"] >= 6 * 0.9 * per_request  # every one was served over pb
         st = await c.router_stats()
         assert st["topology"]["clusters"] == ["pa", "pb", "pd"]
