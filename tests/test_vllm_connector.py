@@ -16,7 +16,7 @@ import time
 import pytest
 
 from common.lab.cluster import free_port
-from common.lab.vllm_pair import compare, complete, disagg, pair, prfaas_config, reset_caches, vllm_python
+from common.lab.vllm_pair import compare, complete, disagg, disagg_cut_mid_transfer, pair, prfaas_config, reset_caches, vllm_python
 
 PY = vllm_python()
 pytestmark = pytest.mark.skipif(PY is None, reason="the vLLM venv is absent (README, 'Compared with vLLM')")
@@ -106,38 +106,18 @@ def test_cut_mid_transfer_reprefills_and_leaks_nothing(vpair):
     """Every connection reset while a 4K prompt's KV crosses a slow link (and no new one allowed):
     the push fails, the decode side sees no progress for stall_s, vLLM re-prefills locally
     (kv_load_failure_policy=recompute): same tokens, no reservation, no pending bytes."""
-    from common.lab.link_proxy import LinkProxy
-    from common.vllm_connector.engine import LoopThread
     p, d, kv, stats = vpair
-    host, port = kv.split(":")
     prompt = _prompts(1, [4200], seed=11)[0]
     reset_caches(p, d)
     want = complete(p.url, "tiny", prompt, 10)["tokens"]
     reset_caches(p, d)
     before = json.loads(stats["prefill"].read_text())["pusher"]["failed"]
-    lt = LoopThread("proxy")
-    proxy = LinkProxy("127.0.0.1", 0, host, int(port), rate_bps=16e6)  # ~17 MB of KV: ~8 s
-    try:
-        pport = lt.call(proxy.start())
-        out = {}
-        import threading
-        t = threading.Thread(target=lambda: out.update(disagg(p.url, d.url, "tiny", prompt, 10, f"127.0.0.1:{pport}")))
-        t.start()
-        deadline = time.monotonic() + 60
-        while proxy.bytes_to_target < 2_000_000 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        async def cut():
-            proxy.drop_new_connections = True
-            return proxy.reset_all()
-        assert lt.call(cut()) >= 1
-        t.join(120)
-        assert out["tokens"] == want
-        ps, ds = _settled(stats, timeout=60.0)  # the push fails once its reconnects give up (admit_s, 30 s)
-        assert ps["pusher"]["failed"] == before + 1
-        assert ps["pusher"]["pending_bytes"] == 0 and ps["pusher"]["open"] == 0
-        assert ds["active_loads"] == 0 and ds["receiver"]["transfers"] == 0 and ds["receiver"]["reserved_bytes"] == 0
-    finally:
-        lt.close(proxy.close)
+    out = disagg_cut_mid_transfer(p, d, "tiny", prompt, 10, kv, 16e6, 2_000_000)  # ~17 MB of KV: ~8 s at 16 Mbit/s
+    assert out["tokens"] == want
+    ps, ds = _settled(stats, timeout=60.0)  # the push fails once its reconnects give up (admit_s, 30 s)
+    assert ps["pusher"]["failed"] == before + 1
+    assert ps["pusher"]["pending_bytes"] == 0 and ps["pusher"]["open"] == 0
+    assert ds["active_loads"] == 0 and ds["receiver"]["transfers"] == 0 and ds["receiver"]["reserved_bytes"] == 0
 
 
 def _adapters(vpair, extra: list[str], router: bool = False):

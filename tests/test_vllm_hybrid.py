@@ -19,7 +19,7 @@ import time
 import pytest
 
 from common.lab.cluster import free_port
-from common.lab.vllm_pair import compare, complete, disagg, pair, prfaas_config, reset_caches, vllm_python
+from common.lab.vllm_pair import compare, complete, disagg, disagg_cut_mid_transfer, pair, prfaas_config, reset_caches, vllm_python
 from common.lab.vllm_server import VllmServer
 
 PY = vllm_python()
@@ -114,40 +114,19 @@ def test_hybrid_cut_mid_transfer_reprefills_and_leaks_nothing(hpair):
     """Every connection reset while a 4K prompt's blocks and state cross a slow link (no new one
     allowed): the push fails, the decode side sees no progress for stall_s, vLLM re-prefills
     locally (kv_load_failure_policy=recompute): same tokens, nothing reserved, nothing pending."""
-    import threading
 
-    from common.lab.link_proxy import LinkProxy
-    from common.vllm_connector.engine import LoopThread
     p, d, kv, stats, _, _ = hpair
-    host, port = kv.split(":")
     prompt = _prompts(1, [4200], seed=11)[0]
     reset_caches(p, d)
     want = complete(p.url, "tiny", prompt, 10)["tokens"]
     reset_caches(p, d)
     before = _counters(stats)[0]["pusher"]["failed"]
-    lt = LoopThread("proxy")
-    proxy = LinkProxy("127.0.0.1", 0, host, int(port), rate_bps=8e6)  # ~4.8 MB of KV and state: ~5 s
-    try:
-        pport = lt.call(proxy.start())
-        out: dict = {}
-        t = threading.Thread(target=lambda: out.update(disagg(p.url, d.url, "tiny", prompt, 10, f"127.0.0.1:{pport}")))
-        t.start()
-        deadline = time.monotonic() + 60
-        while proxy.bytes_to_target < 1_000_000 and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-        async def cut():
-            proxy.drop_new_connections = True
-            return proxy.reset_all()
-        assert lt.call(cut()) >= 1
-        t.join(120)
-        assert out["tokens"] == want
-        ps, ds = _counters(stats)
-        assert ps["pusher"]["failed"] == before + 1
-        assert ps["pusher"]["pending_bytes"] == 0 and ps["pusher"]["open"] == 0
-        assert ds["active_loads"] == 0 and ds["receiver"]["transfers"] == 0 and ds["receiver"]["reserved_bytes"] == 0
-    finally:
-        lt.close(proxy.close)
+    out = disagg_cut_mid_transfer(p, d, "tiny", prompt, 10, kv, 8e6, 1_000_000)  # ~4.8 MB of KV and state: ~5 s
+    assert out["tokens"] == want
+    ps, ds = _counters(stats)
+    assert ps["pusher"]["failed"] == before + 1
+    assert ps["pusher"]["pending_bytes"] == 0 and ps["pusher"]["open"] == 0
+    assert ds["active_loads"] == 0 and ds["receiver"]["transfers"] == 0 and ds["receiver"]["reserved_bytes"] == 0
 
 
 def test_hybrid_without_prefix_caching_is_refused(hpair):

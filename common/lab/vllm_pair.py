@@ -150,3 +150,36 @@ def compare(prefill: VllmServer, decode: VllmServer, name: str, prompts: list[li
         if progress is not None:
             progress()
     return out
+
+
+def disagg_cut_mid_transfer(prefill: VllmServer, decode: VllmServer, model: str, prompt: list[int], max_tokens: int,
+                            kv: str, rate_bps: float, cut_after_bytes: int) -> dict:
+    """:func:`disagg` of ``prompt`` through a userspace link proxy in front of the decode side's KV
+    listener ``kv`` (``host:port``), capped at ``rate_bps`` bits/s; once ``cut_after_bytes`` bytes
+    have crossed (or 60 s passed) every connection is reset and no new one is let through. Returns
+    :func:`disagg`'s answer (what the decode side made of it: a re-prefill or an error). Raises
+    ``AssertionError`` when no connection was open to cut."""
+    from common.lab.link_proxy import LinkProxy
+    from common.vllm_connector.engine import LoopThread
+
+    host, port = kv.split(":")
+    lt = LoopThread("proxy")
+    proxy = LinkProxy("127.0.0.1", 0, host, int(port), rate_bps=rate_bps)
+    try:
+        pport = lt.call(proxy.start())
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(disagg(prefill.url, decode.url, model, prompt, max_tokens,
+                                                              f"127.0.0.1:{pport}")))
+        t.start()
+        deadline = time.monotonic() + 60
+        while proxy.bytes_to_target < cut_after_bytes and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+        async def cut() -> int:
+            proxy.drop_new_connections = True
+            return proxy.reset_all()
+        assert lt.call(cut()) >= 1, "no KV connection was open to cut"
+        t.join(120)
+        return out
+    finally:
+        lt.close(proxy.close)
