@@ -190,6 +190,7 @@ class Simulation:
         self._relearned_at = -math.inf
         self.open = 0
         self.outcomes: list[Outcome] = []
+        self._place = placement.place_request  # the router's rule (looked up once: it runs per request)
 
     # ------------------------------------------------------------------ set-up
     def model_threshold(self) -> float:
@@ -221,21 +222,23 @@ class Simulation:
 
     # ------------------------------------------------------------------ request path
     def _arrive(self, req: SimRequest) -> None:
-        bs = self.cfg.block_size
-        hashes = req.hashes[: req.length // bs] if req.hashes else []
-        req.hashes = hashes
+        hashes = req.hashes
+        if hashes:
+            req.hashes = hashes = hashes[: req.length // self.cfg.block_size]
         blocks = self.index.lookup(hashes) if hashes else {}
         leases, windex = self.leases, self.windex
-        p = placement.place_request(req.length, int(self.threshold), self.workers, leases.inflight, block_size=bs,
-                                    prefix_blocks=blocks, bandwidth_plentiful=self.plentiful,
-                                    prefill_work=leases.prefill_work, index=windex)
+        p = self._place(req.length, int(self.threshold), self.workers, leases.inflight, block_size=self.cfg.block_size,
+                        prefix_blocks=blocks, bandwidth_plentiful=self.plentiful, prefill_work=leases.prefill_work,
+                        index=windex)
         self.decisions[p.route] += 1
         l = p.incremental_len
         self.recent_lengths.append(l)
-        pf, dec = p.prefill["name"], p.decode["name"]
-        leases.place(req.rid + 1, pf, dec, l + self.fixed[p.prefill["cluster"]], self.q.now)
-        windex.touch(pf)
-        windex.touch(dec)
+        pw, dw = p.prefill, p.decode
+        pf, dec = pw["name"], dw["name"]
+        leases.place(req.rid + 1, pf, dec, l + self.fixed[pw["cluster"]], self.q.now)
+        touch = windex.touch
+        touch(pf)
+        touch(dec)
         req.route = p.route
         inst = self.inst
         req.prefill, d = inst[pf], inst[dec]
@@ -299,15 +302,10 @@ class Simulation:
         self.leases.release(req.rid + 1)
         self.windex.touch(req.decode.name)
         self.open -= 1
-        o = self.outcomes[req.rid]
-        first, steps = req.t_first, req.steps
-        o.ttft = first - req.arrival
-        o.end = end
-        o.exact = True
-        o.tokens = steps + 1
-        if steps > 0 and end > first:
-            o.decode_rate = steps / (end - first)
-        o.prefix = req.hit
+        first, steps, at = req.t_first, req.steps, req.arrival
+        self.outcomes[req.rid] = Outcome(req.length, at, self._t_pd[req.rid], first - at, end,
+                                         steps / (end - first) if steps > 0 and end > first else None, True, None,
+                                         steps + 1, req.hit)
 
     # ------------------------------------------------------------------ reports and the planner
     def _report(self) -> None:
@@ -429,11 +427,12 @@ class Simulation:
         look = {"tp": self.pd_hw.t_prefill_many(ls), "tp_r": self.prfaas_hw.t_prefill_many(ls),
                 "kv": self.pd_hw.s_kv_many(ls), "kv_r": self.prfaas_hw.s_kv_many(ls)}
         look["t_pd"] = look["tp"] if t_pd is None else [t_pd(x) for x in ls]
-        self.outcomes = [None] * len(arrivals)  # type: ignore[list-item]  (each filled as its request arrives)
+        self.outcomes = [None] * len(arrivals)  # type: ignore[list-item]  (each filled as its request ends)
         self._arrivals_end = max(arrivals, default=0.0)
         for start, gbps in link_phases:
             self.q.at(start, self.link.set_capacity, gbps * GBPS)
-        self._src = (arrivals, ls, hashes, steps, look["tp"], look["tp_r"], look["kv"], look["kv_r"], look["t_pd"])
+        self._src = (arrivals, ls, hashes, steps, look["tp"], look["tp_r"], look["kv"], look["kv_r"])
+        self._t_pd = look["t_pd"]
         self.q.stream(arrivals, self._arrive_k)
         self.q.after(0.0, self._report)
         # Without the cyclic collector while the events run: a run holds millions of live objects (outcomes,
@@ -449,10 +448,8 @@ class Simulation:
         return self.outcomes
 
     def _arrive_k(self, k: int) -> None:
-        """Request ``k`` of the run arrives (the event queue's stream)."""
-        arrivals, ls, hashes, steps, tp, tp_r, kv, kv_r, t_pd = self._src
-        at, length = arrivals[k], ls[k]
-        req = SimRequest(k, at, length, list(hashes[k]) if hashes is not None else None, steps, (tp[k], tp_r[k]))
+        """Request ``k`` of the run arrives (the event queue's stream); its ``Outcome`` is written when it ends."""
+        arrivals, ls, hashes, steps, tp, tp_r, kv, kv_r = self._src
+        req = SimRequest(k, arrivals[k], ls[k], list(hashes[k]) if hashes is not None else None, steps, (tp[k], tp_r[k]))
         req.kv_bytes, req.kv_prfaas = kv[k], kv_r[k]
-        self.outcomes[k] = Outcome(length, at, t_pd[k])
         self._arrive(req)

@@ -63,27 +63,30 @@ class EventQueue:
         st, sfn = self._stream if self._stream is not None else ([], None)
         i, n = self._stream_i, len(st)
         fired = 0
+        # The hot loop of a run: heap events fire while the stream's next arrival is not strictly earlier
+        # (at equal times heap events go first); one heap pop per event, no slicing of its entry.
+        nxt = st[i] if i < n else math.inf  # the stream's next arrival (inf: none left)
         try:
             while True:
-                if heap:  # the stream's next arrival goes first only when strictly earlier: at equal times heap events do
+                if heap and heap[0][0] <= nxt:
                     t = heap[0][0]
-                    from_stream = i < n and st[i] < t
-                elif i < n:
-                    from_stream = True
-                else:
-                    break
-                if from_stream:
-                    t = st[i]
-                if t > until:
-                    break
-                self.now = t
-                fired += 1
-                if from_stream:
-                    i += 1
-                    sfn(i - 1)
-                else:
-                    fn, args = pop(heap)[2:]
+                    if t > until:
+                        break
+                    _t, _seq, fn, args = pop(heap)
+                    self.now = t
+                    fired += 1
                     fn(*args)
+                elif i < n:
+                    if nxt > until:
+                        break
+                    self.now = nxt
+                    fired += 1
+                    i += 1
+                    k = i - 1
+                    nxt = st[i] if i < n else math.inf
+                    sfn(k)
+                else:
+                    break
         finally:
             self.fired += fired
             self._stream_i = i

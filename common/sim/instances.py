@@ -207,16 +207,34 @@ class DecodeInstance:
     def _tick(self, version: int) -> None:
         if version != self._version:
             return
-        self._advance()
-        running, pop = self.running, heapq.heappop
+        q = self.q
+        now = q.now
+        running = self.running
+        dt = now - self._at  # _advance, inline
+        if dt > 0 and running:
+            self.v += dt / self._step
+            self.rows_s += dt * len(running)
+        self._at = now
+        pop = heapq.heappop
         done = []
-        edge = self.v + 1e-9
+        v = self.v
+        edge = v + 1e-9
         while running and running[0][0] <= edge:
             done.append(pop(running)[2])
         ready = self.ready_q
-        while ready and len(running) < self.bs_max:
-            self._add(ready.popleft())
-        self._reschedule()
+        if ready:
+            bs_max, seq, push = self.bs_max, self._seq, heapq.heappush
+            while ready and len(running) < bs_max:
+                r = ready.popleft()
+                r.decode_start = now
+                push(running, (v + r.steps, next(seq), r))
+        self._version = version = self._version + 1  # _reschedule, inline
+        if running:
+            self._step = step = self._steps[len(running)]
+            left = running[0][0] - v
+            heapq.heappush(q._heap, (now + (left if left > 0.0 else 0.0) * step, next(q._seq), self._tick, (version,)))
+        else:
+            self._step = math.inf
         admit_q, on_finish = self.admit_q, self.on_finish
         for r in done:
             self.reserved -= r.kv_bytes
