@@ -67,12 +67,17 @@ def emulated_base(scales: dict, host_overhead_s: float = EMULATED_HOST_OVERHEAD_
     """The emulated cluster's settings in unscaled units: decode ``(16 - 1) x 64`` steps after the first
     token (output x64), the link proxies' 4 MiB buffer and each worker's 32 MiB prefix cache and
     64 MiB KV pool (``common/lab/emulated_cluster.py``) divided by the effective byte scale, and its
-    per-request host overheads (seconds, see :data:`EMULATED_HOST_OVERHEAD_S`)."""
+    per-request host overheads (seconds, see :data:`EMULATED_HOST_OVERHEAD_S`), and the clock of its
+    senders' RTT signals (real seconds: ``rtt_clock_scale``, ``rtt_floor_window_s``)."""
     s = Scales(**scales)
     b = EmulatedModel(EmulatedProfile.from_file("h20_table6_fit"), s).byte_scale
     return SimConfig(0, 0, 1, output_scale=s.output_scale, link_buffer_bytes=KV_CONNECTIONS * (4 << 20) / b,
                      ping_interval_s=PING_INTERVAL_S * s.time_scale, kv_connections=KV_CONNECTIONS,
                      ping_timeout_s=3.0 * s.time_scale, stall_timeout_s=5.0 * s.time_scale,  # KvLink's, real seconds
+                     # the senders' RTTs are real milliseconds, their floor window 3 real seconds (LinkStats: the
+                     # emulated cluster's PRFAAS_LINK_STATS_TIME_SCALE scales the goodput and capacity windows only),
+                     # and the planner's RTT thresholds are not scaled (its --short-* intervals are)
+                     rtt_clock_scale=s.time_scale, rtt_floor_window_s=3.0 * s.time_scale,
                      prefix_cache_bytes=(32 << 20) / b, decode_pool_bytes=(64 << 20) / b,
                      host_overhead_s=host_overhead_s, remote_overhead_s=remote_overhead_s)
 

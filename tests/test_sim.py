@@ -364,3 +364,26 @@ def test_a_late_pong_fails_the_connection_and_the_path_sends_its_transfer_again(
     assert written == pytest.approx(140.0)  # the sender wrote the 40 B twice
     with pytest.raises(ValueError):
         PathPings(1.0, 1, fail_after_s=0.0)
+
+
+def test_engine_reports_rtts_on_the_senders_clock_and_floor_window():
+    # the emulated cluster's senders time pings on the real clock (time_scale emulated s per real s): the same
+    # queue reads time_scale times fewer milliseconds there, and their floor window is in real seconds
+    def rtts(scale: float) -> tuple[float, float, float]:
+        sim = Simulation(SimConfig(1, 1, 1, threshold=0, link_gbps=8e-9, link_buffer_bytes=1e9, ping_interval_s=5.0,
+                                   kv_connections=1, rtt_clock_scale=scale, rtt_floor_window_s=3.0 * scale))
+        assert sim._pings.floor_window_s == 3.0 * scale
+        sim.link.start(10, lambda: None, queue=("prfaas-0", "pd-1"))
+        sim._link_signals(0.0)
+        first = sim._pings.paths[("prfaas-0", "pd-1")].next
+        sim.q.run(until=first)
+        sim._link_signals(first)
+        sim.q.run(until=first + 10.5)
+        sim._link_signals(first + 10.5)
+        kv = sim.workers[0]["stats"]["links"]["kv"]
+        return kv["rtt_ms"], kv["rtt_min_ms"], kv["rtt_floor_ms"]
+
+    real, emulated = rtts(1.0), rtts(5.0)
+    assert real[0] > 1000.0 and real[1] == 0.1  # a sample that waited seconds behind the queue came back
+    for a, b in zip(real, emulated):
+        assert b == pytest.approx(a / 5.0)

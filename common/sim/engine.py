@@ -76,7 +76,10 @@ class SimConfig:
     link (``link_buffer_bytes``), the seconds between the KV senders' pings on each connection
     (``ping_interval_s``), the connections per path (``kv_connections``, the workers' ``--kv-connections``)
     and the senders' liveness timeouts (``ping_timeout_s``, ``stall_timeout_s``: a pong later than both fails
-    the path's loaded connection and its chunks are sent again)."""
+    the path's loaded connection and its chunks are sent again), ``rtt_floor_window_s`` the senders' RTT floor window (s) and
+    ``rtt_clock_scale`` the seconds of simulated time per second of the senders' clock for the RTTs they report
+    (1 for a real deployment; the emulated cluster's ``time_scale``: its senders time pings on the real clock,
+    a fifth of the emulated seconds, and its planner compares those milliseconds with its thresholds)."""
 
     n_prfaas: int
     n_p: int
@@ -102,6 +105,8 @@ class SimConfig:
     kv_connections: int = 4
     ping_timeout_s: float = 3.0
     stall_timeout_s: float = 5.0
+    rtt_clock_scale: float = 1.0
+    rtt_floor_window_s: float = 3.0
     mu: float = 9.90
     sigma: float = 1.00
     lo: float = 128.0
@@ -181,7 +186,7 @@ class Simulation:
         self.timeline: list[dict[str, float]] = []
         self._link_prev = (0.0, 0.0)
         self._delivered_prev = 0.0
-        self._pings = PathPings(cfg.ping_interval_s, cfg.kv_connections,  # the senders' RTT probes and liveness, per path
+        self._pings = PathPings(cfg.ping_interval_s, cfg.kv_connections, cfg.rtt_floor_window_s,  # RTT probes and liveness
                                 fail_after_s=max(cfg.ping_timeout_s, cfg.stall_timeout_s))
         self._goodput = Ewma(half_life_s=5.0)
         self._capacity = WindowedMax(30.0)
@@ -357,6 +362,9 @@ class Simulation:
             self._capacity.update(rate, now)
         rtt_min = max(link.rtt * 1e3, 0.1)
         rtt, floor = self._pings.tick(now, delays, rtt_min)
+        k = self.cfg.rtt_clock_scale
+        if k != 1.0:  # the senders' milliseconds are on their own clock
+            rtt, floor, rtt_min = rtt / k, floor / k, rtt_min / k
         for key in self._pings.failed:  # a connection failed: its written chunks go again
             link.resend(key)
         backlogged_s = 0.0 if self._engine_backlogged_since is None else now - self._engine_backlogged_since
