@@ -271,6 +271,19 @@ def test_events_stream_merges_with_the_heap_heap_first_at_equal_times():
         EventQueue().stream([2.0, 1.0], seen.append)  # not sorted
 
 
+def test_events_a_stream_callback_schedules_ahead_of_the_next_arrival_at_its_time():
+    q, seen = EventQueue(), []
+
+    def arrive(i: int) -> None:
+        seen.append(f"s{i}")
+        if i == 0:
+            q.after(0.0, seen.append, "h-now")  # at the current time: before the next arrival at that time
+            q.after(0.5, seen.append, "h-later")  # between the arrivals
+    q.stream([1.0, 1.0, 2.0], arrive)
+    q.run()
+    assert seen == ["s0", "h-now", "s1", "h-later", "s2"] and q.now == 2.0 and q.fired == 5 and len(q) == 0
+
+
 def test_profile_bulk_lookups_equal_the_scalar_ones():
     for name in ("h20_table6_fit", "h200_table5"):
         p = EmulatedProfile.from_file(name)
