@@ -375,6 +375,7 @@ def test_a_late_pong_fails_the_connection_and_the_path_sends_its_transfer_again(
     assert out == {"a": pytest.approx(14.0)}  # 100 B again from 4 s at 10 B/s
     written, _, _ = link.sender_view(1e9)
     assert written == pytest.approx(140.0)  # the sender wrote the 40 B twice
+    assert link.delivered_seen == pytest.approx(140.0)  # and they crossed twice: the count never goes back
     with pytest.raises(ValueError):
         PathPings(1.0, 1, fail_after_s=0.0)
 

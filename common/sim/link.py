@@ -81,7 +81,7 @@ class SharedLink:
         self.queues: dict[Hashable, deque[int]] = {}  # path -> its waiting flows, in order
         self.head: dict[Hashable, int] = {}  # path -> the flow of it on the link now
         self.resent_bytes = 0.0  # bytes sent again after a connection failed (:meth:`resend`)
-        self.delivered_seen = 0.0  # bytes delivered, as of the latest :meth:`sender_view`
+        self.delivered_seen = 0.0  # bytes that crossed the link (a resent byte twice), as of the latest :meth:`sender_view`
 
     # ----------------------------------------------------------------- flows
     def start(self, nbytes: float, on_done: Callable[[], Any], cap: float = math.inf, queue: Hashable | None = None) -> int:
@@ -202,8 +202,8 @@ class SharedLink:
         (seconds; what a ping on that path measures on top of the RTT)."""
         now = self.q.now
         if not self.waiting and not self.congested:  # every flow at its cap: delivered as produced
-            self.delivered_seen = self.delivered_now()
-            return self.delivered_seen + self.resent_bytes, 0.0, {}
+            self.delivered_seen = self.delivered_now() + self.resent_bytes
+            return self.delivered_seen, 0.0, {}
         paths: dict[Any, list[float]] = {}  # path -> [delivered, produced, rate] of its live flows
         for fid, f in self.flows.items():
             left = max(0.0, f.left_at(now))
@@ -211,7 +211,7 @@ class SharedLink:
         for f in self.waiting.values():
             paths[f.key][1] += f.produced_at(now)
         written, queued, delays = self.done_bytes + self.resent_bytes, 0.0, {}
-        self.delivered_seen = self.done_bytes + sum(v[0] for v in paths.values())
+        self.delivered_seen = self.done_bytes + self.resent_bytes + sum(v[0] for v in paths.values())
         for key, (delivered, produced, rate) in paths.items():
             inside = min(produced, delivered + buffer_bytes)
             written += inside
