@@ -286,6 +286,42 @@ def test_linear_states_in_place_or_gathered_are_exact(env, order):
     check_rows(env, rows, order)
 
 
+def test_native_attention_step_equals_the_sdpa_step(env):
+    """The decode step's attention through the native kernel (all rows of a layer in one call) against
+    one SDPA call per row, on two pools holding the same rows (several runs of blocks each): logits
+    equal to float32 rounding and the same greedy tokens at every step, the new K/V written alike."""
+    from common.model import attn_kernel
+
+    if attn_kernel.load() is None:
+        pytest.skip("no C compiler: the native kernel does not build here")
+    first, holes = fragmented_store(env, holes=2)  # only this pool fragmented: its rows' runs differ
+    stores = [first, env.store(capacity=first.num_pages * first.page_bytes)]
+    rows = [[Row(f"n{k}", prompt(n, seed=21)) for k, n in enumerate([3, 40, 17, 129])] for _ in stores]
+    for store, rs in zip(stores, rows):
+        for r in rs:
+            join(env, store, r)
+            assert not r.done, "a prompt's first token ended it: pick another prompt"
+    for _ in range(12):
+        out = []
+        for store, rs, native in zip(stores, rows, (True, False)):
+            for r in rs:
+                store.grow(r.seq, r.seq.length + 1)
+                r.max_runs = max(r.max_runs, len(store.runs(r.seq, r.seq.length + 1)))
+            out.append(decode_step(env.lm.model, store, [r.seq for r in rs], [r.tokens[-1] for r in rs],
+                                   native_attention=native))
+        torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)
+        assert torch.equal(out[0].argmax(-1), out[1].argmax(-1))
+        for rs, o in zip(rows, out):
+            for r, t in zip(rs, o.argmax(-1).tolist()):
+                r.tokens.append(t)
+    assert max(r.max_runs for r in rows[0]) >= 2, "no row had several runs of blocks"
+    for a, b in zip(*rows):
+        for i in stores[0].attn_layers:
+            torch.testing.assert_close(stores[0].read_layer(a.seq, i)["k"], stores[1].read_layer(b.seq, i)["k"],
+                                       rtol=1e-4, atol=1e-4)
+    del holes
+
+
 # -- 2. fragmented pool, rows joining and leaving -----------------------------------------------
 
 

@@ -9,7 +9,8 @@ consecutive ids (a batch admitted together; the pool hands out the lowest free s
 slot order and each linear layer updates ``arena[first:first + rows]`` in place, as a static cache
 would; otherwise (and in a step with ``wait_layer``, which must leave every state as it was when it
 is aborted) they are gathered into a batch before each linear layer and scattered back after
-the step (``O(batch x state)``, independent of the context length). Pre-forward hooks
+the step (``O(batch x state)``, independent of the context length). The attention layers read every row's runs in one
+call of the native kernel (``common/model/attn_kernel.py``) where it builds, one SDPA per row otherwise. Pre-forward hooks
 (:func:`install_layer_hooks`, once per model) let the step act before each decoder layer.
 
 State: nothing here owns KV memory; the store owns its arenas and blocks, the caller its
@@ -33,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from common.kv.paged_store import PagedKvStore, PagedSeq
+from common.model import attn_kernel
 
 ATTN_IMPL = "prfaas_paged"
 
@@ -51,6 +53,8 @@ class _StepMeta:
     runs: list[list[tuple[int, int]]]
     write_block: torch.Tensor  # int64 [rows]
     write_offset: torch.Tensor  # int64 [rows]
+    native: Any = None  # the compiled kernel library (common/model/attn_kernel.py), or None: per-row SDPA
+    table: attn_kernel.RunTable | None = None  # the runs as the kernel reads them (built once per step)
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -67,6 +71,11 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if meta is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    karena, varena = meta.store.k[module.layer_idx], meta.store.v[module.layer_idx]
+    if meta.table is not None and query.dtype == karena.dtype == torch.float32:
+        rows, q_heads, _, d = query.shape
+        out = attn_kernel.attend(meta.native, query.reshape(rows, q_heads, d).contiguous(), karena, varena, meta.table, scale)
+        return out.view(rows, 1, q_heads, d), None
     return attend_rows(query, meta.store, module.layer_idx, meta.runs, scale), None
 
 
@@ -151,13 +160,16 @@ class _PagedLayer(DynamicLayer):
 
 
 def decode_step(model: torch.nn.Module, store: PagedKvStore, seqs: list[PagedSeq], tokens: list[int],
-                wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                wait_layer: Callable[[int], None] | None = None, native_attention: bool = True) -> torch.Tensor:
     """Feed ``tokens[r]`` to ``seqs[r]`` at position ``seqs[r].length``; returns float32 logits
     ``[rows, vocab]`` and advances every length by one.
 
     Every ``seq`` must already have a block for its new token (:meth:`PagedKvStore.grow`).
     ``wait_layer(i)``, if given, is called in this thread before decoder layer ``i`` runs (the first step of a request
-    whose KVCache is still arriving waits for each layer in turn). Raises ``ValueError`` on a
+    whose KVCache is still arriving waits for each layer in turn). ``native_attention``: the attention
+    layers run the compiled kernel of ``common/model/attn_kernel.py`` over every row at once where it
+    builds (float32; outputs equal SDPA's to float32 rounding), else one SDPA call per row (False: always
+    SDPA, transformers' own arithmetic bit for bit). Raises ``ValueError`` on a
     row/token count mismatch or a missing block.
     """
     rows = len(seqs)
@@ -169,7 +181,7 @@ def decode_step(model: torch.nn.Module, store: PagedKvStore, seqs: list[PagedSeq
     if first is not None and any(seqs[r].slot != first + r for r in range(rows)):
         # the slots form a range out of order: run the rows in slot order, hand the logits back in the caller's
         order = sorted(range(rows), key=lambda r: seqs[r].slot)
-        out = decode_step(model, store, [seqs[r] for r in order], [tokens[r] for r in order], wait_layer)
+        out = decode_step(model, store, [seqs[r] for r in order], [tokens[r] for r in order], wait_layer, native_attention)
         return out[torch.tensor(order).argsort()]
     bs = store.block_size
     for s in seqs:
@@ -181,6 +193,10 @@ def decode_step(model: torch.nn.Module, store: PagedKvStore, seqs: list[PagedSeq
         write_block=torch.tensor([s.blocks[s.length // bs] for s in seqs], dtype=torch.long),
         write_offset=torch.tensor([s.length % bs for s in seqs], dtype=torch.long),
     )
+    if native_attention and store.attn_layers and (native := attn_kernel.load()) is not None:
+        heads = model.config.num_attention_heads
+        if heads % store.kv_heads == 0 and heads // store.kv_heads <= attn_kernel.MAX_GROUP:
+            meta.native, meta.table = native, attn_kernel.RunTable(meta.runs, bs, heads // store.kv_heads)
     cache = DynamicCache(config=model.config)
     for i in store.attn_layers:
         cache.layers[i] = _PagedLayer(store, i, meta, max(s.length for s in seqs) + 1)

@@ -25,6 +25,7 @@ from common.runtime import service
 from common.transfer.paged_assembly import LayerNotReady
 from common.transfer.receiver import KvReceiver
 from proto.frames import ErrorCode
+from services.decode.heap import keep_heap
 from services.decode.request import DecodeRequest
 from services.decode.scheduler import DecodeScheduler, Fail
 
@@ -51,6 +52,7 @@ class BatchLoop:
         self.steps = self.batch_size = self.max_batch_size = self.preemptions = self.early_starts = 0
         self.step_time_ewma = 0.0
         self.first_step_after_kv_s: float | None = None  # last KV byte -> second token, latest request
+        keep_heap()  # the step's temporaries stay mapped between steps (services/decode/heap.py)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"{self.name}:batch-loop")
