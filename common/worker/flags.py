@@ -79,8 +79,9 @@ def add_prefill_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-
                    help="seconds a write may take to drain before its connection is replaced")
     p.add_argument("--prefill-chunk-tokens", type=int, default=int(service.env_default("PRFAAS_PREFILL_CHUNK_TOKENS", "0")),
                    help="chunked prefill: stream each chunk's K/V while the next computes (0 = one pass)")
-    p.add_argument("--kv-stream", choices=["layer", "after"], default="layer",
-                   help="layer: send each layer (or chunk) as soon as it is computed; after: send once prefill ends (baseline)")
+    p.add_argument("--kv-stream", choices=["layer", "after"], default=service.env_default("PRFAAS_KV_STREAM", "layer"),
+                   help="layer: send each layer (or chunk) as soon as it is computed; after: send once prefill ends (baseline; env "
+                        "PRFAAS_KV_STREAM, so a benchmark can A/B it with --prfaas-env)")
     p.add_argument("--prefix-cache-bytes", type=int, default=int(service.env_default("PRFAAS_PREFIX_CACHE_BYTES", str(1 << 30))),
                    help="budget of this worker's prefix cache (KV blocks and linear-state checkpoints); 0 turns it off "
                         "(so does PRFAAS_PREFIX_CACHE=0)")
