@@ -13,6 +13,10 @@ kept-alive connection (``common/lab/control_plane.py``). Runs, in order: sequent
 TTFT minus the scaled profiled prefill), 8 concurrent, 32 concurrent (with ``--breakdown N``, first N
 rounds of one request timed hop by hop: ``common/lab/ttft_breakdown.py``); then the same client against a
 null SSE server (no work but the writes: the client's and loopback HTTP's own ceiling) at 32.
+The sequential and the c32 run are repeated ``--reps`` times (5 with ``--quick``): a c32 run of 400
+requests lasts only a few seconds, so one burst of another job on a shared machine moves a single
+run's figure by 2x; every figure in the table is the median over the repetitions, printed with its
+spread (min-max and each repetition's req/s).
 
 Reference (not run here): Dynamo 1.6.1's Rust frontend with its mocker at ``--speedup-ratio 1000``
 on this 2-core machine reached 135-143 req/s, about 14K streamed tokens/s, with a front-end TTFT of
@@ -20,7 +24,7 @@ on this 2-core machine reached 135-143 req/s, about 14K streamed tokens/s, with 
 
 Output: a table, ``runs/bench_control_plane/result.json`` and ``.png``, and the last line
 ``req_per_s_c32=<x> stream_tok_per_s=<y> ttft_overhead_ms_p50=<z>`` (c32 throughput, its streamed
-chunks per second, and the sequential p50 TTFT overhead).
+tokens per second, and the sequential p50 TTFT overhead; each the median over the repetitions).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -56,12 +61,29 @@ def body_of(prompt_tokens: int, out_tokens: int):
     return make
 
 
+REPEATED = ("seq", "c32")  # the runs repeated ``--reps`` times: the headline figures are their medians
+
+
+def median_row(reps: list[dict]) -> dict:
+    """One run's row from its repetitions (each a :func:`summarise` dict with ``cpu_ms_per_req``):
+    the median of every figure, ``requests`` (their sum), ``reps`` (how many), and ``spread`` (min and max over the
+    repetitions of ``req_per_s`` and ``ttft_overhead_ms_p50``, and each repetition's ``req_per_s``)."""
+    row = {k: statistics.median(r[k] for r in reps) for k in reps[0] if k != "cpu_ms_per_req"}
+    row["requests"] = sum(r["requests"] for r in reps)
+    row["cpu_ms_per_req"] = {k: statistics.median(r["cpu_ms_per_req"][k] for r in reps) for k in reps[0]["cpu_ms_per_req"]}
+    row["reps"] = len(reps)
+    row["spread"] = {k: (min(r[k] for r in reps), max(r[k] for r in reps)) for k in ("req_per_s", "ttft_overhead_ms_p50")}
+    row["spread"]["each_req_per_s"] = [r["req_per_s"] for r in reps]
+    row["spread"]["each_cpu_ms_per_req"] = [sum(r["cpu_ms_per_req"].values()) for r in reps]
+    return row
+
+
 async def run(args: argparse.Namespace) -> dict:
     scales = Scales(time_scale=args.time_scale)
     engine_ttft = EmulatedProfile.from_file(PROFILE).t_prefill(args.prompt_tokens) / args.time_scale
     plan = [(name, conc, n) for name, conc, n in (("seq", 1, args.seq), ("c8", 8, args.requests), ("c32", 32, args.requests))
             if name in args.runs or name == "c32"]
-    total = args.warmup + sum(n for _, _, n in plan) + args.requests + args.breakdown
+    total = args.warmup + sum(n * (args.reps if name in REPEATED else 1) for name, _, n in plan) + args.requests + args.breakdown
     rows: dict[str, dict] = {}
     res_breakdown = None
     make = body_of(args.prompt_tokens, args.output_tokens)
@@ -83,10 +105,13 @@ async def run(args: argparse.Namespace) -> dict:
             if args.breakdown:
                 res_breakdown = await breakdown((host, int(port)), system.router_addr, make, args.breakdown, engine_ttft)
             for name, conc, n in plan:
-                cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"client": time.process_time()}
-                rows[name] = summarise(await drive(host, int(port), make, n, conc, bar.update), engine_ttft)
-                cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"client": time.process_time()}
-                rows[name]["cpu_ms_per_req"] = {k: (cpu1[k] - cpu0[k]) * 1e3 / n for k in cpu0}
+                reps = []
+                for _ in range(args.reps if name in REPEATED else 1):
+                    cpu0 = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"client": time.process_time()}
+                    reps.append(summarise(await drive(host, int(port), make, n, conc, bar.update), engine_ttft))
+                    cpu1 = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"client": time.process_time()}
+                    reps[-1]["cpu_ms_per_req"] = {k: (cpu1[k] - cpu0[k]) * 1e3 / n for k in cpu0}
+                rows[name] = median_row(reps)
         finally:
             system.stop()
         async with null_server(args.output_tokens) as nport:
@@ -109,6 +134,13 @@ def report(res: dict, out: Path) -> None:
         print(f"{name:<10}{r['requests']:>9}{r['req_per_s']:>9.1f}{r['stream_tok_per_s']:>9.0f}{r['ttft_ms_p50']:>13.2f}"
               f"{r['ttft_ms_p99']:>9.2f}{r['ttft_overhead_ms_p50']:>14.2f}"
               f"{r['chunks_per_request']:>11.1f}{r['req_per_s'] / null:>9.2f}{dyn:>11.2f}")
+    for name, r in rows.items():
+        if r.get("reps", 1) > 1:
+            sp = r["spread"]
+            print(f"  {name}: median of {r['reps']} repetitions; req/s {sp['req_per_s'][0]:.1f}-{sp['req_per_s'][1]:.1f} "
+                  f"({', '.join(f'{x:.1f}' for x in sp['each_req_per_s'])}), TTFT overhead p50 "
+                  f"{sp['ttft_overhead_ms_p50'][0]:.2f}-{sp['ttft_overhead_ms_p50'][1]:.2f} ms, CPU ms per request "
+                  f"{min(sp['each_cpu_ms_per_req']):.2f}-{max(sp['each_cpu_ms_per_req']):.2f}")
     if res.get("breakdown"):
         print("\n".join(breakdown_lines(res["breakdown"])))
     print("CPU ms per request (user + system, all threads; the load from other jobs does not inflate these):")
@@ -143,6 +175,9 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--output-tokens", type=int, default=100)
     p.add_argument("--requests", type=int, default=None, help="requests per concurrent run")
+    p.add_argument("--reps", type=int, default=0,
+                   help="repetitions of the sequential and the c32 run (default 5 with --quick, else 3); each figure "
+                        "reported is their median, with the spread")
     p.add_argument("--runs", default="seq,c8,c32", help="which runs, comma-separated (c32 always runs)")
     p.add_argument("--one-host", action="store_true",
                    help="run PD-P and PD-D in one emulated host process (default: one process each)")
@@ -154,7 +189,8 @@ def main() -> None:
     p.add_argument("--logs", default=None, help="folder for the services' logs (default: a fresh temporary one, kept)")
     args = p.parse_args()
     args.requests = args.requests or (400 if args.quick else 2000)
-    args.seq = 50 if args.quick else 200
+    args.seq = 100 if args.quick else 200
+    args.reps = args.reps or (5 if args.quick else 3)
     args.warmup = 40
     args.runs = set(args.runs.split(","))
     report(asyncio.run(run(args)), run_dir("bench_control_plane", args.out))

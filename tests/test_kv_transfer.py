@@ -111,12 +111,12 @@ async def eventually(pred, timeout: float = 3.0, what: str = "condition") -> Non
 
 
 async def run_transfer(link: KvLink, rx: KvReceiver, req_id: str, layers, *, after_layer=None, before_finish=None,
-                       finish_timeout: float = 8.0) -> tuple[Transfer, Any]:
+                       finish_timeout: float = 8.0, pipelined: bool = False) -> tuple[Transfer, Any]:
     """A whole transfer: reserve, begin, send every layer, finish (KV_ACK), check bitwise, release."""
     layouts = layouts_of(layers)
     total = sum(x["total"] for x in layouts)
     asm = rx.expect(req_id, total)
-    tr = await asyncio.wait_for(link.begin(req_id, layouts, prompt_len=SEQ, deadline_s=5.0), 8)
+    tr = await asyncio.wait_for(link.begin(req_id, layouts, prompt_len=SEQ, deadline_s=5.0, pipelined=pipelined), 8)
     for i, state in enumerate(layers):
         await asyncio.wait_for(link.send(tr, i, ranges_of(layouts[i], state)), 8)
         if after_layer is not None:
@@ -474,19 +474,63 @@ async def test_stalled_connection_detected_and_chunks_move(env, detector):
     assert link._inflight == 0
 
 
-async def test_begin_resent_when_its_connection_fails(env):
+@pytest.mark.parametrize("pipelined", [False, True])
+async def test_begin_resent_when_its_connection_fails(env, pipelined):
     """KV_BEGIN went out on a connection that then stalls: once the link drops that connection,
-    KV_BEGIN goes again on another, instead of waiting for the admission deadline."""
+    KV_BEGIN goes again on another, instead of waiting for the admission deadline. Pipelined, the
+    chunks queued behind it on that connection move with it and follow the new KV_BEGIN."""
     rx, port = await env.receiver(**SMALL_RX)
     link = env.link(port, connections=2, ping_interval=0.2, ping_timeout=0.6)
     await link.ensure_connected()
     first = min(link.conns)  # all queues empty: KV_BEGIN takes the first connection
     stall(rx, link.conns[first])
     t0 = time.monotonic()
-    await run_transfer(link, rx, "b", make_layers(4, seq=500))
-    assert time.monotonic() - t0 < 3.0  # deadline_s is 5
-    assert first not in link.conns
+    tr, _ = await run_transfer(link, rx, "b", make_layers(4, seq=500), pipelined=pipelined)
+    assert time.monotonic() - t0 < (4.0 if pipelined else 3.0)  # deadline_s is 5
+    assert first not in link.conns and tr.pinned != first
     assert rx.counters["admitted"] == 1
+
+
+async def test_pipelined_begin_round_trip(env):
+    """A pipelined begin returns before KV_ADMIT: the chunks follow KV_BEGIN on its connection (four
+    connections, several chunks per layer) and land bitwise, admitted once; later transfers too."""
+    rx, port = await env.receiver()
+    link = env.link(port, connections=4, chunk_bytes=64 << 10)
+    await link.ensure_connected()
+    layers = make_layers(4, seq=500)
+    layouts = layouts_of(layers)
+    asm = rx.expect("p", sum(x["total"] for x in layouts))
+    tr = await link.begin("p", layouts, prompt_len=500, pipelined=True)
+    assert not tr.admitted.is_set() and tr.pinned in link.conns  # no wait for the admission
+    for i, state in enumerate(layers):
+        await link.send(tr, i, ranges_of(layouts[i], state))
+    await asyncio.wait_for(link.finish(tr, {"first_token": 5, "prompt_len": 500}), 8)
+    assert tr.admitted.is_set() and tr.error is None
+    await asyncio.wait_for(asm.done.wait(), 3)
+    assert_bitwise(asm, layers)
+    assert rx.release("p")
+    await run_transfer(link, rx, "q", make_layers(4, seq=300, seed=1), pipelined=True)
+    assert rx.counters["admitted"] == 2 and rx.counters["refused"] == 0
+    assert link._inflight == 0
+
+
+async def test_pipelined_begin_refused_fails_the_transfer(env):
+    """A pipelined begin without a reservation at the receiver: the refusal is final (its
+    retry_after is not waited out) and fails the transfer, so send or finish raise, and the bytes
+    it had sent were dropped by the receiver; the window comes back."""
+    rx, port = await env.receiver()
+    link = env.link(port)
+    await link.ensure_connected()
+    layers = make_layers(2, seq=200)
+    layouts = layouts_of(layers)
+    tr = await link.begin("nobody", layouts, prompt_len=200, pipelined=True)
+    with pytest.raises(Unavailable, match="no reservation"):
+        for i, state in enumerate(layers):
+            await link.send(tr, i, ranges_of(layouts[i], state))
+        await asyncio.wait_for(link.finish(tr, {"first_token": 5, "prompt_len": 200}), 5)
+    assert rx.counters["refused"] == 1 and rx.counters["admitted"] == 0
+    await eventually(lambda: link._inflight == 0, what="the window returned")
+    assert "nobody" not in link.transfers
 
 
 async def test_done_resent_when_its_connection_fails(env):

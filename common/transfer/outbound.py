@@ -51,6 +51,8 @@ class Transfer:
         self.bytes = 0
         self.resent_chunks = 0
         self.done_sent = False
+        self.begin_frame: bytes | None = None  # a pipelined transfer's KV_BEGIN (written again if its connection fails)
+        self.pinned: int | None = None  # ... and the connection carrying it: its chunks follow it there until KV_ADMIT
 
     @property
     def over(self) -> bool:
@@ -89,7 +91,9 @@ class Transfer:
         return keys
 
     def fail(self, reason: str) -> None:
-        """Mark the transfer failed (keeping an earlier reason) and wake every waiter."""
+        """Mark the transfer failed (keeping an earlier reason) and wake every waiter (``finish``'s
+        wait for every chunk written too: the chunks of a failed transfer are dropped, not written)."""
         self.error = self.error or reason
         self.acked.set()
         self.admitted.set()
+        self.all_written.set()

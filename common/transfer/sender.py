@@ -5,6 +5,13 @@ Transfer lifecycle on the sender (who frees what):
 1. :meth:`KvLink.begin` sends ``KV_BEGIN`` with every layer's layout and waits for ``KV_ADMIT``
    (the receiver reserved the memory). ``KV_REFUSE`` with a ``retry_after`` means wait and ask again
    until the deadline; without one it is final (:class:`TransferRefused`, the caller re-routes).
+   *Pipelined* (``begin(..., pipelined=True)``, no codec offered: the caller knows the receiver holds
+   a reservation, as a decode worker's prefill call says): ``begin`` returns at once and the chunks
+   follow ``KV_BEGIN`` on its connection, in TCP order, until ``KV_ADMIT`` comes back (then they
+   stripe); ``KV_DONE`` and ``KV_ABORT`` go there too until then. That takes the admission's round
+   trip off the time to the first token. A refusal is then final: it fails the transfer (``send`` and
+   ``finish`` raise :class:`Unavailable`; the receiver dropped what came before it). If that
+   connection fails first, ``KV_BEGIN`` is written again on another, ahead of the chunks moved there.
 2. :meth:`KvLink.send` cuts byte ranges into chunks (``chunk_bytes``), codes each with the transfer's
    admitted codec (in a thread, :mod:`common.transfer.coded`; ``none`` sends the views themselves) and
    stripes them over the live connections, each chunk to the connection with the fewest queued bytes. Bytes written but not yet
@@ -200,12 +207,31 @@ class KvLink:
             requeue += [(tr, key, 0) for key in tr.unwrite_on(c.cid)]
         self.conns.pop(c.cid, None)
         if not self._live():
+            for tr in self.transfers.values():
+                if tr.pinned == c.cid and not tr.over:
+                    tr.fail(f"every connection to {self.addr} failed")
             for tr, _key, window in requeue:
                 self._release(window)
                 tr.fail(f"every connection to {self.addr} failed")
             return
+        for tr in self.transfers.values():  # a pipelined KV_BEGIN not yet admitted goes again, ahead of its chunks
+            if tr.pinned == c.cid and not tr.admitted.is_set() and not tr.over and tr.begin_frame is not None:
+                self._pin(tr)
         for item in requeue:
             self._enqueue(item)
+
+    def _pin(self, tr: Transfer) -> None:
+        """Write a pipelined transfer's ``KV_BEGIN`` on the least queued live connection and send its
+        chunks (and ``KV_DONE``) after it there until ``KV_ADMIT`` arrives."""
+        conn = self._least_queued()
+        conn.writer.write(tr.begin_frame)
+        tr.pinned = conn.cid
+
+    def _conn_for_control(self, tr: Transfer) -> LinkConnection:
+        """Where ``KV_DONE``/``KV_ABORT`` of ``tr`` go: behind its ``KV_BEGIN`` while a pipelined transfer
+        is not yet admitted, else the least queued live connection."""
+        conn = self.conns.get(tr.pinned) if tr.pinned is not None and not tr.admitted.is_set() else None
+        return conn if conn is not None and conn.alive else self._least_queued()
 
     def _enqueue(self, item: tuple[Transfer, tuple[int, int], int]) -> None:
         tr, key, window = item
@@ -213,7 +239,9 @@ class KvLink:
         if entry is None or tr.over:  # finished or aborted meanwhile: drop it
             self._release(window)
             return
-        conn = self._least_queued()
+        conn = self.conns.get(tr.pinned) if tr.pinned is not None and not tr.admitted.is_set() else None
+        if conn is None or not conn.alive:  # admitted (or not pipelined): the least queued connection
+            conn = self._least_queued()
         entry[1] = conn.cid
         conn.queued_bytes += entry[0].nbytes
         conn.queue.put_nowait((tr, key, window, entry[0].nbytes))
@@ -248,7 +276,8 @@ class KvLink:
             c.current = None
             c.last_io = time.monotonic()
             c.queued_bytes -= nbytes
-            tr.mark_written(key)
+            if key in tr.chunks:  # not when the transfer ended (failed, aborted) while this chunk drained
+                tr.mark_written(key)
             self.stats.on_bytes_sent(view.nbytes, c.last_io)
             self.mix.add(tr.priority, view.nbytes, c.last_io)
             self._release(window)
@@ -270,6 +299,8 @@ class KvLink:
             tr.admitted.set()
         elif frame.kind is Kind.KV_REFUSE:
             tr.refusal = h
+            if tr.begin_frame is not None:  # pipelined: the chunks already sent were dropped; final
+                tr.fail(f"KV receiver {self.addr} refused {req_id}: {str(h.get('reason'))[:512]}")
             tr.admitted.set()
         elif frame.kind is Kind.KV_ACK:
             tr.acked.set()
@@ -299,11 +330,13 @@ class KvLink:
 
     # -- transfer API -------------------------------------------------------------------------
     async def begin(self, req_id: str, layouts: list[Layout], prompt_len: int, *, deadline_s: float = 60.0,
-                    codec: str = "none", priority: int = 0) -> Transfer:
+                    codec: str = "none", priority: int = 0, pipelined: bool = False) -> Transfer:
         """Announce a transfer, offering ``codec`` (one of :data:`codecs.NAMES`) for its K/V, and wait
         for admission; the returned transfer's ``codec`` is the one the receiver admitted (``none``
         from a receiver that names none). ``priority`` (the request's; lower first) picks the class
-        whose weighted share of the link its chunks get (:mod:`common.transfer.share`). Raises
+        whose weighted share of the link its chunks get (:mod:`common.transfer.share`).
+        ``pipelined`` (only with ``codec="none"``; else ignored): do not wait for ``KV_ADMIT`` (see
+        the module docstring), for a receiver known to hold the transfer's reservation. Raises
         :class:`TransferRefused`, :class:`Unavailable`, ``ValueError`` for an unknown codec."""
         if codec not in codecs.NAMES:
             raise ValueError(f"unknown KV codec {codec!r}; one of {', '.join(codecs.NAMES)}")
@@ -320,6 +353,12 @@ class KvLink:
             header["codec"] = codec
         begin = encode_frame(Kind.KV_BEGIN, header)
         try:
+            if pipelined and codec == "none":
+                if not self._live():
+                    await self.ensure_connected()
+                tr.begin_frame = begin
+                self._pin(tr)
+                return tr
             while True:
                 tr.admitted.clear()
                 tr.refusal = None
@@ -389,7 +428,7 @@ class KvLink:
                         raise Unavailable(f"transfer {tr.req_id} to {self.addr} failed: {tr.error}")
                     if not self._live():
                         await self.ensure_connected()
-                    conn = self._least_queued()
+                    conn = self._conn_for_control(tr)
                     conn.writer.write(encode_frame(Kind.KV_DONE, {"req_id": tr.req_id, **done}))
                     tr.done_sent = True
                     # resends after a failure re-open all_written; KV_DONE is re-sent after them, and
@@ -417,10 +456,9 @@ class KvLink:
         self.transfers.pop(tr.req_id, None)
         self.gate.forget(tr.req_id)
         tr.chunks.clear()
-        for c in self._live():
+        if self._live():
             with contextlib.suppress(Exception):
-                c.writer.write(encode_frame(Kind.KV_ABORT, {"req_id": tr.req_id, "reason": reason}))
-            break
+                self._conn_for_control(tr).writer.write(encode_frame(Kind.KV_ABORT, {"req_id": tr.req_id, "reason": reason}))
 
     def snapshot(self) -> dict[str, Any]:
         """The link's congestion signals (see ``common/transfer/link_stats.py``) plus its live

@@ -214,6 +214,7 @@ class ShareGate:
         self._pace = Bucket(self.rate or 1.0, burst)
         self._capacity: dict[str, tuple[float, float]] = {}  # link key -> (bytes/s, noted at)
         self.grants: dict[str, tuple[dict[str, float], float]] = {}  # link key -> ({class: bytes/s}, expires at)
+        self._rates: tuple[dict[str, float] | None, float] | None = None  # class_rates' answer, valid until a time
         self._class_pace = {c: Bucket(1.0, burst) for c in CLASSES}
         self._timer: asyncio.TimerHandle | None = None
         self.inflight = 0
@@ -241,16 +242,22 @@ class ShareGate:
         if not 0 < ttl_s <= MAX_GRANT_TTL_S:
             raise ValueError(f"ttl_s must be in (0, {MAX_GRANT_TTL_S}], got {ttl_s}")
         self.grants[key] = ({c: float(r) for c, r in rates.items()}, asyncio.get_running_loop().time() + ttl_s)
+        self._rates = None
         self._dispatch()
 
     def class_rates(self, now: float) -> dict[str, float] | None:
         """Each class's granted rate at ``now`` (bytes/s; sum of the live grants), None when no grant
-        is live (the expired ones are dropped)."""
+        is live (the expired ones are dropped). The answer is kept until the next grant or the first
+        lapse (it is asked for every chunk granted or returned)."""
+        if self._rates is not None and now < self._rates[1]:
+            return self._rates[0]
         for k in [k for k, (_, exp) in self.grants.items() if exp <= now]:
             del self.grants[k]
-        if not self.grants:
-            return None
-        return {c: max(MIN_GRANT, sum(r.get(c, 0.0) for r, _ in self.grants.values())) for c in CLASSES}
+        rates = None
+        if self.grants:
+            rates = {c: max(MIN_GRANT, sum(r.get(c, 0.0) for r, _ in self.grants.values())) for c in CLASSES}
+        self._rates = (rates, min((exp for _, exp in self.grants.values()), default=float("inf")))
+        return rates
 
     # -- the window ------------------------------------------------------------------------------
     def _arm(self, delay: float) -> None:

@@ -363,6 +363,7 @@ class DecodeWorker:
                 "kv_addr": self.kv_addr_for.get(args.prefill_cluster or "")
                 or (self.kv_addr_remote if args.route == "remote" else self.kv_addr),
                 "kv_from": kv_from, "prefix_source": args.prefix_source, "prompt_len": prompt_len,
+                "kv_reserved": True,  # receiver.expect above: the KVCache may follow KV_BEGIN without KV_ADMIT
                 **({"priority": args.priority} if args.priority else {})})
             await leg.first_token()  # 3. wait for the first token (KV_DONE); the last layers may still be landing
             final = asm.final or {}

@@ -25,7 +25,10 @@ class PrefillArgs(msgspec.Struct):
     ``prompt_len``: tokens of ``input_ids`` that are the client's prompt (default all); the rest were
     generated already (a resume), and the penalties and ``min_tokens`` count them as output.
     ``priority``: the request's priority (lower first): requests wait for the compute in
-    ``(priority, arrival)`` order."""
+    ``(priority, arrival)`` order. ``kv_reserved``: the decode worker's KV receiver already holds
+    this request's reservation (it reserves before it calls), so the KVCache may follow ``KV_BEGIN``
+    without waiting for ``KV_ADMIT`` (a pipelined begin, :meth:`common.transfer.sender.KvLink.begin`;
+    absent, as from an older caller: wait for it)."""
 
     req_id: Annotated[str, msgspec.Meta(max_length=256)]
     kv_addr: Annotated[str, msgspec.Meta(min_length=3, max_length=262)]
@@ -35,6 +38,7 @@ class PrefillArgs(msgspec.Struct):
     prefix_source: Annotated[str, msgspec.Meta(max_length=262)] | None = None
     prompt_len: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] | None = None
     priority: Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
+    kv_reserved: bool = False
 
 
 class ExportPrefixArgs(msgspec.Struct):

@@ -247,7 +247,8 @@ class PrefillWorker:
         link = await self._link(kv_addr)
         self._link_users[kv_addr] = self._link_users.get(kv_addr, 0) + 1
         try:
-            return await self._prefill_on(link, req_id, input_ids, sampling, kv_from, prompt_len, args.priority)
+            return await self._prefill_on(link, req_id, input_ids, sampling, kv_from, prompt_len, args.priority,
+                                          args.kv_reserved)
         finally:
             self._link_users[kv_addr] -= 1
             if not self._link_users[kv_addr]:
@@ -255,7 +256,7 @@ class PrefillWorker:
             await self._forget_dead_link(kv_addr)
 
     async def _prefill_on(self, link: KvLink, req_id: str, input_ids: list[int], sampling: SamplingParams,
-                          kv_from: int, prompt_len: int, priority: int = 0) -> dict[str, Any]:
+                          kv_from: int, prompt_len: int, priority: int = 0, pipelined: bool = False) -> dict[str, Any]:
         """The rest of :meth:`prefill` once its link is chosen: connect it, wait for the compute slot
         (requests of a lower ``priority`` value first, then by arrival), run."""
         await link.ensure_connected()  # before the slot: a receiver nobody can reach must not cost another request its turn
@@ -281,7 +282,7 @@ class PrefillWorker:
         delivered = [False]  # set once KV_DONE (with the first token) has been written
         try:
             result = await self._run(req_id, input_ids, sampling, link, kv_from, release_slot, delivered, prompt_len,
-                                     on_start, priority)
+                                     on_start, priority, pipelined)
             self.completed += 1
             self.prompt_tokens += len(input_ids)
             return result
@@ -340,7 +341,8 @@ class PrefillWorker:
 
     async def _run(self, req_id: str, input_ids: list[int], sampling: SamplingParams, link: KvLink,
                    kv_from: int = 0, release_slot=lambda: None, delivered: list[bool] | None = None,
-                   prompt_len: int | None = None, on_start=lambda: None, priority: int = 0) -> dict[str, Any]:
+                   prompt_len: int | None = None, on_start=lambda: None, priority: int = 0,
+                   pipelined: bool = False) -> dict[str, Any]:
         """Compute the prefill, streaming each layer's KVCache over ``link``, and sample the first
         token of each of ``sampling.n`` branches (``input_ids[prompt_len:]`` count as generated
         output for the penalties). With ``sampling.prompt_logprobs`` the same pass computes every
@@ -350,7 +352,8 @@ class PrefillWorker:
         computes while this one's tail drains and its ``KV_ACK`` crosses back (over a WAN, a round
         trip the compute need not wait for). The link's in-flight bound keeps that overlap's memory
         bounded. ``delivered[0]`` is set to whether ``KV_DONE`` was written, once ``finish`` returns or
-        raises."""
+        raises. ``pipelined``: the receiver holds the reservation, so the layers follow ``KV_BEGIN``
+        without waiting for ``KV_ADMIT`` (when no codec is offered)."""
         loop = asyncio.get_running_loop()
         ready: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
@@ -394,7 +397,7 @@ class PrefillWorker:
         try:
             cap = link.stats.capacity_bytes_per_s()
             transfer = await link.begin(req_id, layouts, n_in, codec=self.wire.for_link(link.addr, cap * 8 / 1e9 if cap else None),
-                                        priority=priority)
+                                        priority=priority, pipelined=pipelined)
             if self.kv_stream == "after":  # the non-pipelined baseline: nothing leaves before the prefill ends
                 await asyncio.shield(compute)
             while True:
