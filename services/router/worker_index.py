@@ -27,9 +27,10 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from services.router.placement import AffinePick, worker_load
+from services.router.placement import AffinePick
 
 GroupKey = tuple[str, str | None]
+_NO_STATS: dict[str, Any] = {}  # read only
 
 
 def group_of(w: dict[str, Any]) -> GroupKey:
@@ -78,7 +79,8 @@ class WorkerIndex:
         g = self.group.get(name)
         if g is None:
             return
-        load = worker_load(self.by_name[name], self.inflight)
+        stats = self.by_name[name].get("stats") or _NO_STATS  # worker_load, inlined (it runs 4x per request)
+        load = self.inflight.get(name, 0) + float(stats.get("waiting", 0)) + float(stats.get("running", 0))
         loads = self.load
         self.total[g] += load - loads[name]
         loads[name] = load
@@ -96,10 +98,16 @@ class WorkerIndex:
             heap[:] = [e for e in heap if version[e[2]] == e[3]]
             heapq.heapify(heap)
 
-    def _top(self, g: GroupKey) -> tuple[float, float, str, int] | None:
-        """The group's heap top after dropping stale entries and re-keying a grown one (None: empty)."""
+    def _first_unguarded(self, g: GroupKey) -> str | None:
+        """The member with the least heap key that the load guard lets through (None: none is).
+        Stale entries are dropped and a grown one is re-keyed in place as it reaches the top; the ones
+        over the guard are set aside and pushed back after. (A rebuild starts new heaps, so every entry
+        here was pushed for a member of ``g``.)"""
         heap, version, keys, entry = self.heaps[g], self.version, self.key, self.entry
-        while heap:  # (a rebuild starts new heaps, so every entry here was pushed for a member of g)
+        others = len(self.members[g]) - 1
+        total = self.total[g]
+        stash, name = None, None
+        while heap:
             e = heap[0]
             n = e[2]
             if version[n] != e[3]:
@@ -110,27 +118,17 @@ class WorkerIndex:
                 entry[n] = k
                 heapq.heapreplace(heap, (k[0], k[1], n, e[3]))
                 continue
-            return e
-        return None
-
-    def _over(self, g: GroupKey, load: float) -> bool:
-        others = len(self.members[g]) - 1
-        return others > 0 and load * others > 2 * (self.total[g] - load) + others
-
-    def _first_unguarded(self, g: GroupKey) -> str | None:
-        """The member with the least heap key that the load guard lets through (None: none is)."""
-        heap, stash, name = self.heaps[g], [], None
-        while True:
-            e = self._top(g)
-            if e is None:
-                break
-            if self._over(g, e[1]):
+            load = e[1]
+            if others > 0 and load * others > 2 * (total - load) + others:  # over the load guard
+                if stash is None:
+                    stash = []
                 stash.append(heapq.heappop(heap))
                 continue
-            name = e[2]
+            name = n
             break
-        for e in stash:
-            heapq.heappush(heap, e)
+        if stash:
+            for e in stash:
+                heapq.heappush(heap, e)
         return name
 
     def pick(self, g: GroupKey, prefix_blocks: dict[str, int], use_work: bool,
@@ -149,7 +147,7 @@ class WorkerIndex:
         total = self.total[g]
         work, loads = self.work, self.load
 
-        def over(load: float) -> bool:  # :meth:`_over`, inlined for the hot loop
+        def over(load: float) -> bool:  # the load guard of :meth:`_first_unguarded`
             return others > 0 and load * others > 2 * (total - load) + others
 
         def key(n: str) -> tuple:
