@@ -54,7 +54,6 @@ class WorkerIndex:
         self.members: dict[GroupKey, set[str]] = {}
         self.heaps: dict[GroupKey, list[tuple[float, float, str, int]]] = {}
         self.total: dict[GroupKey, float] = {}
-        self.load: dict[str, float] = {}
         self.version: dict[str, int] = {}
         self.key: dict[str, tuple[float, float]] = {}  # current (first key, load) of each member
         self.entry: dict[str, tuple[float, float]] = {}  # the key its live heap entry holds (<= key)
@@ -67,7 +66,7 @@ class WorkerIndex:
             self.heaps.setdefault(g, [])
             self.total.setdefault(g, 0.0)
             self.version[w["name"]] = 0
-            self.load[w["name"]] = 0.0
+            self.key[w["name"]] = (0.0, 0.0)  # no load yet: touch adds the worker's to the group total
             self.touch(w["name"])
 
     def size(self, g: GroupKey) -> int:
@@ -81,11 +80,9 @@ class WorkerIndex:
             return
         stats = self.by_name[name].get("stats") or _NO_STATS  # worker_load, inlined (it runs 4x per request)
         load = self.inflight.get(name, 0) + float(stats.get("waiting", 0)) + float(stats.get("running", 0))
-        loads = self.load
-        self.total[g] += load - loads[name]
-        loads[name] = load
-        new = (self.work.get(name, 0.0) if g[0] == "prefill" else load, load)
-        self.key[name] = new
+        keys = self.key
+        self.total[g] += load - keys[name][1]
+        keys[name] = new = (self.work.get(name, 0.0) if g[0] == "prefill" else load, load)
         entry = self.entry.get(name)
         if entry is not None and new >= entry:
             return  # the live entry's smaller key is still a lower bound: pick re-keys it when it surfaces
@@ -145,19 +142,19 @@ class WorkerIndex:
             return None if n is None else AffinePick(self.by_name[n], 0, ())
         others = len(members) - 1
         total = self.total[g]
-        work, loads = self.work, self.load
+        work, keys = self.work, self.key
 
         def over(load: float) -> bool:  # the load guard of :meth:`_first_unguarded`
             return others > 0 and load * others > 2 * (total - load) + others
 
         def key(n: str) -> tuple:
-            ld = loads[n]
+            ld = keys[n][1]
             return (-prefix_blocks.get(n, 0), work.get(n, 0.0) if use_work else ld, ld, n)
 
         holders = [n for n in prefix_blocks if n in members] if prefix_blocks else []
         best = None
         for n in holders:
-            if not over(loads[n]) and (best is None or key(n) < key(best)):
+            if not over(keys[n][1]) and (best is None or key(n) < key(best)):
                 best = n
         n = self._first_unguarded(g)
         if n is not None and (best is None or key(n) < key(best)):
@@ -167,5 +164,5 @@ class WorkerIndex:
         if not holders:
             return AffinePick(self.by_name[best], 0, ())
         b = prefix_blocks.get(best, 0)
-        skipped = tuple(sorted(n for n in holders if prefix_blocks[n] > b and over(loads[n])))
+        skipped = tuple(sorted(n for n in holders if prefix_blocks[n] > b and over(keys[n][1])))
         return AffinePick(self.by_name[best], b, skipped)
