@@ -45,9 +45,12 @@ class Leases:
         self.prefill_work: dict[str, float] = {}
 
     def _lower(self, name: str) -> None:
-        self.inflight[name] -= 1
-        if self.inflight[name] <= 0:
-            del self.inflight[name]
+        inflight = self.inflight
+        left = inflight[name] - 1
+        if left <= 0:
+            inflight.pop(name, None)
+        else:
+            inflight[name] = left
 
     def _end_prefill(self, lease: Lease) -> None:
         lease.prefill_open = False

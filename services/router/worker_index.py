@@ -27,9 +27,10 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from services.router.placement import AffinePick, worker_load
+from services.router.placement import AffinePick
 
 GroupKey = tuple[str, str | None]
+_NO_STATS: dict[str, Any] = {}  # read only
 
 
 def group_of(w: dict[str, Any]) -> GroupKey:
@@ -53,7 +54,6 @@ class WorkerIndex:
         self.members: dict[GroupKey, set[str]] = {}
         self.heaps: dict[GroupKey, list[tuple[float, float, str, int]]] = {}
         self.total: dict[GroupKey, float] = {}
-        self.load: dict[str, float] = {}
         self.version: dict[str, int] = {}
         self.key: dict[str, tuple[float, float]] = {}  # current (first key, load) of each member
         self.entry: dict[str, tuple[float, float]] = {}  # the key its live heap entry holds (<= key)
@@ -66,7 +66,7 @@ class WorkerIndex:
             self.heaps.setdefault(g, [])
             self.total.setdefault(g, 0.0)
             self.version[w["name"]] = 0
-            self.load[w["name"]] = 0.0
+            self.key[w["name"]] = (0.0, 0.0)  # no load yet: touch adds the worker's to the group total
             self.touch(w["name"])
 
     def size(self, g: GroupKey) -> int:
@@ -78,12 +78,11 @@ class WorkerIndex:
         g = self.group.get(name)
         if g is None:
             return
-        load = worker_load(self.by_name[name], self.inflight)
-        loads = self.load
-        self.total[g] += load - loads[name]
-        loads[name] = load
-        new = (self.work.get(name, 0.0) if g[0] == "prefill" else load, load)
-        self.key[name] = new
+        stats = self.by_name[name].get("stats") or _NO_STATS  # worker_load, inlined (it runs 4x per request)
+        load = self.inflight.get(name, 0) + float(stats.get("waiting", 0)) + float(stats.get("running", 0))
+        keys = self.key
+        self.total[g] += load - keys[name][1]
+        keys[name] = new = (self.work.get(name, 0.0) if g[0] == "prefill" else load, load)
         entry = self.entry.get(name)
         if entry is not None and new >= entry:
             return  # the live entry's smaller key is still a lower bound: pick re-keys it when it surfaces
@@ -96,10 +95,16 @@ class WorkerIndex:
             heap[:] = [e for e in heap if version[e[2]] == e[3]]
             heapq.heapify(heap)
 
-    def _top(self, g: GroupKey) -> tuple[float, float, str, int] | None:
-        """The group's heap top after dropping stale entries and re-keying a grown one (None: empty)."""
+    def _first_unguarded(self, g: GroupKey) -> str | None:
+        """The member with the least heap key that the load guard lets through (None: none is).
+        Stale entries are dropped and a grown one is re-keyed in place as it reaches the top; the ones
+        over the guard are set aside and pushed back after. (A rebuild starts new heaps, so every entry
+        here was pushed for a member of ``g``.)"""
         heap, version, keys, entry = self.heaps[g], self.version, self.key, self.entry
-        while heap:  # (a rebuild starts new heaps, so every entry here was pushed for a member of g)
+        others = len(self.members[g]) - 1
+        total = self.total[g]
+        stash, name = None, None
+        while heap:
             e = heap[0]
             n = e[2]
             if version[n] != e[3]:
@@ -110,27 +115,17 @@ class WorkerIndex:
                 entry[n] = k
                 heapq.heapreplace(heap, (k[0], k[1], n, e[3]))
                 continue
-            return e
-        return None
-
-    def _over(self, g: GroupKey, load: float) -> bool:
-        others = len(self.members[g]) - 1
-        return others > 0 and load * others > 2 * (self.total[g] - load) + others
-
-    def _first_unguarded(self, g: GroupKey) -> str | None:
-        """The member with the least heap key that the load guard lets through (None: none is)."""
-        heap, stash, name = self.heaps[g], [], None
-        while True:
-            e = self._top(g)
-            if e is None:
-                break
-            if self._over(g, e[1]):
+            load = e[1]
+            if others > 0 and load * others > 2 * (total - load) + others:  # over the load guard
+                if stash is None:
+                    stash = []
                 stash.append(heapq.heappop(heap))
                 continue
-            name = e[2]
+            name = n
             break
-        for e in stash:
-            heapq.heappush(heap, e)
+        if stash:
+            for e in stash:
+                heapq.heappush(heap, e)
         return name
 
     def pick(self, g: GroupKey, prefix_blocks: dict[str, int], use_work: bool,
@@ -147,19 +142,19 @@ class WorkerIndex:
             return None if n is None else AffinePick(self.by_name[n], 0, ())
         others = len(members) - 1
         total = self.total[g]
-        work, loads = self.work, self.load
+        work, keys = self.work, self.key
 
-        def over(load: float) -> bool:  # :meth:`_over`, inlined for the hot loop
+        def over(load: float) -> bool:  # the load guard of :meth:`_first_unguarded`
             return others > 0 and load * others > 2 * (total - load) + others
 
         def key(n: str) -> tuple:
-            ld = loads[n]
+            ld = keys[n][1]
             return (-prefix_blocks.get(n, 0), work.get(n, 0.0) if use_work else ld, ld, n)
 
         holders = [n for n in prefix_blocks if n in members] if prefix_blocks else []
         best = None
         for n in holders:
-            if not over(loads[n]) and (best is None or key(n) < key(best)):
+            if not over(keys[n][1]) and (best is None or key(n) < key(best)):
                 best = n
         n = self._first_unguarded(g)
         if n is not None and (best is None or key(n) < key(best)):
@@ -169,5 +164,5 @@ class WorkerIndex:
         if not holders:
             return AffinePick(self.by_name[best], 0, ())
         b = prefix_blocks.get(best, 0)
-        skipped = tuple(sorted(n for n in holders if prefix_blocks[n] > b and over(loads[n])))
+        skipped = tuple(sorted(n for n in holders if prefix_blocks[n] > b and over(keys[n][1])))
         return AffinePick(self.by_name[best], b, skipped)
