@@ -401,3 +401,20 @@ def test_engine_reports_rtts_on_the_senders_clock_and_floor_window():
     assert real[0] > 1000.0 and real[1] == 0.1  # a sample that waited seconds behind the queue came back
     for a, b in zip(real, emulated):
         assert b == pytest.approx(a / 5.0)
+
+
+def test_the_script_refuses_to_run_nothing_and_prints_the_acceptance_line_only_for_its_runs(tmp_path):
+    """No mode is a usage error (exit 2), not a line of nans; ``--plan`` alone does not end with the
+    ``--validate --scale-test`` line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "simulate.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--validate, --scale-test and/or --plan" in r.stderr, r
+    r = subprocess.run([sys.executable, str(script), "--plan", "--gpu-budget", "32", "--window", "60", "--shortlist", "1",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("plot: ") and "gpus=10000" not in r.stdout, last
+    assert (tmp_path / "plan_bandwidth.png").exists()
