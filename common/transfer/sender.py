@@ -227,9 +227,9 @@ class KvLink:
         conn.writer.write(tr.begin_frame)
         tr.pinned = conn.cid
 
-    def _conn_for_control(self, tr: Transfer) -> LinkConnection:
-        """Where ``KV_DONE``/``KV_ABORT`` of ``tr`` go: behind its ``KV_BEGIN`` while a pipelined transfer
-        is not yet admitted, else the least queued live connection."""
+    def _conn_for(self, tr: Transfer) -> LinkConnection:
+        """Where the next frame of ``tr`` (a chunk, ``KV_DONE``, ``KV_ABORT``) goes: behind its ``KV_BEGIN``
+        while a pipelined transfer is not yet admitted, else the least queued live connection."""
         conn = self.conns.get(tr.pinned) if tr.pinned is not None and not tr.admitted.is_set() else None
         return conn if conn is not None and conn.alive else self._least_queued()
 
@@ -239,9 +239,7 @@ class KvLink:
         if entry is None or tr.over:  # finished or aborted meanwhile: drop it
             self._release(window)
             return
-        conn = self.conns.get(tr.pinned) if tr.pinned is not None and not tr.admitted.is_set() else None
-        if conn is None or not conn.alive:  # admitted (or not pipelined): the least queued connection
-            conn = self._least_queued()
+        conn = self._conn_for(tr)
         entry[1] = conn.cid
         conn.queued_bytes += entry[0].nbytes
         conn.queue.put_nowait((tr, key, window, entry[0].nbytes))
@@ -428,7 +426,7 @@ class KvLink:
                         raise Unavailable(f"transfer {tr.req_id} to {self.addr} failed: {tr.error}")
                     if not self._live():
                         await self.ensure_connected()
-                    conn = self._conn_for_control(tr)
+                    conn = self._conn_for(tr)
                     conn.writer.write(encode_frame(Kind.KV_DONE, {"req_id": tr.req_id, **done}))
                     tr.done_sent = True
                     # resends after a failure re-open all_written; KV_DONE is re-sent after them, and
@@ -458,7 +456,7 @@ class KvLink:
         tr.chunks.clear()
         if self._live():
             with contextlib.suppress(Exception):
-                self._conn_for_control(tr).writer.write(encode_frame(Kind.KV_ABORT, {"req_id": tr.req_id, "reason": reason}))
+                self._conn_for(tr).writer.write(encode_frame(Kind.KV_ABORT, {"req_id": tr.req_id, "reason": reason}))
 
     def snapshot(self) -> dict[str, Any]:
         """The link's congestion signals (see ``common/transfer/link_stats.py``) plus its live

@@ -219,12 +219,12 @@ def incremental_lengths(prompt_len: int, block_size: int, l_pd_blocks: int, l_pr
         raise ValueError(f"prompt_len must be >= 1 token, got {prompt_len}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1 token, got {block_size}")
-    if not (0 <= l_pd_blocks * block_size <= prompt_len and 0 <= l_prfaas_blocks * block_size <= prompt_len):
-        for name, blocks in (("l_pd", l_pd_blocks), ("l_prfaas", l_prfaas_blocks)):
-            if blocks < 0 or blocks * block_size > prompt_len:
-                raise ValueError(f"{name}_blocks={blocks} x block_size={block_size} does not fit a {prompt_len}-token prompt")
-    last = prompt_len - 1
-    return {"l_pd": min(l_pd_blocks * block_size, last), "l_prfaas": min(l_prfaas_blocks * block_size, last)}
+    out: dict[str, int] = {}
+    for name, blocks in (("l_pd", l_pd_blocks), ("l_prfaas", l_prfaas_blocks)):
+        if blocks < 0 or blocks * block_size > prompt_len:
+            raise ValueError(f"{name}_blocks={blocks} x block_size={block_size} does not fit a {prompt_len}-token prompt")
+        out[name] = min(blocks * block_size, prompt_len - 1)
+    return out
 
 
 def prefix_move(route: str, l_pd: int, l_prfaas: int) -> tuple[str, str] | None:
@@ -298,11 +298,9 @@ def choose_cluster(prompt_len: int, l_pd: int, l_prfaas: int, threshold: int,
         raise ValueError(f"prompt_len must be >= 1 token, got {prompt_len}")
     if threshold < 0:
         raise ValueError(f"threshold must be >= 0 tokens, got {threshold}")
-    last = prompt_len - 1
-    if not (0 <= l_pd <= last and 0 <= l_prfaas <= last):  # the loop only for the error text
-        for name, v in (("l_pd", l_pd), ("l_prfaas", l_prfaas)):
-            if not 0 <= v <= prompt_len - 1:
-                raise ValueError(f"{name}={v} must be in [0, prompt_len - 1 = {prompt_len - 1}] tokens")
+    for name, v in (("l_pd", l_pd), ("l_prfaas", l_prfaas)):
+        if not 0 <= v <= prompt_len - 1:
+            raise ValueError(f"{name}={v} must be in [0, prompt_len - 1 = {prompt_len - 1}] tokens")
 
     if not bandwidth_plentiful:
         l_local = prompt_len - l_pd
@@ -360,8 +358,7 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
     def longest(ws: list[dict[str, Any]]) -> int:
         return max((prefix_blocks.get(w["name"], 0) for w in ws), default=0) if ws and prefix_blocks else 0
 
-    lens = (incremental_lengths(prompt_len, block_size, longest(prefills["pd"]), longest(prefills["prfaas"]))
-            if prefix_blocks else incremental_lengths(prompt_len, block_size, 0, 0))
+    lens = incremental_lengths(prompt_len, block_size, longest(prefills["pd"]), longest(prefills["prfaas"]))
     l_pd, l_prfaas = lens["l_pd"], lens["l_prfaas"]
     route, l, why = choose_cluster(prompt_len, l_pd, l_prfaas, threshold, bandwidth_plentiful, trade)
     reason = f"prompt={prompt_len} l_pd={l_pd} l_prfaas={l_prfaas}; {why}"

@@ -27,10 +27,9 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from services.router.placement import AffinePick
+from services.router.placement import AffinePick, worker_load
 
 GroupKey = tuple[str, str | None]
-_NO_STATS: dict[str, Any] = {}  # read only
 
 
 def group_of(w: dict[str, Any]) -> GroupKey:
@@ -78,8 +77,7 @@ class WorkerIndex:
         g = self.group.get(name)
         if g is None:
             return
-        stats = self.by_name[name].get("stats") or _NO_STATS  # worker_load, inlined (it runs 4x per request)
-        load = self.inflight.get(name, 0) + float(stats.get("waiting", 0)) + float(stats.get("running", 0))
+        load = worker_load(self.by_name[name], self.inflight)
         keys = self.key
         self.total[g] += load - keys[name][1]
         keys[name] = new = (self.work.get(name, 0.0) if g[0] == "prefill" else load, load)
