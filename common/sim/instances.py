@@ -161,9 +161,12 @@ class DecodeInstance:
             self.on_admitted(r)
 
     # ----------------------------------------------------------------- batch
-    # The hot path of a run (two calls per request): the step clock's arithmetic is written out in
-    # :meth:`join` and :meth:`_tick` (same operations, in the same order, as :meth:`_advance` and
-    # :meth:`_reschedule`), and the tick is pushed on the event heap directly (as ``EventQueue.after``).
+    # The hot path of a run (two calls per request), so the step clock is written out in :meth:`join`
+    # and :meth:`_tick` alike, in the same order: *advance* (``v`` gains ``dt / _step`` steps and
+    # ``rows_s`` gains ``dt`` x the running rows, since ``_at``), then, after the batch changed,
+    # *reschedule* (a new ``_version`` retires the pending tick; ``_step`` is the step time at the new
+    # batch size; the next tick is pushed on the event heap directly, as ``EventQueue.after`` would,
+    # when the first running request has its last step: ``max(0, head - v) x _step`` from now).
     def join(self, req: SimRequest) -> None:
         """The request's KVCache and first token are in: it runs when a batch slot is free."""
         running = self.running
@@ -184,33 +187,13 @@ class DecodeInstance:
         else:
             self.ready_q.append(req)
 
-    def _add(self, req: SimRequest) -> None:
-        req.decode_start = self.q.now
-        heapq.heappush(self.running, (self.v + req.steps, next(self._seq), req))
-
-    def _advance(self) -> None:
-        dt = self.q.now - self._at
-        if dt > 0 and self.running:
-            self.v += dt / self._step
-            self.rows_s += dt * len(self.running)
-        self._at = self.q.now
-
-    def _reschedule(self) -> None:
-        self._version += 1
-        if not self.running:
-            self._step = math.inf
-            return
-        self._step = self._steps[len(self.running)]
-        left = max(0.0, self.running[0][0] - self.v)
-        self.q.after(left * self._step, self._tick, self._version)
-
     def _tick(self, version: int) -> None:
         if version != self._version:
             return
         q = self.q
         now = q.now
         running = self.running
-        dt = now - self._at  # _advance, inline
+        dt = now - self._at  # advance
         if dt > 0 and running:
             self.v += dt / self._step
             self.rows_s += dt * len(running)
@@ -228,7 +211,7 @@ class DecodeInstance:
                 r = ready.popleft()
                 r.decode_start = now
                 push(running, (v + r.steps, next(seq), r))
-        self._version = version = self._version + 1  # _reschedule, inline
+        self._version = version = self._version + 1  # reschedule
         if running:
             self._step = step = self._steps[len(running)]
             left = running[0][0] - v
