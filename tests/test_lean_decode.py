@@ -22,6 +22,7 @@ from common.model import attn_kernel
 from common.model.backend import TorchBackend
 from common.model.lean_decode import LeanLlamaDecoder, lean_supported
 from common.model.loader import load_model
+from common.model.packed_gemm import available_kernels
 from common.model.paged_attention import decode_step
 
 BS = 16
@@ -55,12 +56,16 @@ def rows_in(be: TorchBackend, store: PagedKvStore, tag: str):
     return seqs
 
 
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("packed", [False, "mkl", "onednn"])
 def test_lean_step_equals_the_transformers_step(dense, packed):
-    """Without packed weights and native attention: bit for bit. The default (both): to rounding."""
-    lean_step = dense.lean if packed else LeanLlamaDecoder(dense.model, pack_weights=False, native_attention=False)
+    """Without packed weights and native attention: bit for bit. With either packed kernel (forced: under
+    ``auto`` tiny-dense's small weights stay on ``F.linear``) and native attention: to rounding."""
+    if packed and packed not in available_kernels():
+        pytest.skip(f"this torch has no {packed} kernel")
+    lean_step = (LeanLlamaDecoder(dense.model, gemm=packed) if packed
+                 else LeanLlamaDecoder(dense.model, pack_weights=False, native_attention=False))
     if packed:
-        assert all(L[1].packed is not None for L in lean_step.layers), "tiny-dense's weights were not packed"
+        assert all(L[1].kernel_for(len(LENGTHS)) == packed for L in lean_step.layers), "tiny-dense's weights were not packed"
         assert lean_step.native is not None, "the native attention kernel did not build (is a C compiler there?)"
     store = PagedKvStore(dense.state_specs, 8 << 20, BS)
     generic, lean = rows_in(dense, store, "g"), rows_in(dense, store, "l")

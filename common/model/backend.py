@@ -28,6 +28,7 @@ from common.kv.paged_store import PagedKvStore
 from common.model.cores import CoreShare
 from common.model.lean_decode import LeanLlamaDecoder, lean_supported
 from common.model.loader import LoadedModel
+from common.model.packed_gemm import pack_module_linears
 from common.model.paged_attention import ATTN_IMPL, decode_step, install_layer_hooks
 
 LayerState = dict[str, torch.Tensor]
@@ -118,9 +119,13 @@ class TorchBackend(Backend):
 
     prompt_logits = True
 
-    def __init__(self, loaded: LoadedModel, threads: int | None = None, cores: CoreShare | None = None):
+    def __init__(self, loaded: LoadedModel, threads: int | None = None, cores: CoreShare | None = None,
+                 pack_prefill: bool = True):
         """``threads``: a fixed torch thread count; ``cores``: lease the machine's cores per compute call
-        instead (each prefill layer and each decode step, see ``common/model/cores.py``)."""
+        instead (each prefill layer and each decode step, see ``common/model/cores.py``).
+        ``pack_prefill``: the decoder layers' linears run through packed weights where that is faster
+        for a prefill's rows (``common/model/packed_gemm.py``; about the layers' weight bytes again in
+        memory, and a second or so at start to time the kernels); a decode-only worker passes False."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.model.config
@@ -129,6 +134,7 @@ class TorchBackend(Backend):
         self.lean: LeanLlamaDecoder | None = None  # the decode step of a Llama-layout model (set by paged_store)
         if threads:
             torch.set_num_threads(threads)
+        self.packed_linears = pack_module_linears(self._decoder_layers()) if pack_prefill else 0
 
     # -- prefill ------------------------------------------------------------------------------
     def prefill(self, input_ids: list[int], on_layer: OnLayer, should_stop: Callable[[], bool] = lambda: False,

@@ -10,8 +10,9 @@ twice), rotary embedding from the model's own ``rotary_emb``, the new K/V writte
 store (one ``index_copy_`` per tensor), attention of every row over its blocks in one native call per
 layer (``common/model/attn_kernel.py``; per-row SDPA, :func:`common.model.paged_attention.attend_rows`,
 where no C compiler exists), the output and down projections, residual adds; rotary embedding runs
-once over the q and k heads together. The matmuls and the lm_head run through MKL-packed copies of their
-weights at the batch sizes where that is faster (``common/model/packed_gemm.py``). Outputs agree with
+once over the q and k heads together. The matmuls and the lm_head run through packed copies of their
+weights (MKL's or oneDNN's, whichever is faster on this machine) at the batch sizes where that is faster
+(``common/model/packed_gemm.py``). Outputs agree with
 the transformers forward to float32 rounding (bit for bit without the packed copies and the native
 attention), which the exactness tests check against ``generate``.
 
@@ -59,28 +60,33 @@ def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
 class LeanLlamaDecoder:
     """Decode steps of ``model`` (a supported transformers causal LM, see :func:`lean_supported`) over
     a :class:`PagedKvStore`. Building it fuses q/k/v and gate/up weights in place (the modules keep
-    working, on views). ``pack_weights``: the step's matmuls (and the lm_head) also get MKL-packed
+    working, on views). ``pack_weights``: the step's matmuls (and the lm_head) also get packed
     copies, used at the row counts where they are faster (``common/model/packed_gemm.py``; about the
-    weights' bytes again in memory). ``native_attention``: attention through the compiled kernel of
+    weights' bytes again in memory); ``gemm`` picks their kernel (``auto``, ``dense``, ``mkl`` or
+    ``onednn``; default ``PRFAAS_GEMM``). ``native_attention``: attention through the compiled kernel of
     ``common/model/attn_kernel.py`` where it builds (``native`` is None otherwise). Not thread-safe:
     one step at a time."""
 
-    def __init__(self, model: torch.nn.Module, pack_weights: bool = True, native_attention: bool = True):
+    def __init__(self, model: torch.nn.Module, pack_weights: bool = True, native_attention: bool = True,
+                 gemm: str | None = None):
         if not lean_supported(model):
             raise ValueError(f"the lean decode step does not support {model.config.model_type!r} with this config")
         base = model.model
         c = model.config
         self.embed, self.rotary, self.norm = base.embed_tokens, base.rotary_emb, base.norm
-        self.lm_head = pack(model.lm_head.weight, pack_weights)
+        def packed(weight: torch.Tensor):
+            return pack(weight, pack_weights, mode=gemm)
+
+        self.lm_head = packed(model.lm_head.weight)
         self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         self.q_heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
         self.layers = []
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
             self.layers.append((
-                layer.input_layernorm, pack(_fuse([a.q_proj, a.k_proj, a.v_proj]), pack_weights),
-                pack(a.o_proj.weight, pack_weights), a.scaling, layer.post_attention_layernorm,
-                pack(_fuse([m.gate_proj, m.up_proj]), pack_weights), pack(m.down_proj.weight, pack_weights),
+                layer.input_layernorm, packed(_fuse([a.q_proj, a.k_proj, a.v_proj])),
+                packed(a.o_proj.weight), a.scaling, layer.post_attention_layernorm,
+                packed(_fuse([m.gate_proj, m.up_proj])), packed(m.down_proj.weight),
             ))
         self.q_out, self.kv_out = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
         self.inter = c.intermediate_size

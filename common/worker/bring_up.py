@@ -57,27 +57,30 @@ class WorkerAddrs(NamedTuple):
     planner: str
 
 
-def load_backend(args: argparse.Namespace) -> Backend:
+def load_backend(args: argparse.Namespace, prefills: bool = True) -> Backend:
     """Load the model named by ``args.model`` and wrap it in the chosen backend (blocking: seconds);
     the ``emulated`` backend loads no model (``--emulated-profile``, see ``common/model/emulated.py``).
-    Raises ``ModelLoadError`` for an unknown model, ``ValueError`` for an unknown backend or a bad profile."""
+    ``prefills``: whether this worker computes prefills (a decode-only worker does not, and keeps no
+    packed copies of the weights for them). Raises ``ModelLoadError`` for an unknown model,
+    ``ValueError`` for an unknown backend or a bad profile."""
     if args.backend == "emulated":  # no weights: the profile and the scales define the emulated model
         return make_backend("emulated", None, profile=args.emulated_profile, served_name=args.served_model_name)
     loaded = load_model(args.model, served_name=args.served_model_name)
+    extra = {"pack_prefill": prefills} if args.backend == "torch" else {}
     if args.threads == "shared":
-        return make_backend(args.backend, loaded, cores=CoreShare())
-    return make_backend(args.backend, loaded, threads=args.threads or None)
+        return make_backend(args.backend, loaded, cores=CoreShare(), **extra)
+    return make_backend(args.backend, loaded, threads=args.threads or None, **extra)
 
 
 async def load_worker(args: argparse.Namespace, listen_var: str,
-                      kv_listen_var: str | None = None) -> tuple[WorkerAddrs, Backend]:
+                      kv_listen_var: str | None = None, prefills: bool = True) -> tuple[WorkerAddrs, Backend]:
     """Steps 1 of the module docstring: the addresses (``listen_var``/``kv_listen_var`` name the
     environment variables of ``--listen``/``--kv-listen``; exits when one is unset) and the backend,
-    loaded in a thread so the event loop stays free."""
+    loaded in a thread so the event loop stays free (``prefills``: see :func:`load_backend`)."""
     listen = service.require(args, "listen", listen_var)
     kv_listen = service.require(args, "kv_listen", kv_listen_var) if kv_listen_var else None
     planner = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
-    backend = await asyncio.to_thread(load_backend, args)
+    backend = await asyncio.to_thread(load_backend, args, prefills)
     return WorkerAddrs(listen, kv_listen, planner), backend
 
 

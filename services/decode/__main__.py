@@ -17,7 +17,7 @@ from services.decode.setup import decode_worker_from_args
 
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    addrs, backend = await load_worker(args, "PRFAAS_DECODE_ADDR", "PRFAAS_DECODE_KV_ADDR")
+    addrs, backend = await load_worker(args, "PRFAAS_DECODE_ADDR", "PRFAAS_DECODE_KV_ADDR", prefills=False)
     receiver, worker = decode_worker_from_args(args, backend, addrs.kv_listen)
 
     async def start() -> None:  # after the RPC listener: the KV listener, then the batch loop
