@@ -71,7 +71,9 @@ def emulated_base(scales: dict, host_overhead_s: float = EMULATED_HOST_OVERHEAD_
     senders' RTT signals (real seconds: ``rtt_clock_scale``, ``rtt_floor_window_s``)."""
     s = Scales(**scales)
     b = EmulatedModel(EmulatedProfile.from_file("h20_table6_fit"), s).byte_scale
+    token_chunks, fixed_chunks = emulated_send_chunks(EmulatedModel(EmulatedProfile.from_file("h200_table5"), s))
     return SimConfig(0, 0, 1, output_scale=s.output_scale, link_buffer_bytes=KV_CONNECTIONS * (4 << 20) / b,
+                     kv_token_chunks=token_chunks, kv_fixed_chunks=fixed_chunks,
                      ping_interval_s=PING_INTERVAL_S * s.time_scale, kv_connections=KV_CONNECTIONS,
                      ping_timeout_s=3.0 * s.time_scale, stall_timeout_s=5.0 * s.time_scale,  # KvLink's, real seconds
                      # the senders' RTTs are real milliseconds, their floor window 3 real seconds (LinkStats: the
@@ -80,6 +82,17 @@ def emulated_base(scales: dict, host_overhead_s: float = EMULATED_HOST_OVERHEAD_
                      rtt_clock_scale=s.time_scale, rtt_floor_window_s=3.0 * s.time_scale,
                      prefix_cache_bytes=(32 << 20) / b, decode_pool_bytes=(64 << 20) / b,
                      host_overhead_s=host_overhead_s, remote_overhead_s=remote_overhead_s)
+
+
+def emulated_send_chunks(model: EmulatedModel) -> tuple[int, int]:
+    """Chunks in one layer's KV send of the emulated model (``services/prefill/worker.py``): an attention
+    layer sends one range per tensor and KV head of its tokens (``tensor_ranges``), a linear layer its state
+    tensors whole; each range is far below ``DEFAULT_CHUNK_BYTES``, one chunk. Returns
+    ``(per-token chunks, fixed-state chunks)`` for ``SimConfig.kv_token_chunks`` / ``kv_fixed_chunks``."""
+    per_kind: dict[str, int] = {}
+    for kind, spec in zip(model.layer_types, model.specs):
+        per_kind[kind] = sum(shape[1] if kind == "attention" else 1 for _dtype, shape in spec.values())
+    return per_kind.get("attention", 0), per_kind.get("linear", 0)
 
 
 def emulated_results(path: Path) -> tuple[dict, str]:

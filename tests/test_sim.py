@@ -125,12 +125,13 @@ def test_sender_view_counts_buffered_bytes_as_written_and_times_the_worst_queue(
     link.start(40, lambda: None, cap=4.0, queue="b")  # produced at 4 B/s: at its cap, never queued
     q.run(until=2.0)
     # the link gives b its 4 B/s and a the other 6: a has 12 B delivered, 88 B produced and waiting
-    written, queued, delays = link.sender_view(buffer_bytes=50.0)
+    written, queued, queues = link.sender_view(buffer_bytes=50.0)
     assert written == pytest.approx(12 + 50 + 8)  # a: delivered + the buffer's 50 B; b: its 8 B, delivered
     assert queued == pytest.approx(38.0)  # a's bytes beyond its buffer stay in the sender
-    assert delays == {"a": pytest.approx(50 / 6)}  # a byte entering a's buffer now waits 50 B at 6 B/s
-    written, queued, delays = link.sender_view(buffer_bytes=1e9)
-    assert written == pytest.approx(100 + 8) and queued == 0.0 and delays == {"a": pytest.approx(88 / 6)}
+    assert queues == {"a": (pytest.approx(50.0), pytest.approx(6.0), 0)}  # 50 B buffered, draining at 6 B/s (flow 0)
+    assert link.path_queue("a", 50.0) == queues["a"] and link.path_queue("b", 50.0) is None
+    written, queued, queues = link.sender_view(buffer_bytes=1e9)
+    assert written == pytest.approx(100 + 8) and queued == 0.0 and queues == {"a": (pytest.approx(88.0), pytest.approx(6.0), 0)}
 
 
 def test_sender_view_of_an_uncongested_link_is_what_it_delivered():
@@ -315,26 +316,96 @@ def test_the_simulator_does_not_import_torch():
 def test_path_pings_come_back_after_the_queue_and_idle_connections_answer_at_once():
     from common.sim.pings import PathPings
 
+    delivered = lambda key: (1.0 * now, 1.0)  # noqa: E731  (the path delivers 1 B/s)
     pings = PathPings(interval_s=5.0, connections=2)
-    assert pings.tick(0.0, {"p": 10.0}, 1.0) == (1.0, 1.0)  # joins; its first round is later (its phase)
-    first = pings.paths["p"].next
+    now = 0.0
+    assert pings.tick(now, {"p": (10.0, 0.0)}, delivered, 1.0) == (1.0, 1.0)  # joins; its first round is later (its phase)
+    first = now = pings.paths["p"].next
     assert 0.0 < first < 5.0
-    rtt, floor = pings.tick(first, {"p": 9.0}, 1.0)  # the idle connection answers now, the loaded one in 9 s
-    assert rtt == 1.0 and floor == 1.0 and pings.paths["p"].out == (first, pytest.approx(first + 9.001), pytest.approx(9001.0))
+    rtt, floor = pings.tick(now, {"p": (9.0, 0.0)}, delivered, 1.0)  # the idle connection answers now, the loaded one after 9 B
+    assert rtt == 1.0 and floor == 1.0
+    assert pings.paths["p"].out == [(first, pytest.approx(first + 9.0)), None]
     for k in range(1, 20):  # reports every 0.5 s; the next round (idle answer) at +5 s
-        rtt, floor = pings.tick(first + 0.5 * k, {"p": 9.0}, 1.0)
+        now = first + 0.5 * k
+        rtt, floor = pings.tick(now, {"p": (9.0, 0.0)}, delivered, 1.0)
     assert floor == pytest.approx(9001.0) and 1.0 < rtt < 9001.0  # at +9.5 s: the idle answer at +5 s left the 3 s window
-    assert pings.tick(first + 10.0, {"p": 9.0}, 1.0)[1] == 1.0  # the round at +10 s: an idle answer again
+    now = first + 10.0
+    assert pings.tick(now, {"p": (9.0, 0.0)}, delivered, 1.0)[1] == 1.0  # the round at +10 s: an idle answer again
     for k in range(200):  # queue gone: idle answers bring the EWMA back, then the path leaves
-        pings.tick(first + 20.0 + 5 * k, {}, 1.0)
+        now = first + 20.0 + 5 * k
+        pings.tick(now, {}, delivered, 1.0)
     assert not pings.paths
     pings = PathPings(interval_s=5.0, connections=1)  # one connection: every ping waits behind the queue
-    pings.tick(0.0, {"p": 2.0}, 1.0)
-    t = pings.paths["p"].next
-    pings.tick(t, {"p": 2.0}, 1.0)
-    assert pings.tick(t + 2.5, {"p": 2.0}, 1.0) == (pytest.approx(2001.0), pytest.approx(2001.0))
+    now = 0.0
+    pings.tick(now, {"p": (2.0,)}, delivered, 1.0)
+    now = t = pings.paths["p"].next
+    pings.tick(now, {"p": (2.0,)}, delivered, 1.0)
+    now = t + 2.5
+    assert pings.tick(now, {"p": (2.0,)}, delivered, 1.0) == (pytest.approx(2001.0), pytest.approx(2001.0))
+    # a pong waits for bytes, not for a time fixed when it left: the link speeds up 4x after 1 s
+    pings = PathPings(interval_s=5.0, connections=1)
+    now, base = 0.0, 0.0
+    pings.tick(now, {"p": (8.0,)}, lambda key: (base, 1.0), 1.0)
+    now = t = pings.paths["p"].next
+    pings.tick(now, {"p": (8.0,)}, lambda key: (base, 1.0), 1.0)  # 8 B ahead: 8 s at 1 B/s, but
+    now, base = t + 1.0, 1.0
+    pings.tick(now, {"p": (7.0,)}, lambda key: (base, 4.0), 1.0)
+    now, base = t + 3.0, 9.0  # 4 B/s from t + 1: through at t + 2.75
+    assert pings.tick(now, {}, lambda key: (base, 4.0), 1.0)[1] == pytest.approx(2751.0)
     with pytest.raises(ValueError):
         PathPings(0.0, 1)
+
+
+def test_a_layers_chunks_stripe_over_the_connections_as_the_least_queued_rule_places_them():
+    from common.sim.pings import send_shares, transfer_shares
+
+    # KvLink.send places a layer's chunks before any writer runs: each goes where this send put the
+    # fewest bytes (ties to the first), and every send starts from empty queues
+    assert send_shares([[5.0, 5.0]], 2) == [0.5, 0.5]  # K and V of one head: one on each connection
+    assert send_shares([[5.0]], 2) == [1.0, 0.0]  # a one-chunk layer (a linear layer's state): the first
+    assert send_shares([[3.0, 3.0], [4.0], [3.0, 3.0], [4.0]], 2) == [pytest.approx(0.7), pytest.approx(0.3)]
+    assert send_shares([[1.0] * 5], 4) == [0.4, 0.2, 0.2, 0.2]  # five chunks over four connections
+    assert send_shares([[4.0, 1.0, 1.0, 1.0]], 2) == [4 / 7, 3 / 7]  # the big chunk's connection gets no more
+    assert send_shares([], 3) == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        send_shares([[1.0]], 0)
+    # the emulated model: a linear layer's state in one chunk, an attention layer's K and V in one each
+    assert transfer_shares(10.0, 4.0, 2, 1, 2) == [pytest.approx(0.7), pytest.approx(0.3)]
+    assert transfer_shares(10.0, 4.0, 0, 0, 4) == [pytest.approx(0.25)] * 4  # a real model's ranges per head: even
+    # half of it produced before KV_ADMIT came back: that half went behind KV_BEGIN, on the first connection
+    assert transfer_shares(10.0, 4.0, 2, 1, 2, pinned=0.5) == [pytest.approx(0.85), pytest.approx(0.15)]
+
+
+def test_a_transfer_begun_behind_a_queue_is_admitted_after_it():
+    # 1 B/s link, 10 B buffered on the path: KV_BEGIN waits behind them, and KV_ADMIT one RTT more
+    sim = Simulation(SimConfig(1, 1, 1, threshold=0, link_gbps=8e-9, rtt_s=0.5, link_buffer_bytes=1e9, kv_connections=2))
+    key = ("prfaas-0", "pd-1")
+    assert sim._admission_s(key) == 0.5  # an idle path: the round trip alone
+    sim.link.start(10, lambda: None, queue=key)  # all produced at once; 10 B is all fixed-size state, in one chunk per connection
+    assert sim._admission_s(key) == pytest.approx(10.5)
+
+
+def test_every_loaded_connections_ping_waits_behind_its_own_bytes_sent_in_turn():
+    from common.sim.pings import PathPings, connection_ahead
+
+    # 10 B on a path split 70/30: the 3 B connection's ping is through once it sent them, the other
+    # having sent 3 B of its own meanwhile (6 B); the 7 B one after all 10 B
+    assert connection_ahead(10.0, [0.7, 0.3]) == [pytest.approx(10.0), pytest.approx(6.0)]
+    assert connection_ahead(10.0, [1.0, 0.0]) == [10.0, 0.0]  # one loaded connection: the whole path's bytes
+    assert connection_ahead(10.0, [1.0, 0.0], conn_bytes=6.0) == [10.0, 8.0]  # the first is full: 4 B spill over
+    assert connection_ahead(0.0, [0.5, 0.5]) == [0.0, 0.0]
+
+    # the floor, the lowest ping of its window, stays at the base RTT only while a connection is idle
+    def floor_after(split: list[float]) -> float:
+        pings = PathPings(interval_s=1.0, connections=2, floor_window_s=3.0)
+        ahead = connection_ahead(100.0, split)  # 100 B buffered, drained at 1000 B/s: 100 ms / 60 ms behind the queue
+        floor = 0.0
+        for k in range(40):
+            floor = pings.tick(0.25 * k, {"p": ahead}, lambda key, k=k: (250.0 * k, 1000.0), 1.0)[1]
+        return floor
+
+    assert floor_after([1.0, 0.0]) == 1.0
+    assert floor_after([0.7, 0.3]) == pytest.approx(61.0)
 
 
 def test_engine_rtt_sample_arrives_after_the_queue_it_measured():
@@ -348,8 +419,8 @@ def test_engine_rtt_sample_arrives_after_the_queue_it_measured():
     sim.q.run(until=first)
     sim._link_signals(first)  # the ping goes out
     assert link_of()["rtt_ms"] == 0.1  # no path has answered yet: the base RTT
-    sim.q.run(until=first + 10.5)
-    sim._link_signals(first + 10.5)
+    sim.q.run(until=first + 8.0)
+    sim._link_signals(first + 8.0)  # through at 10 s, after the round at first + 5 (skipped: its ping was out)
     assert link_of()["rtt_ms"] == pytest.approx(0.1 + 1e3 * (10 - first))  # what waited when it was sent
     assert sim._link_prev[0] == pytest.approx(10.0)  # the senders counted every buffered byte as written
 
@@ -358,24 +429,27 @@ def test_a_late_pong_fails_the_connection_and_the_path_sends_its_transfer_again(
     from common.sim.pings import PathPings
 
     pings = PathPings(interval_s=5.0, connections=2, fail_after_s=25.0)
-    pings.tick(0.0, {"p": 40.0}, 1.0)
+    slow = lambda key: (0.0, 0.0)  # noqa: E731  (the path delivers nothing)
+    pings.tick(0.0, {"p": (40.0, 0.0)}, slow, 1.0)
     first = pings.paths["p"].next
-    pings.tick(first, {"p": 40.0}, 1.0)  # the loaded connection's ping waits 40 s
-    pings.tick(first + 25.0, {"p": 40.0}, 1.0)
+    pings.tick(first, {"p": (40.0, 0.0)}, slow, 1.0)  # the loaded connection's ping waits behind 40 B
+    pings.tick(first + 25.0, {"p": (40.0, 0.0)}, slow, 1.0)
     assert pings.failed == []  # not later than 25 s yet
-    pings.tick(first + 25.5, {"p": 40.0}, 1.0)
-    assert pings.failed == ["p"] and pings.paths["p"].out is None  # lost with its connection
+    pings.tick(first + 25.5, {"p": (40.0, 0.0)}, slow, 1.0)
+    assert pings.failed == [("p", 0)] and pings.paths["p"].out == [None, None]  # lost with its connection
     q = EventQueue()
     link = SharedLink(q, capacity=10.0)
     out: dict[str, float] = {}
     link.start(100, lambda: out.__setitem__("a", q.now), queue="a")
     q.run(until=4.0)
     assert link.resend("a") == pytest.approx(40.0) and link.resend("b") == 0.0
+    q.run(until=6.0)
+    assert link.resend("a", share=0.25) == pytest.approx(5.0)  # a connection with a quarter of the chunks: 20 B sent, 5 B again
     q.run()
-    assert out == {"a": pytest.approx(14.0)}  # 100 B again from 4 s at 10 B/s
+    assert out == {"a": pytest.approx(14.5)}  # 100 B again from 4 s at 10 B/s, and 5 B more
     written, _, _ = link.sender_view(1e9)
-    assert written == pytest.approx(140.0)  # the sender wrote the 40 B twice
-    assert link.delivered_seen == pytest.approx(140.0)  # and they crossed twice: the count never goes back
+    assert written == pytest.approx(145.0)  # the sender wrote the 40 B twice, and the 5 B
+    assert link.delivered_seen == pytest.approx(145.0)  # and they crossed twice: the count never goes back
     with pytest.raises(ValueError):
         PathPings(1.0, 1, fail_after_s=0.0)
 

@@ -25,8 +25,8 @@ before a remote request's first token; 0 for an ideal system, fitted for the emu
 (instant at prefill end, apart from the host overhead), failures. Load reports
 reach the router's and the planner's view every ``report_s`` seconds: prefill ``waiting``, decode
 ``admission_queue`` (what the planner's loops read), the KV senders' goodput (bytes written into the
-paths' buffers), capacity, RTT (one ping every ``ping_interval_s``, back after the worst path's queue)
-and backlog;
+paths' buffers), capacity, RTT (one ping every ``ping_interval_s`` on each connection of a path, through once the bytes
+buffered ahead of it on its connection have crossed: ``common/sim/pings.py``) and backlog;
 the router's load of a worker is then its own in-flight count (plus a prefill worker's queue), the
 decode workers' reported ``running``/``waiting`` (which the router adds to its in-flight count of
 the same requests) are left out.
@@ -48,7 +48,7 @@ from common.model.emulated_profile import EmulatedProfile
 from common.sim.events import EventQueue
 from common.sim.instances import DecodeInstance, PrefillInstance, SimRequest
 from common.sim.link import SharedLink
-from common.sim.pings import PathPings
+from common.sim.pings import PathPings, connection_ahead, transfer_shares
 from common.transfer.estimators import Ewma, WindowedMax
 from services.planner import throughput as tm
 from services.planner.control import Controller
@@ -76,7 +76,10 @@ class SimConfig:
     link (``link_buffer_bytes``), the seconds between the KV senders' pings on each connection
     (``ping_interval_s``), the connections per path (``kv_connections``, the workers' ``--kv-connections``)
     and the senders' liveness timeouts (``ping_timeout_s``, ``stall_timeout_s``: a pong later than both fails
-    the path's loaded connection and its chunks are sent again), ``rtt_floor_window_s`` the senders' RTT floor window (s) and
+    its connection and the chunks written on it are sent again), how a transfer's chunks spread over a path's
+    connections (``kv_token_chunks``: chunks in each layer's send of the per-token KV, ``kv_fixed_chunks``: in
+    each layer's send of the fixed-size state, the profile's fixed KV bytes; 0: at least one per connection, a
+    real model's K and V ranges per KV head; see ``common/sim/pings.py``), ``rtt_floor_window_s`` the senders' RTT floor window (s) and
     ``rtt_clock_scale`` the seconds of simulated time per second of the senders' clock for the RTTs they report
     (1 for a real deployment; the emulated cluster's ``time_scale``: its senders time pings on the real clock,
     a fifth of the emulated seconds, and its planner compares those milliseconds with its thresholds)."""
@@ -105,6 +108,8 @@ class SimConfig:
     kv_connections: int = 4
     ping_timeout_s: float = 3.0
     stall_timeout_s: float = 5.0
+    kv_token_chunks: int = 0
+    kv_fixed_chunks: int = 0
     rtt_clock_scale: float = 1.0
     rtt_floor_window_s: float = 3.0
     mu: float = 9.90
@@ -188,6 +193,9 @@ class Simulation:
         self._delivered_prev = 0.0
         self._pings = PathPings(cfg.ping_interval_s, cfg.kv_connections, cfg.rtt_floor_window_s,  # RTT probes and liveness
                                 fail_after_s=max(cfg.ping_timeout_s, cfg.stall_timeout_s))
+        self._kv_fixed = self.prfaas_hw.kv_affine()[0]  # bytes of a transfer sent as fixed-size state
+        self._conn_bytes = cfg.link_buffer_bytes / cfg.kv_connections  # one connection's share of a path's buffers
+        self._pinned: dict[int, float] = {}  # flow -> the fraction of its bytes produced before its KV_ADMIT came back
         self._goodput = Ewma(half_life_s=5.0)
         self._capacity = WindowedMax(30.0)
         self._egress = 0.0
@@ -260,9 +268,11 @@ class Simulation:
     def _prefill_started(self, req: SimRequest, seconds: float) -> None:
         self.dirty.add(req.prefill.name)
         if req.prefill.cluster == "prfaas":
-            nbytes = req.kv_prfaas
-            req.flow = self.link.start(nbytes, lambda: self._kv_done(req), nbytes / seconds if seconds > 0 else math.inf,
-                                       queue=(req.prefill.name, req.decode.name))  # the sender's path to that decode worker
+            nbytes, key = req.kv_prfaas, (req.prefill.name, req.decode.name)  # the sender's path to that decode worker
+            admit_s = self._admission_s(key)
+            req.flow = self.link.start(nbytes, lambda: self._kv_done(req), nbytes / seconds if seconds > 0 else math.inf, queue=key)
+            if admit_s > 0:
+                self._pinned[req.flow] = min(1.0, admit_s / seconds) if seconds > 0 else 1.0
         else:
             req.kv_done = True
 
@@ -281,7 +291,20 @@ class Simulation:
             return
         self._maybe_first(req)
 
+    def _admission_s(self, key: tuple[str, str]) -> float:
+        """Seconds until a transfer beginning now on path ``key`` is admitted: its ``KV_BEGIN`` goes on the
+        least queued connection (the first, its writer having drained) behind the bytes buffered there,
+        and ``KV_ADMIT`` comes back one RTT later (the decode worker holds the reservation)."""
+        link = self.link
+        q = link.path_queue(key, link.buffer_bytes) if key in link.head else None
+        if q is None:
+            return link.rtt
+        nbytes, rate, fid = q
+        ahead = connection_ahead(nbytes, self._shares(fid), self._conn_bytes)[0]
+        return link.rtt + (ahead / rate if rate > 0 else math.inf)
+
     def _kv_done(self, req: SimRequest) -> None:
+        self._pinned.pop(req.flow, None)
         req.kv_done = True
         self._maybe_first(req)
 
@@ -347,10 +370,13 @@ class Simulation:
         smoothed RTT and its 3 s floor. Each sender's path to a decode worker has ``link_buffer_bytes``
         of socket and proxy buffers in front of the link (:meth:`SharedLink.sender_view`): a sender
         counts a byte as sent once the buffers take it, only what exceeds their room stays queued in
-        the sender (backlogged), and a ping waits behind the bytes buffered on its path, so the RTT
-        grows by the worst path's queueing delay."""
+        the sender (backlogged), and a ping waits behind the bytes buffered on its own connection of
+        the path (a transfer's chunks spread over the connections as ``KvLink.send`` places them,
+        :meth:`_shares`), so the RTT and, once every connection of a path is loaded, its floor grow
+        by the worst path's queueing delay."""
         link = self.link
-        b, queued, delays = link.sender_view(link.buffer_bytes)
+        b, queued, queues = link.sender_view(link.buffer_bytes)
+        ahead = {key: connection_ahead(nbytes, self._shares(fid), self._conn_bytes) for key, (nbytes, _rate, fid) in queues.items()}
         t = now
         b0, t0 = self._link_prev
         self._link_prev = (b, t)
@@ -361,12 +387,14 @@ class Simulation:
         if t > t0 and was is not None and self._engine_backlogged_since is not None:
             self._capacity.update(rate, now)
         rtt_min = max(link.rtt * 1e3, 0.1)
-        rtt, floor = self._pings.tick(now, delays, rtt_min)
+        rtt, floor = self._pings.tick(now, ahead, link.path_progress, rtt_min)
         k = self.cfg.rtt_clock_scale
         if k != 1.0:  # the senders' milliseconds are on their own clock
             rtt, floor, rtt_min = rtt / k, floor / k, rtt_min / k
-        for key in self._pings.failed:  # a connection failed: its written chunks go again
-            link.resend(key)
+        for key, conn in self._pings.failed:  # a connection failed: the chunks written on it go again
+            head = link.head.get(key)
+            if head is not None:
+                link.resend(key, self._shares(head)[conn])
         backlogged_s = 0.0 if self._engine_backlogged_since is None else now - self._engine_backlogged_since
         d = link.delivered_seen  # the timeline's egress: what crossed the link (the emulated cluster's proxy count)
         self._egress = 8 * (d - self._delivered_prev) / (t - t0) if t > t0 else 0.0
@@ -376,6 +404,12 @@ class Simulation:
                 "goodput_bps": self._goodput.value or 0.0, "capacity_bps": self._capacity.value(now), "rtt_ms": rtt,
                 "rtt_min_ms": rtt_min, "rtt_floor_ms": floor, "backlogged_s": backlogged_s,
                 "stalls": 0, "retransmits": 0}}
+
+    def _shares(self, fid: int) -> list[float]:
+        """Each connection's fraction of flow ``fid``'s bytes (``pings.transfer_shares``; :attr:`_pinned`)."""
+        cfg, f = self.cfg, self.link.flows.get(fid) or self.link.waiting[fid]
+        return transfer_shares(f.size, self._kv_fixed, cfg.kv_token_chunks, cfg.kv_fixed_chunks, cfg.kv_connections,
+                               self._pinned.get(fid, 0.0))
 
     def _long_tick(self, now: float) -> None:
         m = self.mover

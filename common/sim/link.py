@@ -23,7 +23,8 @@ Signals: ``delivered`` bytes, :meth:`held_now` (bytes of the flows held below th
 link is *backlogged* (some flow is held) and since when, and :meth:`sender_view`: what the KV
 senders see when each path has ``buffer_bytes`` of socket and proxy buffers in front of the link:
 the bytes they have written (produced bytes, as far as the path's buffers take them), the bytes
-beyond the buffers (their own queue) and the longest queueing delay a ping meets in a path's buffers.
+beyond the buffers (their own queue) and, per path, the bytes in its buffers and the rate they drain
+at (what its pings wait behind: ``common/sim/pings.py`` splits them over the path's connections).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class SharedLink:
         self.head: dict[Hashable, int] = {}  # path -> the flow of it on the link now
         self.resent_bytes = 0.0  # bytes sent again after a connection failed (:meth:`resend`)
         self.delivered_seen = 0.0  # bytes that crossed the link (a resent byte twice), as of the latest :meth:`sender_view`
+        self.path_bytes: dict[Hashable, float] = {}  # per path: bytes of its completed flows, plus its resent bytes
 
     # ----------------------------------------------------------------- flows
     def start(self, nbytes: float, on_done: Callable[[], Any], cap: float = math.inf, queue: Hashable | None = None) -> int:
@@ -152,19 +154,23 @@ class SharedLink:
         else:
             self._reallocate()
 
-    def resend(self, key: Hashable) -> float:
-        """Path ``key``'s loaded connection failed: the sender sends the chunks it had written on it again
-        (``Transfer.unwrite_on``), also those that had crossed, so its transfer on the link starts over
-        (what is buffered behind it was not delivered and stays queued). Returns the bytes sent again
-        (0 when the path has nothing on the link); :meth:`sender_view` counts them as written."""
+    def resend(self, key: Hashable, share: float = 1.0) -> float:
+        """A connection of path ``key`` failed: the sender sends the chunks it had written on it again
+        (``Transfer.unwrite_on``), also those that had crossed. ``share`` (0..1): that connection's
+        fraction of the transfer's bytes (``common/sim/pings.py`` ``send_shares``), so that fraction of
+        what the path's transfer on the link has delivered goes again (what is buffered behind it was not
+        delivered and stays queued). Returns the bytes sent again (0 when the path has nothing on the
+        link); :meth:`sender_view` counts them as written."""
         fid = self.head.get(key)
         if fid is None:
             return 0.0
         f = self.flows[fid]
         now = self.q.now
-        again = f.size - max(0.0, f.left_at(now))
-        f.left, f.at = f.size, now
+        left = max(0.0, f.left_at(now))
+        again = share * (f.size - left)
+        f.left, f.at = (f.size if share >= 1.0 else left + again), now
         self.resent_bytes += again
+        self.path_bytes[key] = self.path_bytes.get(key, 0.0) + again
         self._reallocate()
         return again
 
@@ -192,33 +198,55 @@ class SharedLink:
         now = self.q.now
         return self.done_bytes + sum(f.size - max(0.0, f.left_at(now)) for f in self.flows.values())
 
-    def sender_view(self, buffer_bytes: float) -> tuple[float, float, dict[Any, float]]:
+    def path_progress(self, key: Hashable) -> tuple[float, float]:
+        """Path ``key`` now: the bytes it has delivered (a resent byte each time it crossed; never
+        decreasing) and the rate its transfer on the link crosses at (bytes/s; 0 with none)."""
+        d = self.path_bytes.get(key, 0.0)
+        fid = self.head.get(key)
+        if fid is None:
+            return d, 0.0
+        f = self.flows[fid]
+        return d + f.size - max(0.0, f.left_at(self.q.now)), f.rate
+
+    def path_queue(self, key: Hashable, buffer_bytes: float) -> tuple[float, float, int] | None:
+        """Path ``key``'s entry of :meth:`sender_view`'s ``queues`` now (None when nothing of it is buffered)."""
+        fid = self.head.get(key)
+        if fid is None:
+            return None
+        f, now = self.flows[fid], self.q.now
+        delivered = f.size - max(0.0, f.left_at(now))
+        produced = f.produced_at(now) + sum(self.waiting[w].produced_at(now) for w in self.queues.get(key, ()))
+        inside = min(produced, delivered + buffer_bytes)
+        return (inside - delivered, f.rate, fid) if inside > delivered else None
+
+    def sender_view(self, buffer_bytes: float) -> tuple[float, float, dict[Any, tuple[float, float, float]]]:
         """What the senders see now with ``buffer_bytes`` of buffers per path (for flows without a
-        path, per flow) between them and the link: ``(written, queued, delay_s)``. ``written``: bytes
+        path, per flow) between them and the link: ``(written, queued, queues)``. ``written``: bytes
         the senders have handed to the path so far (delivered, plus what is produced and buffered,
         up to the buffers' room): the bytes a KV sender counts as sent. ``queued``: produced bytes
-        beyond the buffers' room (the senders' own queue). ``delays``: per path with bytes buffered,
-        how long a byte entering its buffers now waits to cross the link at the path's current rate
-        (seconds; what a ping on that path measures on top of the RTT)."""
+        beyond the buffers' room (the senders' own queue). ``queues``: per path with bytes buffered,
+        ``(bytes in its buffers, the path's current rate in bytes/s, the id of its flow on the link)``:
+        a byte entering its buffers now waits ``bytes / rate`` seconds to cross (what a ping on that
+        path measures on top of the RTT, spread over its connections)."""
         now = self.q.now
         if not self.waiting and not self.congested:  # every flow at its cap: delivered as produced
             self.delivered_seen = self.delivered_now() + self.resent_bytes
             return self.delivered_seen, 0.0, {}
-        paths: dict[Any, list[float]] = {}  # path -> [delivered, produced, rate] of its live flows
+        paths: dict[Any, list[float]] = {}  # path -> [delivered, produced, rate, flow id] of its live flows
         for fid, f in self.flows.items():
             left = max(0.0, f.left_at(now))
-            paths[f.key if f.key is not None else ("flow", fid)] = [f.size - left, f.produced_at(now), f.rate]
+            paths[f.key if f.key is not None else ("flow", fid)] = [f.size - left, f.produced_at(now), f.rate, fid]
         for f in self.waiting.values():
             paths[f.key][1] += f.produced_at(now)
-        written, queued, delays = self.done_bytes + self.resent_bytes, 0.0, {}
+        written, queued, queues = self.done_bytes + self.resent_bytes, 0.0, {}
         self.delivered_seen = self.done_bytes + self.resent_bytes + sum(v[0] for v in paths.values())
-        for key, (delivered, produced, rate) in paths.items():
+        for key, (delivered, produced, rate, fid) in paths.items():
             inside = min(produced, delivered + buffer_bytes)
             written += inside
             queued += produced - inside
             if inside > delivered:
-                delays[key] = (inside - delivered) / rate if rate > 0 else math.inf
-        return written, queued, delays
+                queues[key] = (inside - delivered, rate, fid)
+        return written, queued, queues
 
     # ----------------------------------------------------------------- internals
     def _add_demand(self, cap: float, sign: int) -> None:
@@ -244,6 +272,8 @@ class SharedLink:
         del self.flows[fid]
         self._add_demand(f.cap, -1)
         self.done_bytes += f.size
+        if f.key is not None:
+            self.path_bytes[f.key] = self.path_bytes.get(f.key, 0.0) + f.size
         if not self.flows:
             self.demand = 0.0  # no drift from float sums
         g = self._next_of(f)
@@ -292,6 +322,8 @@ class SharedLink:
             f = self.flows.pop(fid)
             self._add_demand(f.cap, -1)
             self.done_bytes += f.size
+            if f.key is not None:
+                self.path_bytes[f.key] = self.path_bytes.get(f.key, 0.0) + f.size
             callbacks.append(f.on_done)
             self._next_of(f)
         if not self.flows:

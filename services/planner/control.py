@@ -26,7 +26,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from common.rpc.client import RpcClient
 from services.planner import throughput as tm
@@ -40,40 +40,54 @@ from services.planner.short_loop import (
 log = logging.getLogger("prfaas.planner.control")
 
 
-def counts(workers: list[dict[str, Any]]) -> tuple[int, int, int]:
-    """Alive (PrfaaS prefill, PD-P prefill, PD-D decode) instance counts. One pass (it runs every tick
-    over every worker: thousands in a simulated 10,000-GPU deployment)."""
+class Census(NamedTuple):
+    """One pass over the planner's worker view (:func:`census`): the ``alive`` workers, their
+    :func:`counts` (``shape``), :func:`queue_depths` (``depths``) and :func:`_prfaas_links` (``links``)."""
+
+    alive: list[dict[str, Any]]
+    shape: tuple[int, int, int]
+    depths: tuple[int, int, int]
+    links: list[list[dict[str, Any]]]
+
+
+def census(workers: list[dict[str, Any]]) -> Census:
+    """See :class:`Census`. One pass: it runs every tick over every worker (thousands in a simulated
+    10,000-GPU deployment)."""
+    alive: list[dict[str, Any]] = []
+    links: list[list[dict[str, Any]]] = []
     n_prfaas = n_p = n_d = 0
-    for w in workers:
-        if not w.get("alive"):
-            continue
-        if w["role"] == "decode":
-            n_d += 1
-        elif w["role"] == "prefill":
-            if w["cluster"] == "prfaas":
-                n_prfaas += 1
-            elif w["cluster"] == "pd":
-                n_p += 1
-    return n_prfaas, n_p, n_d
-
-
-def queue_depths(workers: list[dict[str, Any]]) -> tuple[int, int, int]:
-    """Requests waiting at alive (PrfaaS prefill, PD-P prefill) workers and at alive decode workers'
-    KV admission, from their load reports. One pass."""
     q_prfaas = q_pdp = q_dec = 0.0
     for w in workers:
         if not w.get("alive"):
             continue
+        alive.append(w)
         role = w["role"]
-        if role == "prefill":
+        if role == "decode":
+            n_d += 1
+            q_dec += (w.get("stats") or {}).get("admission_queue", 0)
+        elif role == "prefill":
             c = w["cluster"]
             if c == "prfaas":
-                q_prfaas += (w.get("stats") or {}).get("waiting", 0)
+                n_prfaas += 1
+                stats = w.get("stats") or {}
+                q_prfaas += stats.get("waiting", 0)
+                if per := stats.get("links"):
+                    links.append(list(per.values()))
             elif c == "pd":
+                n_p += 1
                 q_pdp += (w.get("stats") or {}).get("waiting", 0)
-        elif role == "decode":
-            q_dec += (w.get("stats") or {}).get("admission_queue", 0)
-    return int(q_prfaas), int(q_pdp), int(q_dec)
+    return Census(alive, (n_prfaas, n_p, n_d), (int(q_prfaas), int(q_pdp), int(q_dec)), links)
+
+
+def counts(workers: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """Alive (PrfaaS prefill, PD-P prefill, PD-D decode) instance counts."""
+    return census(workers).shape
+
+
+def queue_depths(workers: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """Requests waiting at alive (PrfaaS prefill, PD-P prefill) workers and at alive decode workers'
+    KV admission, from their load reports."""
+    return census(workers).depths
 
 
 NOMINAL_LINK_GBPS = 100.0  # Gbit/s assumed with neither a measurement nor a configured capacity
@@ -82,8 +96,7 @@ NOMINAL_LINK_GBPS = 100.0  # Gbit/s assumed with neither a measurement nor a con
 def _prfaas_links(alive: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Per alive PrfaaS prefill worker that reports KV links, the snapshots of its links (one per decode
     peer); a worker without links is left out (every caller sums or maxes over the lists)."""
-    return [list(links.values()) for w in alive
-            if w["role"] == "prefill" and w["cluster"] == "prfaas" and (links := (w.get("stats") or {}).get("links"))]
+    return census(alive).links
 
 
 def measured_link_gbps(workers: list[dict[str, Any]]) -> float | None:
@@ -130,15 +143,16 @@ def link_capacity_gbps(measured: float | None, configured: float | None,
 
 def signals(workers: list[dict[str, Any]], link_gbps: float | None, prev: dict[str, float], *,
             nominal_gbps: float = NOMINAL_LINK_GBPS,
-            prfaas_links: list[list[dict[str, Any]]] | None = None) -> tuple[ShortSignals, dict[str, float]]:
+            prfaas_links: list[list[dict[str, Any]]] | None = None,
+            seen: Census | None = None) -> tuple[ShortSignals, dict[str, float]]:
     """One sample from the planner's worker view; ``link_gbps`` is the configured link capacity in
     Gbit/s (None: not configured), ``prev`` the cumulative counters of the previous call (pass
     ``{}`` first). The sample's ``link_gbps`` is the capacity used for ``egress_util``
     (:func:`link_capacity_gbps`). Returns the sample and the counters to pass next time.
-    ``prfaas_links``: :func:`_prfaas_links` of the alive ``workers`` when the caller has it already
-    (a pass fewer over thousands of workers)."""
-    alive = [w for w in workers if w.get("alive")]
-    per = _prfaas_links(alive) if prfaas_links is None else prfaas_links
+    ``prfaas_links``: :func:`_prfaas_links` of the alive ``workers``, ``seen``: their :func:`census`,
+    when the caller has them already (passes fewer over thousands of workers)."""
+    seen = census(workers) if seen is None else seen
+    per = seen.links if prfaas_links is None else prfaas_links
     links = [snap for per_worker in per for snap in per_worker]
     cap_gbps = link_capacity_gbps(_measured_gbps(per), link_gbps, nominal_gbps)
     goodput = sum(float(s.get("goodput_bps") or 0.0) for s in links)
@@ -149,7 +163,7 @@ def signals(workers: list[dict[str, Any]], link_gbps: float | None, prev: dict[s
     worst = max(rtt, default=(1.0, 0.0))
     standing = max((float(s["rtt_floor_ms"]) - float(s["rtt_min_ms"]) for s in links
                     if s.get("rtt_floor_ms") is not None and s.get("rtt_min_ms") is not None), default=0.0)
-    q_prfaas, q_pdp, q_decode = queue_depths(alive)
+    q_prfaas, q_pdp, q_decode = seen.depths
     sig = ShortSignals(
         egress_util=goodput / (cap_gbps * 1e9),
         link_gbps=cap_gbps,
@@ -255,8 +269,8 @@ class Controller:
 
     async def tick(self, now: float, workers: list[dict[str, Any]]) -> dict[str, Any] | None:
         """One step: sample, decide, apply at the router. Returns what was applied, or None."""
-        shape = counts(workers)
-        links = _prfaas_links([w for w in workers if w.get("alive")])  # once per tick, for its three readers
+        seen = census(workers)  # once per tick, for its readers
+        shape, links = seen.shape, seen.links
         first = None
         if self.loop is None:
             self.shape = shape
@@ -267,7 +281,7 @@ class Controller:
             self.loop.request_resolve(self._solver(shape))
         self._track_kv_ratio(workers, links)
         self.link_gbps_measured = _measured_gbps(links)
-        sig, self.prev = signals(workers, self.link_gbps, self.prev, nominal_gbps=self.config.link_gbps, prfaas_links=links)
+        sig, self.prev = signals(workers, self.link_gbps, self.prev, nominal_gbps=self.config.link_gbps, seen=seen)
         self.link_gbps_used = float(sig.link_gbps)
         self.last_signals = {k: (v if math.isfinite(v) else None) if isinstance(v, float) else v
                              for k, v in asdict(sig).items()}

@@ -43,6 +43,7 @@ from services.planner.messages import CLUSTERS
 REMOTE, LOCAL = "remote", "local"
 CLUSTER_OF_ROUTE = {REMOTE: "prfaas", LOCAL: "pd"}
 _PREFILL_GROUPS = tuple((c, ("prefill", c)) for c in CLUSTERS)  # WorkerIndex group keys
+_PD_GROUP, _PRFAAS_GROUP = ("prefill", "pd"), ("prefill", "prfaas")
 _NO_PREFILLS: dict[str, list[dict[str, Any]]] = {c: [] for c in CLUSTERS}  # read only: no cached prefix anywhere
 
 # A one-sentence prompt is ~100 byte tokens; 2000 words are ~11K. 1024 sits well between them.
@@ -347,7 +348,8 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
     """
     if index is not None:
         alive: list[dict[str, Any]] = []
-        present = {c: bool(index.members.get(g)) for c, g in _PREFILL_GROUPS}
+        members = index.members
+        present = {"pd": bool(members.get(_PD_GROUP)), "prfaas": bool(members.get(_PRFAAS_GROUP))}  # a display: no comprehension call
         prefills = {c: [index.by_name[n] for n in prefix_blocks if index.group.get(n) == g]
                     if present[c] else [] for c, g in _PREFILL_GROUPS} if prefix_blocks else _NO_PREFILLS
     else:
@@ -397,12 +399,10 @@ def place_with_prefix(prompt_len: int, block_size: int, prefix_blocks: dict[str,
         raise NoWorker("decode")
     pf_tokens = min(pf.prefix_blocks * block_size, prompt_len - 1)
     dec_tokens = dec.prefix_blocks * block_size
-    reason += f"; prefill {pf.worker['name']} has {pf_tokens} cached tokens"
-    if pf.skipped:
-        reason += f" (load guard skipped {', '.join(pf.skipped)})"
-    reason += f"; decode {dec.worker['name']} has {dec_tokens}"
-    if dec.skipped:
-        reason += f" (load guard skipped {', '.join(dec.skipped)})"
+    pf_skip = f" (load guard skipped {', '.join(pf.skipped)})" if pf.skipped else ""
+    dec_skip = f" (load guard skipped {', '.join(dec.skipped)})" if dec.skipped else ""
+    reason = (f"{reason}; prefill {pf.worker['name']} has {pf_tokens} cached tokens{pf_skip}"
+              f"; decode {dec.worker['name']} has {dec_tokens}{dec_skip}")  # one string built, not three
     return Placement(route, l, threshold, pf.worker, dec.worker, reason, fell_back, l_pd=l_pd, l_prfaas=l_prfaas,
                      prefill_prefix_tokens=pf_tokens, decode_prefix_tokens=dec_tokens, prefix_move=move,
                      guard_skips=pf.skipped + dec.skipped,
