@@ -93,7 +93,10 @@ async def measure_side(url: str, model: str, tokenizer, plan: BenchPlan, tick: C
     Raises ``RuntimeError`` on an HTTP error or an error event from the server."""
     res = SideResult()
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
+    # an idle kept-alive connection is reused for at most 5 s: PrfaaS's gateway closes one idle for its
+    # 10 s header timeout (aiohttp's client default, 15 s, would reuse it as the server closes it)
+    connector = aiohttp.TCPConnector(keepalive_timeout=5.0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as s:
 
         async def one(prompt: list[int], n: int, ignore_eos: bool = True) -> TimedStream:
             body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": ignore_eos,
