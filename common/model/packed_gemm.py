@@ -142,8 +142,9 @@ _CALIBRATED: dict[tuple[int, int, tuple[int, ...]], dict[str, list[float]]] = {}
 
 def calibrate(n: int, k: int, buckets: Sequence[int], min_s: float = 2e-3, max_reps: int = 20) -> dict[str, list[float]]:
     """Seconds per call of each available kernel for an ``[n, k]`` float32 weight at each of ``buckets``'
-    row counts: the fastest of up to ``max_reps`` timed calls after a warm-up (at least 2, more until
-    ``min_s`` seconds were spent), on one torch thread. Cached per shape and buckets for the process."""
+    row counts: the fastest of up to ``max_reps`` timed calls after a warm-up (at least 2 each, more
+    until about ``min_s`` seconds per kernel were spent; the kernels take turns), on one torch thread.
+    Cached per shape and buckets for the process."""
     key = (n, k, tuple(buckets))
     if key in _CALIBRATED:
         return _CALIBRATED[key]
@@ -157,15 +158,19 @@ def calibrate(n: int, k: int, buckets: Sequence[int], min_s: float = 2e-3, max_r
             out: dict[str, list[float]] = {kern: [] for kern in packs}
             for rows in buckets:
                 x = torch.randn(rows, k, generator=gen)
+                best = dict.fromkeys(packs, float("inf"))
                 for kern, p in packs.items():
-                    _run(kern, x, w, p)
-                    best, spent, reps = float("inf"), 0.0, 0
-                    while reps < 2 or (spent < min_s and reps < max_reps):
+                    _run(kern, x, w, p)  # warm-up
+                spent, reps = 0.0, 0
+                while reps < 2 or (spent < min_s * len(packs) and reps < max_reps):
+                    for kern, p in packs.items():  # kernels take turns, so a burst of other load hits them all
                         t = time.perf_counter()
                         _run(kern, x, w, p)
                         dt = time.perf_counter() - t
-                        best, spent, reps = min(best, dt), spent + dt, reps + 1
-                    out[kern].append(best)
+                        best[kern], spent = min(best[kern], dt), spent + dt
+                    reps += 1
+                for kern in packs:
+                    out[kern].append(best[kern])
     finally:
         torch.set_num_threads(threads)
     _CALIBRATED[key] = out
