@@ -3,6 +3,7 @@ retries against a scripted router, and the scrape over scripted router / planner
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
@@ -150,3 +151,34 @@ async def test_scrape_relays_the_router_and_notes_an_unreachable_planner():
     assert text.endswith("# planner unreachable: worker and link metrics omitted\n"
                          "# planner unreachable: planner metrics omitted\n")
     assert "# TYPE prfaas_route_decisions_total counter" in text.splitlines()
+
+
+class NotingRouter(ScriptedRouter):
+    """A scripted router whose connection is open (``notify`` takes the note) or not (returns False)."""
+
+    def __init__(self, connected: bool):
+        super().__init__()
+        self.connected = connected
+        self.notes: list[tuple[str, dict]] = []
+
+    def notify(self, method: str, args: dict | None = None) -> bool:
+        if self.connected:
+            self.notes.append((method, dict(args or {})))
+        return self.connected
+
+
+async def test_prefill_done_is_a_note_without_an_answer_on_an_open_connection():
+    router = NotingRouter(connected=True)
+    d, _ = dispatcher(router)
+    d._prefill_done(request())
+    assert router.notes == [("prefill_done", {"req_id": "cmpl-1"})]
+    assert not d.notes and router.calls == []  # no task, no call waiting for an answer
+
+
+async def test_prefill_done_is_a_call_from_a_task_when_the_router_is_not_connected():
+    router = NotingRouter(connected=False)
+    d, _ = dispatcher(router)
+    d._prefill_done(request())
+    assert len(d.notes) == 1
+    await asyncio.gather(*d.notes)
+    assert router.calls == [("prefill_done", {"req_id": "cmpl-1"})] and router.notes == []

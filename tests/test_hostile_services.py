@@ -140,6 +140,24 @@ def test_every_field_is_limited_below_the_wire():
     check_wire_size(parse_completion(body(), CTX), "prompt")
 
 
+def test_wire_size_packs_the_ids_only_when_the_bound_says_they_might_not_fit(monkeypatch):
+    import msgpack
+
+    from services.gateway.http_limits import wire_args
+    packed: list[int] = []
+    real = msgpack.packb
+    monkeypatch.setattr(msgpack, "packb", lambda obj, **kw: (packed.append(len(obj.get("input_ids", ()))), real(obj, **kw))[1])
+    check_wire_size(parse_completion(body(prompt=[7] * 1024), CTX), "prompt")
+    assert packed == [0]  # the bound (9 bytes an id) fits: the ids were never packed
+    req = parse_completion(body(prompt=[7] * 6000), CTX)
+    exact = len(real(wire_args(req), use_bin_type=True))  # one byte an id: far under the bound
+    packed.clear()
+    check_wire_size(req, "prompt", budget=exact)  # the bound is over, the exact size fits
+    assert packed == [0, 6000]
+    with pytest.raises(OpenAIError):
+        check_wire_size(req, "prompt", budget=exact - 1)
+
+
 def test_chat_messages_are_limited():
     msgs = [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)
     with pytest.raises(OpenAIError) as ei:

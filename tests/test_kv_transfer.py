@@ -514,6 +514,25 @@ async def test_pipelined_begin_round_trip(env):
     assert link._inflight == 0
 
 
+async def test_chunks_the_kernel_took_whole_wait_for_no_drain(env, monkeypatch):
+    """A chunk written with nothing left in the transport's buffer needs no drain: the write loop then
+    starts no ``wait_for`` (a task per chunk on Python 3.11); the transfer still lands bitwise."""
+    rx, port = await env.receiver()
+    link = env.link(port, connections=1, chunk_bytes=16 << 10)
+    drains: list[str] = []
+    real = asyncio.wait_for
+
+    def counting(aw, timeout):
+        if getattr(aw, "__qualname__", "") == "StreamWriter.drain":
+            drains.append("drain")
+        return real(aw, timeout)
+
+    monkeypatch.setattr(asyncio, "wait_for", counting)
+    layers = make_layers(4, seq=32)  # 8 chunks of 16 KiB: far below the socket's buffer
+    tr, _ = await run_transfer(link, rx, "nd", layers)  # checks the bytes bitwise
+    assert tr.bytes == sum(len(layer_bytes(s)) for s in layers) and len(drains) == 0
+
+
 async def test_pipelined_begin_refused_fails_the_transfer(env):
     """A pipelined begin without a reservation at the receiver: the refusal is final (its
     retry_after is not waited out) and fails the transfer, so send or finish raise, and the bytes

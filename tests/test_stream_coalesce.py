@@ -1,10 +1,13 @@
 """Stream items queued while their consumer lagged go out as one (services/decode/request.py
-``coalesce``), and corked RPC stream frames keep their order (common/rpc/server.py)."""
+``coalesce``, ``next_items``: a token made one loop turn later rides along), and corked RPC stream
+frames keep their order (common/rpc/server.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from proto.frames import ErrorCode
-from services.decode.request import StreamError, coalesce
+from services.decode.request import MAX_COALESCE, StreamError, coalesce, next_items
 
 
 def item(tok: int, text: str, finish: str | None = None, **extra) -> dict:
@@ -58,3 +61,24 @@ async def test_corked_stream_frames_arrive_in_order_and_end_last():
     finally:
         await client.close()
         await server.close()
+
+
+async def test_a_token_made_one_loop_turn_later_rides_in_the_same_item():
+    out: asyncio.Queue = asyncio.Queue()
+
+    async def batch_loop():  # one token a loop turn, as a fast engine's batch loop makes them
+        for tok in range(6):
+            out.put_nowait(item(tok, str(tok)))
+            await asyncio.sleep(0)
+
+    producer = asyncio.create_task(batch_loop())
+    got = [await next_items(out) for _ in range(3)]
+    await producer
+    assert [[it["token_ids"][0] for it in items] for items in got] == [[0, 1], [2, 3], [4, 5]]
+
+
+async def test_what_is_queued_is_taken_at_once_up_to_the_bound():
+    out: asyncio.Queue = asyncio.Queue()
+    for tok in range(MAX_COALESCE + 3):
+        out.put_nowait(item(tok, "x"))
+    assert len(await next_items(out)) == MAX_COALESCE and len(await next_items(out)) == 3

@@ -10,7 +10,7 @@ original seed draws at that position.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -84,7 +84,7 @@ class SamplingParams:
 
     def to_wire(self) -> dict[str, Any]:
         """A msgpack-safe dict (tuples become lists); fields past ``ignore_eos`` only when not default."""
-        d = asdict(self)
+        d = {name: getattr(self, name) for name in _FIELDS}  # asdict's deep copy was a few % of a fast gateway
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = [list(p) for p in self.logit_bias]
@@ -119,6 +119,7 @@ class SamplingParams:
 _OPTIONAL_DEFAULTS: dict[str, Any] = {"min_tokens": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                                       "repetition_penalty": 1.0, "logit_bias": [], "logprobs": None,
                                       "prompt_logprobs": None, "n": 1}
+_FIELDS = tuple(f.name for f in fields(SamplingParams))  # every field is a scalar or a tuple of scalars
 
 
 def _opt_int(v: Any) -> int | None:

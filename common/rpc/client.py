@@ -6,7 +6,9 @@ connect time, and re-dials after a drop. Ownership: the client's reader task own
 and stream queues; it fails them all with :class:`Unavailable` when the connection drops, and the
 next call dials again; its keepalive task pings the server every ``keepalive_s`` so that the
 server's idle timeout never closes a live client. Leaving a stream early sends ``CANCEL`` so the
-server stops the work. A request whose frame would exceed the peer's header limit is refused here
+server stops the work. Requests made in one event-loop iteration go out in one write (corked until
+the loop has run what is ready, as the server corks its answers): a gateway's ``place`` calls, a
+decode worker's ``prefill`` calls. A request whose frame would exceed the peer's header limit is refused here
 (``bad_request``) and never written: the peer would drop the whole connection, and with it every
 other call on it.
 """
@@ -91,6 +93,7 @@ class RpcClient:
         self._streams: dict[int, asyncio.Queue] = {}
         self._connect_lock = asyncio.Lock()
         self._closed = False
+        self._corked: list[bytes] = []  # requests made in this event-loop iteration, written together (_flush)
 
     @property
     def connected(self) -> bool:
@@ -139,7 +142,7 @@ class RpcClient:
         while not writer.is_closing():
             await asyncio.sleep(self.keepalive_s)
             with contextlib.suppress(Exception):
-                writer.write(encode_frame(Kind.PING, {"t": time.monotonic()}))
+                self._write(writer, encode_frame(Kind.PING, {"t": time.monotonic()}))
 
     async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         reason = "connection closed"
@@ -156,6 +159,7 @@ class RpcClient:
             pinger.cancel()
             if self._writer is writer:
                 self._writer = None
+                self._corked = []  # their calls fail below
             writer.close()
             err = Unavailable(f"{self.peer} at {self.addr}: {reason}")
             for fut in self._pending.values():
@@ -197,23 +201,59 @@ class RpcClient:
             else:
                 log.warning("error frame from %s: %s", self.addr, err)
 
-    async def _send_request(self, call_id: int, method: str, args: dict[str, Any]) -> None:
-        data = encode_frame(Kind.REQUEST, {"id": call_id, "method": method, "args": args})
+    def _request(self, call_id: int, method: str, args: dict[str, Any], noreply: bool = False) -> bytes:
+        """The encoded ``REQUEST`` frame; raises :class:`RpcError` ``bad_request`` past the peer's header limit."""
+        header = {"id": call_id, "method": method, "args": args}
+        if noreply:
+            header["noreply"] = True
+        data = encode_frame(Kind.REQUEST, header)
         if len(data) - PREFIX_SIZE > self.max_header:
             raise RpcError(ErrorCode.BAD_REQUEST, f"{method}: the request is {len(data)} bytes, over the peer's {self.max_header}-byte "
                            "frame limit; it was not sent")
+        return data
+
+    async def _send_request(self, call_id: int, method: str, args: dict[str, Any]) -> None:
+        data = self._request(call_id, method, args)
         writer = self._writer
         if writer is None or writer.is_closing():
             raise Unavailable(f"{self.peer} at {self.addr}: not connected")
-        writer.write(data)
-        await writer.drain()
+        if writer.transport.get_write_buffer_size():  # backlogged: in order behind the rest, and wait for the peer
+            self._write(writer, data)
+            await writer.drain()
+            return
+        self._cork(data)
+
+    def _cork(self, data: bytes) -> None:
+        """Queue one frame for :meth:`_flush`, which runs once the loop has run what is ready now."""
+        if not self._corked:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._corked.append(data)
+
+    def _flush(self) -> None:
+        """Write the corked requests (see :meth:`_send_request`) as one buffer on the connection they
+        were made for (a dropped connection discards them, and its calls fail with it)."""
+        if not self._corked:
+            return
+        data = b"".join(self._corked)
+        self._corked = []
+        writer = self._writer
+        if writer is not None and not writer.is_closing():
+            writer.write(data)
+
+    def _write(self, writer: asyncio.StreamWriter, data: bytes | list) -> None:
+        """Write ``data`` (bytes or buffers) on ``writer`` behind the corked requests, keeping frame order."""
+        self._flush()
+        if isinstance(data, list):
+            writer.writelines(data)
+        else:
+            writer.write(data)
 
     def post(self, data: bytes) -> bool:
         """Best-effort write of one encoded frame if connected (no dial, no drain); returns whether written."""
         writer = self._writer
         if writer is None or writer.is_closing():
             return False
-        writer.write(data)
+        self._write(writer, data)
         return True
 
     async def send_parts(self, parts: list, *, timeout: float = 30.0) -> None:
@@ -224,7 +264,7 @@ class RpcClient:
             writer = self._writer
             if writer is None or writer.is_closing():
                 raise Unavailable(f"{self.peer} at {self.addr}: not connected")
-            writer.writelines(parts)
+            self._write(writer, parts)
             await writer.drain()
 
     async def call(self, method: str, args: dict[str, Any] | None = None, *, timeout: float = 10.0) -> Any:
@@ -244,6 +284,23 @@ class RpcClient:
                 if self._pending.pop(call_id, None) is not None:
                     self._send_cancel(call_id)
                 raise
+
+    def notify(self, method: str, args: dict[str, Any] | None = None) -> bool:
+        """Call unary ``method`` without waiting for, or reading, its answer (``noreply``, PROTOCOL.md
+        §6.3), on the connection already open: the request is corked and nothing more, its failure
+        never seen here. The server starts a connection's calls in the order it reads them, so a
+        call made after this one on this client starts after it. Returns False, writing nothing,
+        when not connected (no dial here: the caller may ``call`` instead). Raises :class:`RpcError`
+        ``bad_request`` for a request over the peer's header limit."""
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            return False
+        data = self._request(next(self._ids), method, args or {}, noreply=True)
+        if writer.transport.get_write_buffer_size():
+            self._write(writer, data)
+        else:
+            self._cork(data)
+        return True
 
     async def stream(
         self, method: str, args: dict[str, Any] | None = None, *, connect_timeout: float | None = None,
@@ -278,11 +335,12 @@ class RpcClient:
         writer = self._writer
         if writer is not None and not writer.is_closing():
             with contextlib.suppress(Exception):
-                writer.write(encode_frame(Kind.CANCEL, {"id": call_id}))
+                self._write(writer, encode_frame(Kind.CANCEL, {"id": call_id}))
 
     async def close(self) -> None:
         """Close the connection; pending calls fail with :class:`Unavailable`."""
         self._closed = True
+        self._flush()
         if self._writer is not None:
             self._writer.close()
         if self._reader_task is not None:

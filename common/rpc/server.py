@@ -10,14 +10,15 @@ Lifecycle of one accepted connection:
    accept path (:class:`HelloListener`), read with the small pre-auth limits and within
    ``limits.handshake_timeout_s``: ``HELLO_OK``, or an ``ERROR`` frame (auth, fingerprint) and the
    connection closes. This happens at connect time, never at the first request.
-3. ``REQUEST {id, method, args}`` frames each run as their own task, owned by the connection (at
+3. ``REQUEST {id, method, args, noreply?}`` frames each run as their own task, owned by the connection (at
    most ``limits.max_calls_per_conn`` at once; more are answered ``overloaded``). A method listed in
    ``allow`` is served only to the roles it names (``operator`` always), else ``forbidden``. The
    args map is converted once to the handler's declared ``msgspec.Struct`` (see
    :mod:`common.rpc.schema`). A unary method answers ``RESPONSE {id, result}``; a streaming method
    answers ``STREAM_ITEM {id, item}``... then ``STREAM_END {id}``; a failure answers
-   ``ERROR {id, code, message}``. An answer larger than a peer's header limit is never written (it
-   would cut the connection at the peer): the call fails ``internal`` instead.
+   ``ERROR {id, code, message}``; a ``noreply`` call (unary) gets no answer at all. Answers made in
+   one event-loop iteration go out in one write. An answer larger than a peer's header limit is
+   never written (it would cut the connection at the peer): the call fails ``internal`` instead.
 4. ``CANCEL {id}`` cancels that call's task. Closing the connection cancels every call it carried,
    so a client that vanishes never leaves work running on the server. A peer that does not read
    is closed once a write does not drain within ``limits.write_deadline_s`` or its queued bytes pass
@@ -95,10 +96,12 @@ class ServerConnection:
             self.writer.transport.abort()
 
     async def send_corked(self, data: bytes) -> None:
-        """Send one small frame (a stream item) together with the others of this event-loop iteration.
+        """Send one small frame (a stream item, a unary call's answer) together with the others of this
+        event-loop iteration.
 
-        A decode step yields one token per running request, each a frame on the same connection; one
-        write per frame was the biggest cost of a decode worker whose engine is fast. The frame is
+        A decode step yields one token per running request, each a frame on the same connection, and a
+        router answers the ``place`` calls it read in one go; one write per frame was the biggest cost
+        of a decode worker whose engine is fast. The frame is
         queued and :meth:`flush` runs once the loop has run what is ready now (``call_soon``), or
         at once past ``CORK_BYTES``; any other write on the connection flushes first, so frames keep
         their order. When the transport is already backlogged this is :meth:`send` (write and drain)."""
@@ -198,7 +201,7 @@ class RpcServer:
         self.insecure = insecure
         self.limits = limits or ConnLimits.from_env()
         self.counters = {"refused_connections": 0, "forbidden": 0, "overloaded_calls": 0, "idle_closed": 0,
-                         "oversized_answers": 0}
+                         "oversized_answers": 0, "refused_notes": 0, "failed_notes": 0}
         self._server: asyncio.base_events.Server | None = None
         self._conns: dict[asyncio.Task, ServerConnection] = {}
         self._handshaking = 0
@@ -371,10 +374,14 @@ class RpcServer:
                 self.counters["overloaded_calls"] += 1
                 refusal = encode_error(ErrorCode.OVERLOADED, f"{len(conn.tasks)} calls in flight on this connection, "
                                        "its limit", id=call_id, retry_after=1)
+        reply = header.get("noreply") is not True
         if refusal is not None:
-            conn.post(refusal)
+            if reply:
+                conn.post(refusal)
+            else:
+                self.counters["refused_notes"] += 1
             return
-        task = asyncio.create_task(self._run_call(conn, call_id, method, args), name=f"{self.name}:{method}:{call_id}")
+        task = asyncio.create_task(self._run_call(conn, call_id, method, args, reply), name=f"{self.name}:{method}:{call_id}")
         conn.tasks[call_id] = task
 
     def _answer(self, kind: Kind, header: dict[str, Any]) -> bytes:
@@ -386,13 +393,18 @@ class RpcServer:
             raise RpcError(ErrorCode.INTERNAL, f"the answer is {len(data)} bytes, over the {self.max_header}-byte frame limit")
         return data
 
-    async def _run_call(self, conn: ServerConnection, call_id: Any, method: str, args: dict[str, Any]) -> None:
+    async def _run_call(self, conn: ServerConnection, call_id: Any, method: str, args: dict[str, Any],
+                        reply: bool = True) -> None:
+        """Run one call and answer it; with ``reply`` False (``noreply`` in its header: a unary call whose
+        caller wants no answer) nothing is written, a failure is only logged."""
         bind_request_id(args.get("req_id"))  # this call's task (and what it starts) logs with the request's id
         try:
-            if method in self.handlers:
+            if not reply:
+                await self._run_note(method, args)
+            elif method in self.handlers:
                 handler = self.handlers[method]
                 result = await handler(convert_call(handler, method, args))
-                await conn.send(self._answer(Kind.RESPONSE, {"id": call_id, "result": to_wire(result)}))
+                await conn.send_corked(self._answer(Kind.RESPONSE, {"id": call_id, "result": to_wire(result)}))
             elif method in self.stream_handlers:
                 stream = self.stream_handlers[method]
                 gen = stream(convert_call(stream, method, args))
@@ -421,6 +433,22 @@ class RpcServer:
                 await conn.send(encode_error(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", id=call_id))
         finally:
             conn.tasks.pop(call_id, None)
+
+
+    async def _run_note(self, method: str, args: dict[str, Any]) -> None:
+        """A ``noreply`` call: run unary ``method``; its result is dropped, a failure (or a method that
+        is unknown or streams) only counted and logged, since the caller reads no answer."""
+        handler = self.handlers.get(method)
+        try:
+            if handler is None:
+                raise RpcError(ErrorCode.UNKNOWN_METHOD, f"{self.name} has no unary method {method!r}")
+            await handler(convert_call(handler, method, args))
+        except RpcError as e:
+            self.counters["failed_notes"] += 1
+            log.warning("%s: noreply %s failed: %s", self.name, method, e)
+        except Exception:  # noqa: BLE001 - as for a call with an answer: never the connection or the service
+            self.counters["failed_notes"] += 1
+            log.exception("%s: noreply %s failed", self.name, method)
 
 
 def _valid_call_id(call_id: Any) -> bool:

@@ -260,7 +260,9 @@ class KvLink:
             c.writer.writelines(encode_frame_parts(Kind.KV_LAYER, {"req_id": tr.req_id, "layer": layer, "offset": offset,
                                                                    **entry[3]}, [view]))
             try:
-                await asyncio.wait_for(c.writer.drain(), self.stall_timeout)
+                t = c.writer.transport
+                if t.get_write_buffer_size() or t.is_closing():  # else all is with the kernel: drain() has nothing to wait for
+                    await asyncio.wait_for(c.writer.drain(), self.stall_timeout)  # (and wait_for makes a task per call)
             except (TimeoutError, ConnectionError, OSError) as e:
                 if not c.alive:  # already failed (wait_for can swallow _fail's cancel): the chunk moved
                     return

@@ -196,3 +196,19 @@ def coalesce(items: list[dict[str, Any] | StreamError]) -> list[dict[str, Any] |
         if "usage" in it:
             prev["usage"] = it["usage"]
     return out
+
+
+async def next_items(out: asyncio.Queue) -> list[dict[str, Any] | StreamError]:
+    """The next stream items of a request's ``out`` queue for :func:`coalesce`: waits for one, and
+    when nothing else is queued gives the batch loop one loop turn, so a token it makes meanwhile
+    rides in the same item; then takes what is queued, at most :data:`MAX_COALESCE` in all. With a
+    fast engine this halves a stream's frames, writes and SSE chunks (52 instead of 101 for 100
+    tokens at ``--time-scale 1000``; the PD worker's task per stream item once gave the same turn by
+    accident); the first item of a stream does not come through here, so the TTFT is untouched."""
+    items = [await out.get()]
+    if out.empty():
+        await asyncio.sleep(0)
+    while not out.empty() and len(items) < MAX_COALESCE:  # queued while the consumer lagged: one item
+        items.append(out.get_nowait())
+    return items
+

@@ -89,7 +89,7 @@ from services.decode.batch import BatchLoop
 from services.decode.branches import branch_pages, branches_demand, fork, reserve_branches
 from services.decode.messages import MAX_BRANCHES, GenerateArgs
 from services.decode.prefill_leg import PrefillCall, PrefillLeg
-from services.decode.request import MAX_COALESCE, DecodeRequest, StreamError, coalesce, resume_of
+from services.decode.request import DecodeRequest, StreamError, coalesce, next_items, resume_of
 from services.decode.scheduler import DecodeScheduler, Refuse
 
 log = logging.getLogger("prfaas.decode")
@@ -404,10 +404,7 @@ class DecodeWorker:
             self.batch.wake()
             left = len(live)
             while left:
-                items = [await out.get()]
-                while not out.empty() and len(items) < MAX_COALESCE:  # queued while the consumer lagged: one item
-                    items.append(out.get_nowait())
-                for item in coalesce(items):
+                for item in coalesce(await next_items(out)):
                     if isinstance(item, StreamError):
                         raise item.to_rpc()
                     yield item

@@ -7,8 +7,9 @@ Every placement the router made is released at the router by the attempt that as
 ``finally`` (also when the placement's answer was lost), so its in-flight counts never leak; the
 release says how the attempt ended (``ok``, ``decode_failed``, ``prefill_failed``, or no verdict),
 which feeds the router's per-worker circuit breakers (:mod:`services.router.breaker`). At an
-attempt's first token the router is told its prefill has ended (``prefill_done``, from a background
-task in ``notes``, at most one per attempt in flight, each bounded by a 2 s timeout), so the prefill
+attempt's first token the router is told its prefill has ended (``prefill_done``: a ``noreply`` call
+on the router connection, or, when that is not open, from a background task in ``notes``, at most
+one per attempt in flight, each bounded by a 2 s timeout), so the prefill
 worker's queued work drops while the request decodes.
 The decode stream is closed when an attempt ends, which sends ``CANCEL`` to the decode worker.
 Counters of what happened go to :class:`services.gateway.metrics.GatewayMetrics`.
@@ -114,11 +115,18 @@ class Dispatcher:
         await asyncio.gather(*self.notes, return_exceptions=True)
 
     def _prefill_done(self, req: GenerateRequest) -> None:
-        """Tell the router, off the stream's path, that ``req``'s prefill has ended; a failure is
-        ignored (``release`` at the end lowers the same counts)."""
+        """Tell the router, off the stream's path, that ``req``'s prefill has ended: a ``noreply`` call
+        on the open connection (nothing read back; the ``release`` after it on the same connection
+        starts after it), else a call from a task, which may dial. A failure is ignored (``release``
+        at the end lowers the same counts)."""
+        args = {"req_id": req.request_id}
+        with contextlib.suppress(Exception):
+            if self.router.notify("prefill_done", args):
+                return
+
         async def note() -> None:
             with contextlib.suppress(Exception):
-                await self.router.call("prefill_done", {"req_id": req.request_id}, timeout=2.0)
+                await self.router.call("prefill_done", args, timeout=2.0)
         task = asyncio.create_task(note(), name=f"prefill-done:{req.request_id}")
         self.notes.add(task)
         task.add_done_callback(self.notes.discard)

@@ -93,8 +93,14 @@ def wire_args(req: GenerateRequest) -> dict[str, Any]:
 def check_wire_size(req: GenerateRequest, prompt_param: str, budget: int = WIRE_BUDGET_BYTES) -> None:
     """Raises :class:`OpenAIError` 400 naming ``prompt_param`` when ``req``'s ``generate`` header
     would be over ``budget`` bytes (half the RPC frame limit: a resume carries the generated tokens
-    twice more)."""
-    n = len(msgpack.packb(wire_args(req), use_bin_type=True))
+    twice more). The ids are packed only when a bound says they might not fit: a msgpack int takes at
+    most 9 bytes, and their array header and key at most 15 (packing a 1024-token prompt just to
+    measure it was 3 % of a fast gateway)."""
+    args = wire_args(req)
+    ids = args.pop("input_ids")
+    n = len(msgpack.packb(args, use_bin_type=True)) + 15 + 9 * len(ids)
+    if n > budget:
+        n = len(msgpack.packb(wire_args(req), use_bin_type=True))
     if n > budget:
         raise OpenAIError(f"The request is {n} bytes once encoded for the decode worker; this server accepts at most "
                           f"{budget}. Shorten the {prompt_param}.", status=400, param=prompt_param,

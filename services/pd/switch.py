@@ -39,37 +39,54 @@ class Switch:
 
 class RoleCall:
     """One call of a role method in flight. ``step`` is the task running its current piece (the whole
-    unary call, or one item of a stream), so that a hand-off can end it from outside. ``owner`` is
-    the PD worker (its ``name``, ``role``, ``switching_to``, ``epoch`` name the hand-off; its
-    ``handoffs`` counts them)."""
+    unary call, or one item of a stream: the RPC call's own task, while it awaits that piece), so
+    that a hand-off can end it from outside. ``owner`` is the PD worker (its ``name``, ``role``,
+    ``switching_to``, ``epoch`` name the hand-off; its ``handoffs`` counts them)."""
 
-    __slots__ = ("owner", "method", "step", "handed_off")
+    __slots__ = ("owner", "method", "step", "handed_off", "_cancelled")
 
     def __init__(self, owner: Any, method: str):
         self.owner = owner
         self.method = method
-        self.step: asyncio.Future | None = None
+        self.step: asyncio.Task | None = None
         self.handed_off = False
+        self._cancelled = False  # hand_off cancelled ``step``: run takes that cancellation back
 
     async def run(self, start: Callable[[], Awaitable[Any]]) -> Any:
-        """Await ``start()`` as a task. Raises ``RpcError`` (``draining``) if the call was handed off
-        before or during it; a cancellation of the caller itself propagates unchanged."""
+        """Await ``start()`` in the calling task (no task of its own: a stream's every item went
+        through one, a tenth of a fast decode worker's loop). Raises ``RpcError`` (``draining``) if
+        the call was handed off before or during it; a cancellation of the caller itself propagates
+        unchanged (the hand-off's own is taken back with ``uncancel``, as ``asyncio.timeout`` does)."""
         if self.handed_off:
             raise self._handoff_error()
-        self.step = asyncio.ensure_future(start())
+        me = asyncio.current_task()
+        self.step = me
         try:
-            return await self.step
+            result = await start()
         except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if self.handed_off and not (me is not None and me.cancelling()):
+            if self._take_back(me) == 0:
                 raise self._handoff_error() from None
+            raise
+        except BaseException:  # start() turned the hand-off's cancellation into its own error
+            self._take_back(me)
             raise
         finally:
             self.step = None
+        self._take_back(me)  # start() ended before the hand-off's cancellation reached it: the result stands
+        return result
+
+    def _take_back(self, me: asyncio.Task | None) -> int:
+        """Undo the hand-off's ``cancel`` of ``me``, if it sent one; the cancellations still pending
+        on ``me`` (a positive count, or -1 when the hand-off sent none: the caller's own)."""
+        if not self._cancelled or me is None:
+            return -1
+        self._cancelled = False
+        return me.uncancel()
 
     def hand_off(self) -> None:
         self.handed_off = True
-        if self.step is not None and not self.step.done():
+        if self.step is not None and not self.step.done() and not self._cancelled:
+            self._cancelled = True
             self.step.cancel()
 
     def _handoff_error(self) -> RpcError:
