@@ -93,7 +93,7 @@ def test_other_dtypes_disabled_packing_and_dense_mode_stay_on_f_linear():
     assert torch.equal(lin(x), F.linear(x, w.double()))
 
 
-def test_auto_keeps_small_weights_and_one_to_three_rows_dense(monkeypatch):
+def test_auto_keeps_small_weights_dense_and_takes_the_calibrated_kernels(monkeypatch):
     assert pack(torch.randn(64, 32), mode="auto").packed == {}  # under MIN_PACK_ELEMENTS: not even timed
     if not PACKED:
         return
@@ -102,11 +102,11 @@ def test_auto_keeps_small_weights_and_one_to_three_rows_dense(monkeypatch):
 
     def fake_calibrate(n, k, buckets):
         timed.append(tuple(buckets))
-        return {"dense": [1.0] * len(buckets), kern: [0.5, 0.95, 0.5][: len(buckets)]}
+        return {"dense": [1.0] * len(buckets), kern: [0.95, 0.5, 0.95, 0.5][: len(buckets)]}
     monkeypatch.setattr(packed_gemm, "calibrate", fake_calibrate)
     big = torch.randn(MIN_PACK_ELEMENTS // 256, 256)
     lin = pack(big, mode="auto", buckets=DECODE_BUCKETS)
-    assert timed == [(4, 16, 64)]  # the 1-row bucket is never timed
+    assert timed == [DECODE_BUCKETS]
     assert lin.kernels == ("dense", kern, "dense", kern) and set(lin.packed) == {kern}
     x = torch.randn(20, 256)
     torch.testing.assert_close(lin(x), F.linear(x, big), rtol=1e-5, atol=1e-5)
@@ -115,9 +115,15 @@ def test_auto_keeps_small_weights_and_one_to_three_rows_dense(monkeypatch):
 @needs_packed
 def test_calibration_times_every_available_kernel_once_per_shape(monkeypatch):
     monkeypatch.setattr(packed_gemm, "_CALIBRATED", {})
-    t = packed_gemm.calibrate(48, 40, (4, 16))
-    assert set(t) == set(available_kernels()) and all(len(v) == 2 and min(v) > 0 for v in t.values())
-    assert packed_gemm.calibrate(48, 40, (4, 16)) is t
+    monkeypatch.setattr(packed_gemm, "COLD_BYTES", 1 << 20)  # the streaming rows' copies: 1 MiB here
+    made = []
+    real = packed_gemm._make_packed
+    monkeypatch.setattr(packed_gemm, "_make_packed", lambda k, w: made.append(k) or real(k, w))
+    t = packed_gemm.calibrate(48, 40, (1, 4, 16))
+    assert set(t) == set(available_kernels()) and all(len(v) == 3 and min(v) > 0 for v in t.values())
+    copies = -(-(1 << 20) // (4 * 48 * 40))  # 137 weights of 7.5 KiB stream the 1-row bucket
+    assert made.count(PACKED[0]) == copies + 2  # then one hot weight for each of the other two buckets
+    assert packed_gemm.calibrate(48, 40, (1, 4, 16)) is t
 
 
 @needs_packed

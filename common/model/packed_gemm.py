@@ -17,7 +17,9 @@ Intel core here MKL's packed kernel halved the MLP's gate/up matmul at 4-16 rows
 rows) and the lm_head (18.8 -> 10.7 ms). On an AMD EPYC (Zen 4) MKL takes its Zen code path (AVX2)
 while oneDNN's kernels use AVX-512: the matmuls of one SmolLM2-135M decode step on one core took 35.4 /
 68.8 ms at 4 / 16 rows through MKL's packed kernel and 16.7 / 44.9 ms through oneDNN; at 128 rows (a
-short prefill) 444 against 338 ms. At 1-3 rows every kernel streams the weight from memory and they tie.
+short prefill) 444 against 338 ms. At 1-3 rows every kernel streams the weight from memory; there a
+whole SmolLM2 step at batch 1 took 55.6 ms through ``F.linear`` and 46.8 ms through MKL's packed kernel
+on one thread, 55.9 and 44.7 ms (oneDNN 44.0) on two.
 
 Choice (:func:`calibrate`, :func:`choose_kernels`): once per process and weight shape, every available
 kernel is timed at each row count of the buckets (:data:`DECODE_BUCKETS`, :data:`PREFILL_BUCKETS`), on
@@ -32,8 +34,7 @@ Numerics: the kernels differ from ``F.linear`` by float32 rounding of the sums (
 packed kernel returns ``F.linear``'s bits from 16 rows, as both run the same SGEMM there), as
 ``F.linear`` at 4 rows already differs from ``F.linear`` at 1 row. :func:`pack` checks every kernel it
 will use against ``F.linear`` (:func:`kernel_works`, once per shape) before using it; a kernel that
-fails stays unused. Under ``auto`` 1-3 rows always run ``dense``, so a batch of one decodes with
-``generate``'s own kernel.
+fails stays unused.
 
 Memory: one packed copy per kernel in use for a weight, about the weight's bytes each; the original
 stays, for the rows that run ``dense``.
@@ -42,6 +43,7 @@ stays, for the rows that run ``dense``.
 from __future__ import annotations
 
 import bisect
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -54,7 +56,8 @@ DECODE_BUCKETS = (1, 4, 16, 64)  # rows of a decode step (a batch above 64 takes
 PREFILL_BUCKETS = (1, 4, 16, 64, 256)  # rows of a prefill chunk (tokens); above 256 the last bucket's kernel
 MARGIN = 0.9  # a packed kernel is chosen only at <= MARGIN x dense's time
 MIN_PACK_ELEMENTS = 1 << 18  # weights smaller than this (1 MiB of float32) stay dense under auto
-FORCED_FROM_ROWS = 4  # PRFAAS_GEMM=<kernel>: the kernel from this many rows up
+FORCED_FROM_ROWS = 4  # PRFAAS_GEMM=<kernel>: the kernel from this many rows up (below: streaming rows)
+COLD_BYTES = 64 << 20  # weight copies that calibrate the streaming rows, in bytes (twice the last-level cache here)
 MKL_HINT = 32  # the row count MKL's pack is made for (its blocking hint; any row count computes right)
 ONEDNN_HINT = 16  # the same for oneDNN's reorder (measured: 16 and 512 gave the same rates at 4-1024 rows)
 
@@ -142,9 +145,12 @@ _CALIBRATED: dict[tuple[int, int, tuple[int, ...]], dict[str, list[float]]] = {}
 
 def calibrate(n: int, k: int, buckets: Sequence[int], min_s: float = 2e-3, max_reps: int = 20) -> dict[str, list[float]]:
     """Seconds per call of each available kernel for an ``[n, k]`` float32 weight at each of ``buckets``'
-    row counts: the fastest of up to ``max_reps`` timed calls after a warm-up (at least 2 each, more
+    row counts: the fastest of up to ``max_reps`` timed calls after a warm-up (at least one each, more
     until about ``min_s`` seconds per kernel were spent; the kernels take turns), on one torch thread.
-    Cached per shape and buckets for the process."""
+    Below :data:`FORCED_FROM_ROWS` rows a call streams its weight from memory, as a decode step's do
+    (30 layers of weights are far larger than the caches), so each call there reads another of enough
+    copies to fill :data:`COLD_BYTES`; a cache-hot weight would time the caches instead. Cached per
+    shape and buckets for the process."""
     key = (n, k, tuple(buckets))
     if key in _CALIBRATED:
         return _CALIBRATED[key]
@@ -153,24 +159,30 @@ def calibrate(n: int, k: int, buckets: Sequence[int], min_s: float = 2e-3, max_r
     try:
         with torch.inference_mode():
             gen = torch.Generator().manual_seed(0)
-            w = torch.randn(n, k, generator=gen)
-            packs = {kern: _make_packed(kern, w) for kern in available_kernels()}
-            out: dict[str, list[float]] = {kern: [] for kern in packs}
+            hot = [torch.randn(n, k, generator=gen)]
+            cold: list[torch.Tensor] = []
+            out: dict[str, list[float]] = {kern: [] for kern in available_kernels()}
             for rows in buckets:
+                if rows < FORCED_FROM_ROWS and not cold:  # streaming rows: weights the caches do not hold
+                    cold = hot + [torch.randn(n, k, generator=gen) for _ in range(math.ceil(COLD_BYTES / (4 * n * k)) - 1)]
+                ws = cold if rows < FORCED_FROM_ROWS else hot
+                packs = {kern: [_make_packed(kern, w) for w in ws] for kern in out}
                 x = torch.randn(rows, k, generator=gen)
                 best = dict.fromkeys(packs, float("inf"))
-                for kern, p in packs.items():
-                    _run(kern, x, w, p)  # warm-up
+                for kern, ps in packs.items():
+                    _run(kern, x, ws[-1], ps[-1])  # warm-up
                 spent, reps = 0.0, 0
-                while reps < 2 or (spent < min_s * len(packs) and reps < max_reps):
-                    for kern, p in packs.items():  # kernels take turns, so a burst of other load hits them all
+                while reps < 1 or (spent < min_s * len(packs) and reps < max_reps):
+                    i = reps % len(ws)
+                    for kern, ps in packs.items():  # kernels take turns, so a burst of other load hits them all
                         t = time.perf_counter()
-                        _run(kern, x, w, p)
+                        _run(kern, x, ws[i], ps[i])
                         dt = time.perf_counter() - t
                         best[kern], spent = min(best[kern], dt), spent + dt
                     reps += 1
                 for kern in packs:
                     out[kern].append(best[kern])
+                del packs
     finally:
         torch.set_num_threads(threads)
     _CALIBRATED[key] = out
@@ -247,9 +259,7 @@ def pack(weight: torch.Tensor, enabled: bool = True, buckets: Sequence[int] = DE
     if mode == "auto":
         if weight.numel() < MIN_PACK_ELEMENTS:
             return PackedLinear(keep, buckets)
-        timed = [b for b in buckets if b >= FORCED_FROM_ROWS]  # 1-3 rows stay on generate's kernel
-        chosen = dict(zip(timed, choose_kernels(calibrate(n, k, timed)))) if timed else {}
-        kernels = tuple(chosen.get(b, "dense") for b in buckets)
+        kernels = choose_kernels(calibrate(n, k, buckets))
     else:
         kernels = forced_kernels(mode, buckets) if mode in available_kernels() else ("dense",) * len(buckets)
     packed: dict[str, torch.Tensor] = {}

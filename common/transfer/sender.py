@@ -255,14 +255,15 @@ class KvLink:
                 self._release(window)
                 continue
             view = entry[0]
-            layer, offset = key
             c.current = (tr, key, window)  # if _fail cancels us while draining, it resends this chunk
-            c.writer.writelines(encode_frame_parts(Kind.KV_LAYER, {"req_id": tr.req_id, "layer": layer, "offset": offset,
+            c.writer.writelines(encode_frame_parts(Kind.KV_LAYER, {"req_id": tr.req_id, "layer": key[0], "offset": key[1],
                                                                    **entry[3]}, [view]))
             try:
                 t = c.writer.transport
-                if t.get_write_buffer_size() or t.is_closing():  # else all is with the kernel: drain() has nothing to wait for
-                    await asyncio.wait_for(c.writer.drain(), self.stall_timeout)  # (and wait_for makes a task per call)
+                if t.get_write_buffer_size() or t.is_closing():  # (wait_for makes a task per call)
+                    await asyncio.wait_for(c.writer.drain(), self.stall_timeout)
+                else:  # all is with the kernel: nothing to drain, but the other writers and the acks get a turn
+                    await asyncio.sleep(0)
             except (TimeoutError, ConnectionError, OSError) as e:
                 if not c.alive:  # already failed (wait_for can swallow _fail's cancel): the chunk moved
                     return
