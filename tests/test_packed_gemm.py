@@ -115,14 +115,17 @@ def test_auto_keeps_small_weights_dense_and_takes_the_calibrated_kernels(monkeyp
 @needs_packed
 def test_calibration_times_every_available_kernel_once_per_shape(monkeypatch):
     monkeypatch.setattr(packed_gemm, "_CALIBRATED", {})
-    monkeypatch.setattr(packed_gemm, "COLD_BYTES", 1 << 20)  # the streaming rows' copies: 1 MiB here
-    made = []
-    real = packed_gemm._make_packed
-    monkeypatch.setattr(packed_gemm, "_make_packed", lambda k, w: made.append(k) or real(k, w))
+    monkeypatch.setattr(packed_gemm, "COLD_BYTES", 1 << 20)  # the streaming rows' eviction read: 1 MiB here
+    evictions = []
+    real_sum = torch.Tensor.sum
+    monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **kw: evictions.append(self.numel()) or real_sum(self, *a, **kw))
     t = packed_gemm.calibrate(48, 40, (1, 4, 16))
+    monkeypatch.undo()
     assert set(t) == set(available_kernels()) and all(len(v) == 3 and min(v) > 0 for v in t.values())
-    copies = -(-(1 << 20) // (4 * 48 * 40))  # 137 weights of 7.5 KiB stream the 1-row bucket
-    assert made.count(PACKED[0]) == copies + 2  # then one hot weight for each of the other two buckets
+    # every timed call at 1 row (and only there) follows a read of one float per 64-byte line of 1 MiB
+    assert evictions and set(evictions) == {(1 << 20) // 64}
+    assert len(evictions) % len(t) == 0 and len(evictions) <= packed_gemm.COLD_REPS * len(t)
+    monkeypatch.setattr(packed_gemm, "_CALIBRATED", {(48, 40, (1, 4, 16)): t})
     assert packed_gemm.calibrate(48, 40, (1, 4, 16)) is t
 
 

@@ -43,7 +43,6 @@ stays, for the rows that run ``dense``.
 from __future__ import annotations
 
 import bisect
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -57,7 +56,8 @@ PREFILL_BUCKETS = (1, 4, 16, 64, 256)  # rows of a prefill chunk (tokens); above
 MARGIN = 0.9  # a packed kernel is chosen only at <= MARGIN x dense's time
 MIN_PACK_ELEMENTS = 1 << 18  # weights smaller than this (1 MiB of float32) stay dense under auto
 FORCED_FROM_ROWS = 4  # PRFAAS_GEMM=<kernel>: the kernel from this many rows up (below: streaming rows)
-COLD_BYTES = 64 << 20  # weight copies that calibrate the streaming rows, in bytes (twice the last-level cache here)
+COLD_BYTES = 64 << 20  # bytes read before each streaming-row timing (twice the last-level cache here)
+COLD_REPS = 5  # timed calls per kernel at the streaming rows (each after a COLD_BYTES read)
 MKL_HINT = 32  # the row count MKL's pack is made for (its blocking hint; any row count computes right)
 ONEDNN_HINT = 16  # the same for oneDNN's reorder (measured: 16 and 512 gave the same rates at 4-1024 rows)
 
@@ -148,9 +148,9 @@ def calibrate(n: int, k: int, buckets: Sequence[int], min_s: float = 2e-3, max_r
     row counts: the fastest of up to ``max_reps`` timed calls after a warm-up (at least one each, more
     until about ``min_s`` seconds per kernel were spent; the kernels take turns), on one torch thread.
     Below :data:`FORCED_FROM_ROWS` rows a call streams its weight from memory, as a decode step's do
-    (30 layers of weights are far larger than the caches), so each call there reads another of enough
-    copies to fill :data:`COLD_BYTES`; a cache-hot weight would time the caches instead. Cached per
-    shape and buckets for the process."""
+    (30 layers of weights are far larger than the caches), so each timed call there follows a read of
+    :data:`COLD_BYTES` that evicts the weight (at most :data:`COLD_REPS` calls per kernel); a cache-hot
+    weight would time the caches instead. Cached per shape and buckets for the process."""
     key = (n, k, tuple(buckets))
     if key in _CALIBRATED:
         return _CALIBRATED[key]
@@ -159,30 +159,30 @@ def calibrate(n: int, k: int, buckets: Sequence[int], min_s: float = 2e-3, max_r
     try:
         with torch.inference_mode():
             gen = torch.Generator().manual_seed(0)
-            hot = [torch.randn(n, k, generator=gen)]
-            cold: list[torch.Tensor] = []
-            out: dict[str, list[float]] = {kern: [] for kern in available_kernels()}
+            w = torch.randn(n, k, generator=gen)
+            packs = {kern: _make_packed(kern, w) for kern in available_kernels()}
+            out: dict[str, list[float]] = {kern: [] for kern in packs}
+            # streaming rows: each timed call first reads a buffer larger than the caches, so the weight
+            # comes from memory (one allocation, returned to the system when freed; no weight copies)
+            scratch = torch.ones(COLD_BYTES // 4)[::16] if min(buckets) < FORCED_FROM_ROWS else None
             for rows in buckets:
-                if rows < FORCED_FROM_ROWS and not cold:  # streaming rows: weights the caches do not hold
-                    cold = hot + [torch.randn(n, k, generator=gen) for _ in range(math.ceil(COLD_BYTES / (4 * n * k)) - 1)]
-                ws = cold if rows < FORCED_FROM_ROWS else hot
-                packs = {kern: [_make_packed(kern, w) for w in ws] for kern in out}
+                streaming = rows < FORCED_FROM_ROWS
                 x = torch.randn(rows, k, generator=gen)
                 best = dict.fromkeys(packs, float("inf"))
-                for kern, ps in packs.items():
-                    _run(kern, x, ws[-1], ps[-1])  # warm-up
+                for kern, p in packs.items():
+                    _run(kern, x, w, p)  # warm-up
                 spent, reps = 0.0, 0
-                while reps < 1 or (spent < min_s * len(packs) and reps < max_reps):
-                    i = reps % len(ws)
-                    for kern, ps in packs.items():  # kernels take turns, so a burst of other load hits them all
+                while reps < 1 or (spent < min_s * len(packs) and reps < (COLD_REPS if streaming else max_reps)):
+                    for kern, p in packs.items():  # kernels take turns, so a burst of other load hits them all
+                        if streaming:
+                            scratch.sum()  # one float per cache line: evicts the weight
                         t = time.perf_counter()
-                        _run(kern, x, ws[i], ps[i])
+                        _run(kern, x, w, p)
                         dt = time.perf_counter() - t
                         best[kern], spent = min(best[kern], dt), spent + dt
                     reps += 1
                 for kern in packs:
                     out[kern].append(best[kern])
-                del packs
     finally:
         torch.set_num_threads(threads)
     _CALIBRATED[key] = out
