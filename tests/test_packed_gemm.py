@@ -120,13 +120,18 @@ def test_calibration_times_every_available_kernel_once_per_shape(monkeypatch):
     real_sum = torch.Tensor.sum
     monkeypatch.setattr(torch.Tensor, "sum", lambda self, *a, **kw: evictions.append(self.numel()) or real_sum(self, *a, **kw))
     t = packed_gemm.calibrate(48, 40, (1, 4, 16))
-    monkeypatch.undo()
     assert set(t) == set(available_kernels()) and all(len(v) == 3 and min(v) > 0 for v in t.values())
     # every timed call at 1 row (and only there) follows a read of one float per 64-byte line of 1 MiB
     assert evictions and set(evictions) == {(1 << 20) // 64}
     assert len(evictions) % len(t) == 0 and len(evictions) <= packed_gemm.COLD_REPS * len(t)
-    monkeypatch.setattr(packed_gemm, "_CALIBRATED", {(48, 40, (1, 4, 16)): t})
-    assert packed_gemm.calibrate(48, 40, (1, 4, 16)) is t
+    timed = []
+    real_run = packed_gemm._run
+    monkeypatch.setattr(packed_gemm, "_run", lambda *a: timed.append(a[0]) or real_run(*a))
+    assert packed_gemm.calibrate(48, 40, (1, 4, 16)) == t and timed == []  # cached: nothing timed again
+    # another bucket list of the same shape times only its new row counts, and reads the shared ones back
+    t2 = packed_gemm.calibrate(48, 40, (4, 16, 64))
+    assert set(timed) == set(available_kernels()) and [v[:2] for v in t2.values()] == [v[1:] for v in t.values()]
+    monkeypatch.undo()
 
 
 @needs_packed

@@ -140,7 +140,7 @@ def _make_packed(kernel: str, weight: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-_CALIBRATED: dict[tuple[int, int, tuple[int, ...]], dict[str, list[float]]] = {}
+_CALIBRATED: dict[tuple[int, int, int], dict[str, float]] = {}  # (n, k, rows) -> seconds per kernel
 
 
 def calibrate(n: int, k: int, buckets: Sequence[int], min_s: float = 2e-3, max_reps: int = 20) -> dict[str, list[float]]:
@@ -150,43 +150,40 @@ def calibrate(n: int, k: int, buckets: Sequence[int], min_s: float = 2e-3, max_r
     Below :data:`FORCED_FROM_ROWS` rows a call streams its weight from memory, as a decode step's do
     (30 layers of weights are far larger than the caches), so each timed call there follows a read of
     :data:`COLD_BYTES` that evicts the weight (at most :data:`COLD_REPS` calls per kernel); a cache-hot
-    weight would time the caches instead. Cached per shape and buckets for the process."""
-    key = (n, k, tuple(buckets))
-    if key in _CALIBRATED:
-        return _CALIBRATED[key]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            gen = torch.Generator().manual_seed(0)
-            w = torch.randn(n, k, generator=gen)
-            packs = {kern: _make_packed(kern, w) for kern in available_kernels()}
-            out: dict[str, list[float]] = {kern: [] for kern in packs}
-            # streaming rows: each timed call first reads a buffer larger than the caches, so the weight
-            # comes from memory (one allocation, returned to the system when freed; no weight copies)
-            scratch = torch.ones(COLD_BYTES // 4)[::16] if min(buckets) < FORCED_FROM_ROWS else None
-            for rows in buckets:
-                streaming = rows < FORCED_FROM_ROWS
-                x = torch.randn(rows, k, generator=gen)
-                best = dict.fromkeys(packs, float("inf"))
-                for kern, p in packs.items():
-                    _run(kern, x, w, p)  # warm-up
-                spent, reps = 0.0, 0
-                while reps < 1 or (spent < min_s * len(packs) and reps < (COLD_REPS if streaming else max_reps)):
-                    for kern, p in packs.items():  # kernels take turns, so a burst of other load hits them all
-                        if streaming:
-                            scratch.sum()  # one float per cache line: evicts the weight
-                        t = time.perf_counter()
-                        _run(kern, x, w, p)
-                        dt = time.perf_counter() - t
-                        best[kern], spent = min(best[kern], dt), spent + dt
-                    reps += 1
-                for kern in packs:
-                    out[kern].append(best[kern])
-    finally:
-        torch.set_num_threads(threads)
-    _CALIBRATED[key] = out
-    return out
+    weight would time the caches instead. Cached per shape and row count for the process, so a worker
+    that packs for prefill and for decode times a shared row count once."""
+    missing = [rows for rows in dict.fromkeys(buckets) if (n, k, rows) not in _CALIBRATED]
+    if missing:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with torch.inference_mode():
+                gen = torch.Generator().manual_seed(0)
+                w = torch.randn(n, k, generator=gen)
+                packs = {kern: _make_packed(kern, w) for kern in available_kernels()}
+                # streaming rows: each timed call first reads a buffer larger than the caches, so the weight
+                # comes from memory (one allocation, returned to the system when freed; no weight copies)
+                scratch = torch.ones(COLD_BYTES // 4)[::16] if min(missing) < FORCED_FROM_ROWS else None
+                for rows in missing:
+                    streaming = rows < FORCED_FROM_ROWS
+                    x = torch.randn(rows, k, generator=gen)
+                    best = dict.fromkeys(packs, float("inf"))
+                    for kern, p in packs.items():
+                        _run(kern, x, w, p)  # warm-up
+                    spent, reps = 0.0, 0
+                    while reps < 1 or (spent < min_s * len(packs) and reps < (COLD_REPS if streaming else max_reps)):
+                        for kern, p in packs.items():  # kernels take turns, so a burst of other load hits them all
+                            if streaming:
+                                scratch.sum()  # one float per cache line: evicts the weight
+                            t = time.perf_counter()
+                            _run(kern, x, w, p)
+                            dt = time.perf_counter() - t
+                            best[kern], spent = min(best[kern], dt), spent + dt
+                        reps += 1
+                    _CALIBRATED[(n, k, rows)] = best
+        finally:
+            torch.set_num_threads(threads)
+    return {kern: [_CALIBRATED[(n, k, rows)][kern] for rows in buckets] for kern in available_kernels()}
 
 
 class PackedLinear:
