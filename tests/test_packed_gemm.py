@@ -5,13 +5,15 @@ linears routed through packed weights that follow their module's current weight.
 
 from __future__ import annotations
 
+import json
 import math
+import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model import packed_gemm
+from common.model import gemm_timings, packed_gemm
 from common.model.packed_gemm import (
     DECODE_BUCKETS,
     MIN_PACK_ELEMENTS,
@@ -113,8 +115,9 @@ def test_auto_keeps_small_weights_dense_and_takes_the_calibrated_kernels(monkeyp
 
 
 @needs_packed
-def test_calibration_times_every_available_kernel_once_per_shape(monkeypatch):
+def test_calibration_times_every_available_kernel_once_per_shape(monkeypatch, tmp_path):
     monkeypatch.setattr(packed_gemm, "_CALIBRATED", {})
+    monkeypatch.setenv("PRFAAS_GEMM_TIMINGS", "off")  # this process's cache only (the shared file: below)
     monkeypatch.setattr(packed_gemm, "COLD_BYTES", 1 << 20)  # the streaming rows' eviction read: 1 MiB here
     evictions = []
     real_sum = torch.Tensor.sum
@@ -152,3 +155,54 @@ def test_module_linears_follow_their_modules_current_weight():
         x1 = torch.randn(1, 64)
         torch.testing.assert_close(net[0](x1), F.linear(x1, net[0].weight), rtol=1e-6, atol=1e-6)
     assert pack_module_linears(net, mode=PACKED[0]) == 0  # already routed
+
+
+@needs_packed
+def test_calibration_is_shared_through_the_machines_file(monkeypatch, tmp_path):
+    """A second process (an empty in-process cache) reads the first one's timings back and times
+    nothing; another fingerprint's entries and a file that does not parse are not read."""
+    path = tmp_path / "timings.json"
+    monkeypatch.setenv("PRFAAS_GEMM_TIMINGS", str(path))
+    monkeypatch.setattr(packed_gemm, "_CALIBRATED", {})
+    monkeypatch.setattr(packed_gemm, "COLD_BYTES", 1 << 20)
+    first = packed_gemm.calibrate(48, 40, (1, 4))
+    saved = json.loads(path.read_text())
+    assert len(saved) == 1 and set(next(iter(saved.values()))) == {"48x40@1", "48x40@4"}
+    timed = []
+    real_run = packed_gemm._run
+    monkeypatch.setattr(packed_gemm, "_run", lambda *a: timed.append(a[0]) or real_run(*a))
+    monkeypatch.setattr(packed_gemm, "_CALIBRATED", {})  # another worker of the machine
+    assert packed_gemm.calibrate(48, 40, (1, 4)) == first and timed == []
+    monkeypatch.setattr(packed_gemm, "_CALIBRATED", {})
+    monkeypatch.setattr(packed_gemm, "COLD_BYTES", 1 << 19)  # other settings: another fingerprint, timed afresh
+    packed_gemm.calibrate(48, 40, (1, 4))
+    assert timed and len(json.loads(path.read_text())) == 2
+    timed.clear()
+    path.write_text("{not json")
+    monkeypatch.setattr(packed_gemm, "_CALIBRATED", {})
+    packed_gemm.calibrate(48, 40, (4,))
+    assert timed and len(json.loads(path.read_text())) == 1  # timed again, and the file rewritten whole
+    monkeypatch.undo()
+
+
+def test_the_machines_calibration_lock_lets_one_process_time_at_a_time(tmp_path):
+    """While one holder has the lock, another (here a thread with its own open file, as a second
+    process would have) waits for it; entries added inside are written back on exit."""
+    path = str(tmp_path / "t.json")
+    order = []
+
+    def other():
+        with gemm_timings.shared_timings("s", path) as shared:
+            order.append(("other", dict(shared)))
+
+    with gemm_timings.shared_timings("s", path) as shared:
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(0.3)
+        assert t.is_alive() and order == []  # blocked on the lock
+        shared["8x8@4"] = {"dense": 1.0}
+        order.append(("first", None))
+    t.join(5)
+    assert order == [("first", None), ("other", {"8x8@4": {"dense": 1.0}})]
+    with gemm_timings.shared_timings("another", path) as shared:
+        assert shared == {}  # another fingerprint reads nothing

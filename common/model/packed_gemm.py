@@ -50,6 +50,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from common.model.gemm_timings import key as timing_key
+from common.model.gemm_timings import shared_timings
+
 KERNELS = ("dense", "mkl", "onednn")
 DECODE_BUCKETS = (1, 4, 16, 64)  # rows of a decode step (a batch above 64 takes the 64 bucket's kernel)
 PREFILL_BUCKETS = (1, 4, 16, 64, 256)  # rows of a prefill chunk (tokens); above 256 the last bucket's kernel
@@ -58,6 +61,7 @@ MIN_PACK_ELEMENTS = 1 << 18  # weights smaller than this (1 MiB of float32) stay
 FORCED_FROM_ROWS = 4  # PRFAAS_GEMM=<kernel>: the kernel from this many rows up (below: streaming rows)
 COLD_BYTES = 64 << 20  # bytes read before each streaming-row timing (twice the last-level cache here)
 COLD_REPS = 5  # timed calls per kernel at the streaming rows (each after a COLD_BYTES read)
+MIN_REPS = 3  # timed calls per kernel at least, from FORCED_FROM_ROWS rows up (the fastest counts)
 MKL_HINT = 32  # the row count MKL's pack is made for (its blocking hint; any row count computes right)
 ONEDNN_HINT = 16  # the same for oneDNN's reorder (measured: 16 and 512 gave the same rates at 4-1024 rows)
 
@@ -143,6 +147,41 @@ def _make_packed(kernel: str, weight: torch.Tensor) -> torch.Tensor | None:
 _CALIBRATED: dict[tuple[int, int, int], dict[str, float]] = {}  # (n, k, rows) -> seconds per kernel
 
 
+def _time_kernels(n: int, k: int, missing: Sequence[int], min_s: float, max_reps: int) -> None:
+    """Time every available kernel at each of ``missing``'s row counts into ``_CALIBRATED`` (see
+    :func:`calibrate`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            gen = torch.Generator().manual_seed(0)
+            w = torch.randn(n, k, generator=gen)
+            packs = {kern: _make_packed(kern, w) for kern in available_kernels()}
+            # streaming rows: each timed call first reads a buffer larger than the caches, so the weight
+            # comes from memory (one allocation, returned to the system when freed; no weight copies)
+            scratch = torch.ones(COLD_BYTES // 4)[::16] if min(missing) < FORCED_FROM_ROWS else None
+            for rows in missing:
+                streaming = rows < FORCED_FROM_ROWS
+                x = torch.randn(rows, k, generator=gen)
+                best = dict.fromkeys(packs, float("inf"))
+                for kern, p in packs.items():
+                    _run(kern, x, w, p)  # warm-up
+                spent, reps = 0.0, 0
+                least = 1 if streaming else MIN_REPS
+                while reps < least or (spent < min_s * len(packs) and reps < (COLD_REPS if streaming else max_reps)):
+                    for kern, p in packs.items():  # kernels take turns, so a burst of other load hits them all
+                        if streaming:
+                            scratch.sum()  # one float per cache line: evicts the weight
+                        t = time.perf_counter()
+                        _run(kern, x, w, p)
+                        dt = time.perf_counter() - t
+                        best[kern], spent = min(best[kern], dt), spent + dt
+                    reps += 1
+                _CALIBRATED[(n, k, rows)] = best
+    finally:
+        torch.set_num_threads(threads)
+
+
 def calibrate(n: int, k: int, buckets: Sequence[int], min_s: float = 2e-3, max_reps: int = 20) -> dict[str, list[float]]:
     """Seconds per call of each available kernel for an ``[n, k]`` float32 weight at each of ``buckets``'
     row counts: the fastest of up to ``max_reps`` timed calls after a warm-up (at least one each, more
@@ -151,38 +190,22 @@ def calibrate(n: int, k: int, buckets: Sequence[int], min_s: float = 2e-3, max_r
     (30 layers of weights are far larger than the caches), so each timed call there follows a read of
     :data:`COLD_BYTES` that evicts the weight (at most :data:`COLD_REPS` calls per kernel); a cache-hot
     weight would time the caches instead. Cached per shape and row count for the process, so a worker
-    that packs for prefill and for decode times a shared row count once."""
+    that packs for prefill and for decode times a shared row count once, and for the machine
+    (``common/model/gemm_timings.py``): the timings are taken under a machine-wide lock, one process at
+    a time, and the other workers and later starts read them back from its file instead of timing."""
     missing = [rows for rows in dict.fromkeys(buckets) if (n, k, rows) not in _CALIBRATED]
     if missing:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with torch.inference_mode():
-                gen = torch.Generator().manual_seed(0)
-                w = torch.randn(n, k, generator=gen)
-                packs = {kern: _make_packed(kern, w) for kern in available_kernels()}
-                # streaming rows: each timed call first reads a buffer larger than the caches, so the weight
-                # comes from memory (one allocation, returned to the system when freed; no weight copies)
-                scratch = torch.ones(COLD_BYTES // 4)[::16] if min(missing) < FORCED_FROM_ROWS else None
-                for rows in missing:
-                    streaming = rows < FORCED_FROM_ROWS
-                    x = torch.randn(rows, k, generator=gen)
-                    best = dict.fromkeys(packs, float("inf"))
-                    for kern, p in packs.items():
-                        _run(kern, x, w, p)  # warm-up
-                    spent, reps = 0.0, 0
-                    while reps < 1 or (spent < min_s * len(packs) and reps < (COLD_REPS if streaming else max_reps)):
-                        for kern, p in packs.items():  # kernels take turns, so a burst of other load hits them all
-                            if streaming:
-                                scratch.sum()  # one float per cache line: evicts the weight
-                            t = time.perf_counter()
-                            _run(kern, x, w, p)
-                            dt = time.perf_counter() - t
-                            best[kern], spent = min(best[kern], dt), spent + dt
-                        reps += 1
-                    _CALIBRATED[(n, k, rows)] = best
-        finally:
-            torch.set_num_threads(threads)
+        kernels = available_kernels()
+        settings = f"threads 1 | cold {COLD_BYTES} x {COLD_REPS} | min {min_s} x {MIN_REPS}-{max_reps}"
+        with shared_timings(settings) as shared:  # one process of the machine times at a time
+            for rows in missing:
+                got = shared.get(timing_key(n, k, rows))
+                if isinstance(got, dict) and all(isinstance(got.get(kern), float) and got[kern] > 0 for kern in kernels):
+                    _CALIBRATED[(n, k, rows)] = {kern: got[kern] for kern in kernels}
+            todo = [rows for rows in missing if (n, k, rows) not in _CALIBRATED]
+            if todo:
+                _time_kernels(n, k, todo, min_s, max_reps)
+                shared.update({timing_key(n, k, rows): _CALIBRATED[(n, k, rows)] for rows in todo})
     return {kern: [_CALIBRATED[(n, k, rows)][kern] for rows in buckets] for kern in available_kernels()}
 
 
