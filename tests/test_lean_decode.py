@@ -165,3 +165,13 @@ def test_loading_the_native_attention_keeps_subnormal_floats():
     if "no kernel built" in proc.stderr and shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler: the kernel is not built")
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_attention_splits_over_threads_only_for_many_tokens():
+    """One thread per SPLIT_TOKENS tokens of the step (small steps stay on the calling thread: a
+    thread started per call waited for torch's spinning OpenMP worker), capped by the threads given."""
+    per = attn_kernel.SPLIT_TOKENS
+    assert attn_kernel.split_threads(16 * 256, 2) == 1
+    assert attn_kernel.split_threads(per - 1, 8) == 1
+    assert attn_kernel.split_threads(2 * per, 2) == 2 and attn_kernel.split_threads(2 * per, 1) == 1
+    assert attn_kernel.split_threads(100 * per, 64) == attn_kernel.MAX_THREADS

@@ -163,6 +163,12 @@ FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno",
          "-fassociative-math", "-fno-signed-zeros", "-fPIC")
 MAX_GROUP = 64  # query heads per KV head the kernel's stack arrays hold
 MAX_THREADS = 8  # threads one call splits its rows over (the C source caps it the same)
+# Tokens (summed over rows) per thread a call starts, at least. The threads are started per call, and
+# on a core where torch's OpenMP worker still spins after the previous op, a started thread waited for
+# it: SmolLM2's lean step at 16 rows x 256 tokens on 2 threads took 72-1020 ms (median 575-794 ms in
+# two runs of three) against 59-61 ms with the attention on one thread; at 32 x 4096 (131K tokens)
+# the split gained nothing (446 against 442-459 ms). So small steps stay on the calling thread.
+SPLIT_TOKENS = 1 << 17
 
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet
 
@@ -246,6 +252,7 @@ class RunTable:
             off.append(len(tok))
             longest = max(longest, sum(n for _, n in row))
         self.rows = len(runs)
+        self.tokens = sum(lens)
         self.off = torch.tensor(off, dtype=torch.long)
         self.tok = torch.tensor(tok, dtype=torch.long)
         self.len = torch.tensor(lens, dtype=torch.long)
@@ -253,12 +260,19 @@ class RunTable:
         self.scratch = torch.empty(self.per * MAX_THREADS, dtype=torch.float32)
 
 
+def split_threads(tokens: int, threads: int) -> int:
+    """Threads for one call over ``tokens`` tokens (all rows) when ``threads`` are available: one per
+    :data:`SPLIT_TOKENS`, at least one, at most ``threads`` and :data:`MAX_THREADS`. Pure."""
+    return max(1, min(MAX_THREADS, threads, tokens // SPLIT_TOKENS))
+
+
 def attend(lib: ctypes.CDLL, q: torch.Tensor, karena: torch.Tensor, varena: torch.Tensor, table: RunTable,
            scale: float, threads: int | None = None) -> torch.Tensor:
     """Attention of one new token per row: ``q`` float32 ``[rows, q_heads, d]`` (contiguous) against
     the rows' runs in ``karena``/``varena`` (float32 ``[kv_heads, pages, block, d]``, contiguous).
-    ``threads`` (default ``torch.get_num_threads()``, at most :data:`MAX_THREADS`): the rows are split
-    into that many runs of about equal tokens, each on its own thread (started per call).
+    ``threads`` (default ``torch.get_num_threads()``, at most :data:`MAX_THREADS`, and one per
+    :data:`SPLIT_TOKENS` of the rows' tokens): the rows are split into that many runs of about equal
+    tokens, each on its own thread (started per call).
     Returns float32 ``[rows, q_heads, d]``. Raises ``ValueError`` on a shape, dtype or layout the
     kernel does not take."""
     rows, qh, d = q.shape
@@ -272,5 +286,5 @@ def attend(lib: ctypes.CDLL, q: torch.Tensor, karena: torch.Tensor, varena: torc
     lib.paged_decode_attention(q.data_ptr(), karena.data_ptr(), varena.data_ptr(), out.data_ptr(), rows, h, group,
                                d, karena.stride(0), table.off.data_ptr(), table.tok.data_ptr(),
                                table.len.data_ptr(), float(scale), table.scratch.data_ptr(), table.per,
-                               min(MAX_THREADS, threads or torch.get_num_threads()))
+                               threads or split_threads(table.tokens, torch.get_num_threads()))
     return out
