@@ -54,14 +54,19 @@ from common.model.gemm_timings import key as timing_key
 from common.model.gemm_timings import shared_timings
 
 KERNELS = ("dense", "mkl", "onednn")
-DECODE_BUCKETS = (1, 4, 16, 64)  # rows of a decode step (a batch above 64 takes the 64 bucket's kernel)
-PREFILL_BUCKETS = (1, 4, 16, 64, 256)  # rows of a prefill chunk (tokens); above 256 the last bucket's kernel
+DECODE_BUCKETS = (1, 2, 3, 4, 16, 64)  # rows of a decode step (a batch above 64 takes the 64 bucket's kernel)
+PREFILL_BUCKETS = (1, 2, 4, 16, 64, 256)  # rows of a prefill chunk (tokens); above 256 the last bucket's kernel
 MARGIN = 0.9  # a packed kernel is chosen only at <= MARGIN x dense's time
 MIN_PACK_ELEMENTS = 1 << 18  # weights smaller than this (1 MiB of float32) stay dense under auto
-FORCED_FROM_ROWS = 4  # PRFAAS_GEMM=<kernel>: the kernel from this many rows up (below: streaming rows)
+FORCED_FROM_ROWS = 4  # PRFAAS_GEMM=<kernel>: the kernel from this many rows up (below: dense)
+# Rows below this (a matrix-vector product) are timed with the weight evicted first: a decode step's
+# weights (30 layers) are far larger than the caches. Timed cold, 2 and 3 rows took kernels that ran a
+# SmolLM2 decode step in 61 / 74 ms (batch 2 / 3) against 55 / 42 ms timed warm (batch 4: 42 ms);
+# timing 2-8 rows cold made batch 4 and 8 slower (56 / 68 ms against 41 / 53 timed warm).
+COLD_BELOW = 2
 COLD_BYTES = 64 << 20  # bytes read before each streaming-row timing (twice the last-level cache here)
 COLD_REPS = 5  # timed calls per kernel at the streaming rows (each after a COLD_BYTES read)
-MIN_REPS = 3  # timed calls per kernel at least, from FORCED_FROM_ROWS rows up (the fastest counts)
+MIN_REPS = 3  # timed calls per kernel at least, from COLD_BELOW rows up (the fastest counts)
 MKL_HINT = 32  # the row count MKL's pack is made for (its blocking hint; any row count computes right)
 ONEDNN_HINT = 16  # the same for oneDNN's reorder (measured: 16 and 512 gave the same rates at 4-1024 rows)
 
@@ -98,7 +103,11 @@ def gemm_mode() -> str:
 
 
 def choose_kernels(timings: dict[str, Sequence[float]], margin: float = MARGIN) -> tuple[str, ...]:
-    """Per bucket, the kernel to run: the fastest, a packed one only at <= ``margin`` x ``dense``'s time.
+    """Per bucket, the kernel to run: the fastest, a packed one only at <= ``margin`` x ``dense``'s time;
+    and where the next bucket up runs another packed kernel that also passes that margin, that one,
+    unless the fastest beats it by ``margin`` too (a near tie between two packed kernels in the timing
+    is not one in the model: at 2 rows MKL's packed SGEMM timed 0.401 ms against oneDNN's 0.415 for
+    SmolLM2's gate/up, and took 0.82-1.3 ms a call inside a decode step, where oneDNN took 0.2-0.26).
 
     ``timings[kernel][b]`` is the kernel's time (seconds, any unit shared by all) at bucket ``b``;
     ``dense`` must be there; a missing or non-finite time rules its kernel out at that bucket.
@@ -108,14 +117,20 @@ def choose_kernels(timings: dict[str, Sequence[float]], margin: float = MARGIN) 
     n = len(timings["dense"])
     if any(len(v) != n for v in timings.values()):
         raise ValueError("every kernel needs one timing per bucket")
-    out = []
-    for b in range(n):
-        best, best_t = "dense", timings["dense"][b]
+    out: list[str] = []
+    for b in reversed(range(n)):  # from the most rows down: a bucket's neighbour above is chosen first
+        dense_t = timings["dense"][b]
+        best, best_t = "dense", dense_t
         for k, v in timings.items():
             t = v[b]
-            if k != "dense" and t == t and t < best_t and t <= margin * timings["dense"][b]:
+            if k != "dense" and t == t and t < best_t and t <= margin * dense_t:
                 best, best_t = k, t
-        out.append(best)
+        near = out[0] if out else "dense"  # the packed kernel of the bucket above keeps a near tie
+        near_t = timings[near][b] if near in timings else float("nan")
+        if best != "dense" and near not in ("dense", best) and near_t == near_t and near_t <= margin * dense_t \
+                and best_t > margin * near_t:
+            best = near
+        out.insert(0, best)
     return tuple(out)
 
 
@@ -159,9 +174,9 @@ def _time_kernels(n: int, k: int, missing: Sequence[int], min_s: float, max_reps
             packs = {kern: _make_packed(kern, w) for kern in available_kernels()}
             # streaming rows: each timed call first reads a buffer larger than the caches, so the weight
             # comes from memory (one allocation, returned to the system when freed; no weight copies)
-            scratch = torch.ones(COLD_BYTES // 4)[::16] if min(missing) < FORCED_FROM_ROWS else None
+            scratch = torch.ones(COLD_BYTES // 4)[::16] if min(missing) < COLD_BELOW else None
             for rows in missing:
-                streaming = rows < FORCED_FROM_ROWS
+                streaming = rows < COLD_BELOW
                 x = torch.randn(rows, k, generator=gen)
                 best = dict.fromkeys(packs, float("inf"))
                 for kern, p in packs.items():
@@ -186,7 +201,7 @@ def calibrate(n: int, k: int, buckets: Sequence[int], min_s: float = 2e-3, max_r
     """Seconds per call of each available kernel for an ``[n, k]`` float32 weight at each of ``buckets``'
     row counts: the fastest of up to ``max_reps`` timed calls after a warm-up (at least one each, more
     until about ``min_s`` seconds per kernel were spent; the kernels take turns), on one torch thread.
-    Below :data:`FORCED_FROM_ROWS` rows a call streams its weight from memory, as a decode step's do
+    Below :data:`COLD_BELOW` rows a call streams its weight from memory, as a decode step's do
     (30 layers of weights are far larger than the caches), so each timed call there follows a read of
     :data:`COLD_BYTES` that evicts the weight (at most :data:`COLD_REPS` calls per kernel); a cache-hot
     weight would time the caches instead. Cached per shape and row count for the process, so a worker
@@ -196,7 +211,7 @@ def calibrate(n: int, k: int, buckets: Sequence[int], min_s: float = 2e-3, max_r
     missing = [rows for rows in dict.fromkeys(buckets) if (n, k, rows) not in _CALIBRATED]
     if missing:
         kernels = available_kernels()
-        settings = f"threads 1 | cold {COLD_BYTES} x {COLD_REPS} | min {min_s} x {MIN_REPS}-{max_reps}"
+        settings = f"threads 1 | cold {COLD_BYTES} x {COLD_REPS} below {COLD_BELOW} rows | min {min_s} x {MIN_REPS}-{max_reps}"
         with shared_timings(settings) as shared:  # one process of the machine times at a time
             for rows in missing:
                 got = shared.get(timing_key(n, k, rows))
