@@ -217,6 +217,76 @@ class TorchBackend(Backend):
                 h.remove()
         return out.logits[0, -1].float()
 
+    @functools.cached_property
+    def batch_prefill(self) -> bool:
+        """Whether :meth:`prefill_batch` runs several prompts in one forward: a model whose every layer
+        is full attention and whose layers the lean decode step computes (``llama``/``mistral``), where
+        a right-padded row's real positions never attend to its padding (causal)."""
+        return lean_supported(self.model)
+
+    def prefill_batch(self, prompts: list[list[int]], on_layers: list[OnLayer],
+                      stopped: list[Callable[[], bool]]) -> list[torch.Tensor | None]:
+        """Prefill ``prompts`` (token ids, each >= 1) in one forward of ``[len(prompts), max length]``
+        tokens, right-padded; only for :attr:`batch_prefill` models, whole prompts (no prefix hit, no
+        chunks, no checkpoints, no prompt logits). After each layer, ``on_layers[b](i, {"k", "v"}, None)``
+        gets prompt ``b``'s K/V, ``[1, kv_heads, len_b, head_dim]`` (the real positions; a copy when the
+        row is padded), for every ``b`` whose ``stopped[b]()`` is false. Returns, per prompt, its last
+        position's logits, float32 ``[vocab]``, or None for a prompt that stopped (its layers are no
+        longer reported; the others run on). Raises :class:`PrefillCancelled` when every prompt stopped.
+
+        Padding changes no real position's value: the mask is causal and the pads come after every
+        real token of their row; the GEMMs see more rows, so sums round as a longer prompt's would."""
+        if not self.batch_prefill:
+            raise ValueError(f"{self.config.model_type} has layers that a batched prefill cannot pad")
+        lens = [len(p) for p in prompts]
+        if not lens or min(lens) < 1:
+            raise ValueError("a batched prefill needs prompts of at least one token")
+        width = max(lens)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : lens[b]] = torch.tensor(p, dtype=torch.long)
+        cache = DynamicCache(config=self.config)
+        layers = self._decoder_layers()
+        held: list[list[int]] = []
+
+        def before(_module, _args):
+            if all(s() for s in stopped):
+                raise PrefillCancelled("every prompt of the batch stopped")
+            if self.cores is not None:
+                held.append(self.cores.acquire("prefill"))
+
+        def after_layer(i: int):
+            def hook(_module, _args, _output):
+                while held:
+                    self.cores.release(held.pop())
+                keys, values = cache.layers[i].keys, cache.layers[i].values
+                for b, n in enumerate(lens):
+                    if not stopped[b]():
+                        k, v = keys[b : b + 1, :, :n], values[b : b + 1, :, :n]
+                        on_layers[b](i, {"k": k if n == width else k.contiguous(),
+                                         "v": v if n == width else v.contiguous()}, None)
+            return hook
+
+        handles = [layer.register_forward_pre_hook(before) for layer in layers]
+        handles += [layer.register_forward_hook(after_layer(i)) for i, layer in enumerate(layers)]
+        try:
+            with self._lock, torch.inference_mode():
+                if self.cores is not None:
+                    self.cores.set_busy("prefill", True)
+                base = getattr(self.model, self.model.base_model_prefix)
+                pos = torch.arange(width, dtype=torch.long).unsqueeze(0).expand(len(prompts), width)
+                hidden = base(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).last_hidden_state
+                last = hidden[torch.arange(len(prompts)), torch.tensor(lens) - 1]  # [B, hidden], after the final norm
+                logits = self.model.lm_head(last).float()
+        finally:
+            while held:
+                self.cores.release(held.pop())
+            if self.cores is not None:
+                self.cores.set_busy("prefill", False)
+            for h in handles:
+                h.remove()
+        return [None if stopped[b]() else logits[b] for b in range(len(prompts))]
+
     def _cache_with_prefix(self, prefix: list[LayerState]) -> DynamicCache:
         """A transformers cache holding ``prefix`` (one state per layer, see :meth:`prefill`); copies."""
         cache = DynamicCache(config=self.config)

@@ -2,7 +2,8 @@
 
 Request lifecycle (who frees what):
 1. ``prefill`` RPC from a decode worker, which has already reserved room for the KVCache and names
-   its KV address. The request waits (``waiting`` in the stats) for one of two stage permits, handed
+   its KV address. The request waits (``waiting`` in the stats) for one of two stage permits (one
+   plus a batch's prompts where whole prompts run batched: ``services/prefill/batcher.py``), handed
    out by priority (lower values first, then arrival: :class:`~common.runtime.priority.PriorityGate`), then,
    staged in its compute thread, for the accelerator (one compute at a time, ``running``). The
    permit is returned once its compute has ended and every layer is queued on the link, so at most
@@ -42,7 +43,7 @@ import time
 from typing import Any
 
 from common.kv.prefix_cache import PrefixCache
-from common.model.backend import Backend, PrefillCancelled
+from common.model.backend import Backend
 from common.model.logits import MAX_PROMPT_LOGPROB_BYTES, PromptLogprobs, prompt_logprobs
 from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, check_wire_sampling, sample_token
@@ -56,6 +57,7 @@ from common.transfer.ranges import tensor_ranges
 from common.transfer.sender import KvLink
 from common.transfer.share import group_gate
 from proto.frames import ErrorCode
+from services.prefill.batcher import Accelerator, Job
 from services.prefill.faults import Faults, FaultsDisabled
 from services.prefill.messages import ExportPrefixArgs, InjectFaultArgs, PrefillArgs
 from services.prefill.prefix import Hit, PrefillPrefix
@@ -99,8 +101,11 @@ class PrefillWorker:
         self.fingerprint = backend.loaded.fingerprint
         self.vocab_size = int(backend.loaded.model.config.vocab_size)
         self.faults = Faults()
-        self._slot = PriorityGate(2)  # stage permits: one computing (or draining) and one staged; by (priority, arrival)
-        self._accelerator = threading.Lock()  # one compute at a time; taken and released in compute threads
+        # one compute at a time, taken and released in compute threads; whole prompts waiting for it run batched
+        self._accelerator = Accelerator(backend)
+        # stage permits, by (priority, arrival): one computing (or draining) and one staged, or, where
+        # prompts run batched, as many staged as one batch holds
+        self._slot = PriorityGate(1 + (self._accelerator.max_prompts if self._accelerator.batching else 1))
         self._links: dict[str, KvLink] = {}  # by KV address, least recently used first
         self._link_used: dict[str, float] = {}
         self._link_users: dict[str, int] = {}  # prefill calls holding each link (never closed under them)
@@ -126,7 +131,8 @@ class PrefillWorker:
             "waiting": self.waiting, "running": self.running, "kv_bytes_inflight": self.kv_bytes_inflight,
             "completed": self.completed, "cancelled": self.cancelled, "prompt_tokens": self.prompt_tokens,
             "links": self.link_stats(), "kv_codec": self.wire.stats(), "request_tasks": service.live_call_tasks("prefill"),
-            "kv_links_dropped": self.links_dropped,
+            "kv_links_dropped": self.links_dropped, "batched_prefills": self._accelerator.batches,
+            "batched_prompts": self._accelerator.batched_prompts,
             "prefix_pool_pages_used": self.prefix.store.pool.stats()["pages_used"] if self.prefix is not None else 0,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "prefix_pulled_tokens": self.prefix_pulled_tokens,
@@ -304,20 +310,17 @@ class PrefillWorker:
 
     def _compute(self, loop: asyncio.AbstractEventLoop, on_start, stop: threading.Event, began: list[float],
                  *args: Any, **kwargs: Any) -> Any:
-        """Compute thread: wait for the accelerator (checking ``stop`` every 20 ms, so a cancelled
-        staged request leaves at once with :class:`PrefillCancelled`), note the start (``began``,
-        monotonic seconds) and tell the loop (``on_start``), run ``backend.prefill(*args)``, and
-        release the accelerator here, so the next staged thread starts without a trip through the
-        event loop."""
-        while not self._accelerator.acquire(timeout=0.02):
-            if stop.is_set():
-                raise PrefillCancelled("cancelled before its compute started")
-        try:
+        """Compute thread: wait for the accelerator (a cancelled staged request leaves at once with
+        :class:`PrefillCancelled`), note the start (``began``, monotonic seconds) and tell the loop
+        (``on_start``), run ``backend.prefill(*args)``, alone or batched with other whole prompts that
+        wait (``services/prefill/batcher.py``); the next staged thread takes the accelerator without a
+        trip through the event loop."""
+        def started() -> None:
             began.append(time.monotonic())
             loop.call_soon_threadsafe(on_start)
-            return self.backend.prefill(*args, **kwargs)
-        finally:
-            self._accelerator.release()
+        ids, on_layer, chunk, prefix_len, checkpoints = args[0], args[1], args[3], args[5], args[6]
+        whole = not kwargs and not prefix_len and not checkpoints and (not chunk or chunk >= len(ids))
+        return self._accelerator.run(Job(args, kwargs, stop, started, ids if whole else None, on_layer))
 
     def _compute_inline(self, on_start, began: list[float], computed_at: list[float], ready: asyncio.Queue,
                         args: tuple, extra: dict[str, Any]) -> asyncio.Future:
