@@ -39,6 +39,7 @@ from pathlib import Path
 
 from common.lab import netlab
 from common.lab.cluster import free_port
+from common.lab.hostload import HostLoad
 from common.lab.plots import progress, pyplot, save, save_json
 from common.lab.procs import spawn, stop, wait_line
 
@@ -249,7 +250,8 @@ def overlap(quick: bool, out: Path | None = None) -> float:
             rate = kv_bytes * 8 / prefill_s / 0.95  # TCP payload is ~95% of the tbf rate
             site.shape(rate)
             bar.set_postfix_str(f"{rounds} rounds x {len(MODES)} modes, interleaved")
-            runs = run_client(site, site.prefill, prompt_len, rounds, SETTLE_S, warmup=1)
+            with HostLoad([p.pid for p in site.procs]) as load:
+                runs = run_client(site, site.prefill, prompt_len, rounds, SETTLE_S, warmup=1)
             bar.update()
     results = {m: [r for r in runs if r["mode"] == m] for m in MODES}
     ratios = round_ratios(runs)
@@ -261,7 +263,8 @@ def overlap(quick: bool, out: Path | None = None) -> float:
     title = (f"Overlap: {prompt_len}-token remote prefill on {MODEL}, KV {med['layer']['kv_bytes'] / 2**20:.1f} MiB, "
              f"link {rate / 1e6:.1f} Mbit/s ({'tc tbf' if site.lab else 'userspace proxy'})")
     print(f"\n== {title} ==")
-    print(f"{rounds} rounds, one request per mode each, in rotating order; medians over the rounds")
+    print(f"{rounds} rounds, one request per mode each, in rotating order; medians over the rounds; other processes"
+          f" kept {load.others_cores:.2f} of {os.cpu_count()} cores busy on average meanwhile")
     print(f"prefill compute {prefill:.3f} s, transfer alone {transfer:.3f} s, max = {bound:.3f} s")
     print(f"{'mode':<9} {'TTFT s':>8} {'TTFT / max(prefill, transfer)':>30} {'prefill s':>10} {'tail after compute s':>21}")
     for mode in MODES:
@@ -272,6 +275,7 @@ def overlap(quick: bool, out: Path | None = None) -> float:
     if out is not None:
         js = save_json({"prompt_len": prompt_len, "model": MODEL, "link_bps": rate, "shaper": "tbf" if site.lab else "proxy",
                         "prefill_s": prefill, "transfer_s": transfer, "round_ratios": ratios, "overlap_ratio": ratio,
+                        "others_cores": load.others_cores,
                         "runs": results}, out / "overlap.json")
         print(f"wrote {js} and {plot(results, prefill, transfer, title, out / 'overlap.png')}")
     return ratio
