@@ -23,7 +23,7 @@ from common.lab.plots import run_dir
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="a 6000-token prompt, 3 repetitions per mode (default 8000, 5)")
+    p.add_argument("--quick", action="store_true", help="a 6000-token prompt, 5 interleaved rounds of the three modes (default 8000, 7)")
     p.add_argument("--out", default=None, help="folder for overlap.png and overlap.json (default runs/bench_overlap)")
     args = p.parse_args()
     print(f"overlap_ratio={overlap(args.quick, run_dir('bench_overlap', args.out)):.3f}")

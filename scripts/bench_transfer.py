@@ -38,6 +38,7 @@ from pathlib import Path
 
 from common.lab import netlab
 from common.lab.cluster import free_port
+from common.lab.hostload import HostLoad
 from common.lab.overlap import overlap
 from common.lab.plots import progress, pyplot, run_dir, save, save_json
 from common.lab.procs import spawn, stop, wait_line
@@ -141,19 +142,21 @@ def loopback(quick: bool) -> tuple[float, list[dict]]:
     reps = 10 if quick else 20
     sizes = [16 * MiB, 256 * MiB]
     conns_list = [1, 2, 4, 8]
-    res = interleaved([(b, c) for b in sizes for c in conns_list], reps)
+    with HostLoad() as load:  # the raw baseline's threads outcompete the engine's loop for a busy host's cores
+        res = interleaved([(b, c) for b in sizes for c in conns_list], reps)
     d = f"127.0.0.1:{free_port()}"
     naive = run_pair(["--role", "http-recv", "--listen", d], ["--role", "http-send", "--target", d],
                      [{"bytes": s, "conns": 1, "reps": reps} for s in sizes])
     print("\n== Loopback goodput (Gbit/s; medians; one sending and one receiving process each; engine and raw")
     print("   transfers interleaved; ratio = median of the per-repetition engine/raw ratios) ==")
+    print(f"(other processes kept {load.others_cores:.2f} of {os.cpu_count()} cores busy on average meanwhile)")
     print(f"{'size':>8} {'conns':>5} {'engine':>8} {'raw':>8} {'ratio':>6} {'iperf3':>8} {'pickle+HTTP':>12}")
     rows = []
     for (nbytes, conns), r in res.items():
         ip = iperf3("127.0.0.1", nbytes, conns) if not quick or conns == 4 else None
         nv = next((n["goodput_bps"] for n in naive if n["bytes"] == nbytes), None) if conns == 1 else None
         print(f"{nbytes // MiB:>6}Mi {conns:>5} {gbps(r['engine']):>8} {gbps(r['raw']):>8} {r['ratio']:>6.2f} {gbps(ip):>8} {gbps(nv):>12}")
-        rows.append({"bytes": nbytes, "conns": conns, **r, "iperf3": ip, "naive": nv})
+        rows.append({"bytes": nbytes, "conns": conns, **r, "iperf3": ip, "naive": nv, "others_cores": load.others_cores})
     if shutil.which("iperf3") is None:
         print("(iperf3 is not installed: its column is empty)")
     return res[(256 * MiB, 4)]["ratio"], rows

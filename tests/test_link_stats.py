@@ -760,7 +760,7 @@ async def test_capacity_of_a_rate_capped_loopback_link(monkeypatch):
     cap_bps = 50e6
     # Buffers sized for this slow link (the engine's defaults hold ~48 MiB, 8 s at this rate; pings
     # queued behind them would time out): every hop holds a few hundred KiB per connection.
-    monkeypatch.setattr(kv_connection, "SOCKET_BUFFER_BYTES", 256 << 10)
+    monkeypatch.setattr(kv_connection, "SEND_BUFFER_BYTES", 256 << 10)
     monkeypatch.setattr(kv_connection, "WRITE_HIGH_WATER_BYTES", 256 << 10)
     fp = {"model": "capacity-test"}
     n_layers = 48

@@ -30,10 +30,11 @@ def ttft_per_codec(model: str, codecs: list[str], prompt_len: int, reps: int, ra
         site.start("local", ["services.decode", "--name", "decode-codec", "--listen", site.decode, "--kv-listen", site.kv,
                              "--kv-advertise", site.kv_public, *common])
         site.shape(rate_bps)
+        addr = next(iter(site.prefill.values()))  # one worker at a time, restarted per codec
         for codec in codecs:
-            pre = site.start("prfaas", ["services.prefill", "--name", f"prefill-{codec}", "--cluster", "prfaas", "--listen",
-                                        site.prefill, *common, "--kv-wire-codec", codec, "--kv-wire-lossy-ok"])
-            rs = run_client(site, prompt_len, reps)
+            [pre] = site.start("prfaas", ["services.prefill", "--name", f"prefill-{codec}", "--cluster", "prfaas", "--listen",
+                                          addr, *common, "--kv-wire-codec", codec, "--kv-wire-lossy-ok"])
+            rs = run_client(site, {codec: addr}, prompt_len, reps)
             out[codec] = {k: statistics.median(r[k] for r in rs) for k in ("ttft_s", "kv_bytes", "kv_wire_bytes", "prefill_s")}
             out[codec]["codec_seen"] = rs[-1]["kv_codec"]
             stop(pre)

@@ -30,7 +30,12 @@ from common.rpc.limits import set_keepalive
 from common.transfer.tcp_info import TcpInfo
 from proto.frames import Frame, Kind, ProtocolError, encode_frame, read_frame
 
-SOCKET_BUFFER_BYTES = 8 << 20  # kernel send buffer asked for per connection (the kernel may cap it)
+SOCKET_BUFFER_BYTES = 8 << 20  # the receiver's SO_RCVBUF per connection (common/transfer/receiver.py; the kernel may cap it)
+# SO_SNDBUF asked for per sending connection; 0: the kernel's autotuning (up to tcp_wmem's maximum), which
+# grows the buffer with the congestion window. With a fixed 8 MiB one (the old default) the engine
+# reached 0.67-0.79 of the raw-socket goodput at 256 MiB x 4 on a 2-core host with a co-running job,
+# against 0.82-0.87 autotuned, in interleaved A/B runs; the shaped 1 Gbit/s link stays at 0.957 of its rate.
+SEND_BUFFER_BYTES = 0
 WRITE_HIGH_WATER_BYTES = 4 << 20  # transport buffer above which a write waits to drain
 
 
@@ -78,11 +83,12 @@ class LinkConnection:
         return cls(cid, reader, writer)
 
     def tune(self) -> None:
-        """Ask for a large kernel send buffer and set the transport's write high-water mark."""
+        """Set the kernel send buffer (:data:`SEND_BUFFER_BYTES`; 0 leaves it to autotuning) and the
+        transport's write high-water mark."""
         sock = self.writer.get_extra_info("socket")
-        if sock is not None:
+        if sock is not None and SEND_BUFFER_BYTES > 0:
             with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self.writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
 
     @property
