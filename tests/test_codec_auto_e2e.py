@@ -50,21 +50,24 @@ def test_auto_codec_follows_the_link_and_lossy_needs_the_flag(monkeypatch):
     p_metrics = free_port()
     with Site() as site:
         common = ["--model", "tiny-dense", "--planner", site.planner]
-        planner = site.start("local", ["services.planner", "--listen", site.planner, "--loop-interval", "0.3",
+        [planner] = site.start("local", ["services.planner", "--listen", site.planner, "--loop-interval", "0.3",
                                        "--link-gbps", repr(LINK_BPS / 1e9), "--metrics-port", str(p_metrics)])
         site.start("local", ["services.decode", "--name", "decode-auto", "--listen", site.decode, "--kv-listen", site.kv,
                              "--kv-advertise", site.kv_public, *common])
         site.shape(LINK_BPS)
 
+        addr = next(iter(site.prefill.values()))  # one prefill worker at a time
+
         def prefill(name: str, *flags: str):
-            return site.start("prfaas", ["services.prefill", "--name", name, "--cluster", "prfaas", "--listen", site.prefill,
-                                         *common, "--kv-wire-codec", "auto", "--report-interval", "0.2", *flags])
+            [p] = site.start("prfaas", ["services.prefill", "--name", name, "--cluster", "prfaas", "--listen", addr,
+                                        *common, "--kv-wire-codec", "auto", "--report-interval", "0.2", *flags])
+            return p
 
         pre = prefill("prefill-auto")
         time.sleep(2.0)  # idle link: reports flow, nothing changes
         assert planner_codecs(site.planner)["decisions"] == {}
 
-        scarce = run_client(site, PROMPT, 3)
+        scarce = run_client(site, {"auto": addr}, PROMPT, 3)
         codecs = [r["kv_codec"] for r in scarce]
         assert codecs[0] == "none" and codecs[-1] == "lossless" and "fp8" not in codecs and "int4" not in codecs, codecs
         assert scarce[-1]["kv_wire_bytes"] < scarce[-1]["kv_bytes"]
@@ -82,7 +85,7 @@ def test_auto_codec_follows_the_link_and_lossy_needs_the_flag(monkeypatch):
 
         # the same scarce link, a worker that allows lossy codecs: the ladder climbs past lossless
         pre = prefill("prefill-lossy", "--kv-wire-lossy-ok")
-        lossy = run_client(site, PROMPT, 4)
+        lossy = run_client(site, {"lossy": addr}, PROMPT, 4)
         codecs = [r["kv_codec"] for r in lossy]
         assert codecs[0] == "none" and codecs[-1] in ("fp8", "int4"), codecs
         st = planner_codecs(site.planner)
