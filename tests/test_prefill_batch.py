@@ -121,3 +121,54 @@ def test_prompts_that_wait_for_the_accelerator_run_as_one_batch(dense):
     # a job that may not batch (a prefix hit, chunks, prompt logits) runs alone through backend.prefill
     assert int(acc.run(job(0, threading.Event(), batchable=False)).argmax()) == int(results[0].argmax())
     assert acc.batches == 1
+
+
+def test_the_waiting_job_of_the_lowest_priority_value_runs_first_and_batches_only_with_its_priority(dense):
+    acc = Accelerator(dense)
+    prompts = _prompts((48, 64, 56))
+    order: list[int] = []
+
+    def job(b: int, priority: int) -> Job:
+        stop = threading.Event()
+        args = (prompts[b], lambda *a: None, stop.is_set, 0, None, 0, [], None)
+        return Job(args, {}, stop, lambda: order.append(b), prompts[b], lambda *a: None, priority)
+
+    assert acc.acquire()
+    jobs = [job(0, 5), job(1, 0), job(2, 5)]  # arrive in this order
+    threads = []
+    for j in jobs:
+        threads.append(threading.Thread(target=acc.run, args=(j,)))
+        threads[-1].start()
+        time.sleep(0.05)
+    acc.release()
+    for t in threads:
+        t.join(30)
+    assert order[0] == 1 and sorted(order[1:]) == [0, 2]  # priority 0 alone first, then the two of priority 5
+    assert acc.batches == 1 and acc.batched_prompts == 2 and all(j.done.is_set() and j.error is None for j in jobs)
+
+
+def test_a_failing_start_still_finishes_every_job_of_the_batch(dense):
+    acc = Accelerator(dense)
+    prompts = _prompts((48, 64))
+    stops = [threading.Event(), threading.Event()]
+
+    def boom():
+        raise RuntimeError("the event loop is closed")
+    jobs = [Job((p, lambda *a: None, s.is_set, 0, None, 0, [], None), {}, s, boom, p, lambda *a: None)
+            for p, s in zip(prompts, stops)]
+    assert acc.acquire()
+    errs: list[BaseException] = []
+
+    def run(j):
+        try:
+            acc.run(j)
+        except RuntimeError as e:
+            errs.append(e)
+    threads = [threading.Thread(target=run, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    acc.release()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads) and len(errs) == 2
