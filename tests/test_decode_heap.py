@@ -39,6 +39,14 @@ def test_kept_heap_stops_refaulting_step_temporaries():
     if not sys.platform.startswith("linux"):
         pytest.skip("glibc's mallopt")
     pages_per_round = 20 * (3 << 20) // 4096
-    plain, kept = faults("plain"), faults("keep")
+    # Whether glibc's default heap refaults depends on the process's address-space layout (randomised):
+    # here 16,097 faults in about half the fresh interpreters and 768 in the rest. So the default side
+    # takes the most of up to 6 interpreters; the kept heap must beat that refaulting run.
+    plain = 0
+    for _ in range(6):
+        plain = max(plain, faults("plain"))
+        if plain > pages_per_round // 2:
+            break
+    kept = faults("keep")
     assert plain > pages_per_round // 2, f"the default heap did not refault ({plain} faults): the probe proves nothing"
     assert kept < plain // 10, f"{kept} faults with the kept heap against {plain} without"
