@@ -41,12 +41,13 @@ def test_kept_heap_stops_refaulting_step_temporaries():
     pages_per_round = 20 * (3 << 20) // 4096
     # Whether glibc's default heap refaults depends on the process's address-space layout (randomised):
     # here 16,097 faults in about half the fresh interpreters and 768 in the rest. So the default side
-    # takes the most of up to 6 interpreters; the kept heap must beat that refaulting run.
+    # takes the most of up to 6 interpreters, and the kept heap the most of 4 (a kept heap that did
+    # nothing would refault in one of the 4 with odds 15 in 16).
     plain = 0
     for _ in range(6):
         plain = max(plain, faults("plain"))
         if plain > pages_per_round // 2:
             break
-    kept = faults("keep")
+    kept = max(faults("keep") for _ in range(4))
     assert plain > pages_per_round // 2, f"the default heap did not refault ({plain} faults): the probe proves nothing"
     assert kept < plain // 10, f"{kept} faults with the kept heap against {plain} without"
