@@ -11,8 +11,7 @@ Protocol (compute threads, :meth:`Accelerator.run`): a job is queued; whichever 
 (the leader) runs its own job with the queued jobs :func:`plan_batch` adds, and hands each its result;
 a job served by another thread's batch returns that result. A job whose ``stop`` turns true while
 queued leaves with :class:`PrefillCancelled`; one that stops inside a batch gets None (the others run
-on). The waiting job of the lowest priority value (then the oldest) runs next, batched only with jobs
-of its priority; the worker's stage permits bound how many wait (``max_prompts``).
+on). Jobs are taken by arrival; the worker's stage permits bound how many wait (``max_prompts``).
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ def plan_batch(lengths: Sequence[int], batchable: Sequence[bool], lead: int, max
 @dataclass(eq=False)
 class Job:
     """One prefill: ``args``/``kwargs`` for ``backend.prefill``; ``batch_ids`` its prompt when it may run
-    batched (None otherwise), with ``batch_on_layer``; ``on_start()`` when its compute begins;
-    ``priority``: lower values are computed first."""
+    batched (None otherwise), with ``batch_on_layer``; ``on_start()`` when its compute begins."""
 
     args: tuple
     kwargs: dict[str, Any]
@@ -61,7 +59,6 @@ class Job:
     on_start: Callable[[], None]
     batch_ids: list[int] | None = None
     batch_on_layer: Callable | None = None
-    priority: int = 0  # lower values first (``common/runtime/priority.py``), then arrival
     done: threading.Event = field(default_factory=threading.Event)
     result: Any = None
     error: BaseException | None = None
@@ -108,46 +105,43 @@ class Accelerator:
         with self._mutex:
             self._queue.append(job)
         while not job.done.is_set():
-            if job.stop.is_set():
+            if self._lock.acquire(timeout=0.02):
+                try:
+                    if not job.done.is_set():
+                        self._lead(job)
+                finally:
+                    self._lock.release()
+            elif job.stop.is_set():
                 with self._mutex:
                     if job in self._queue:  # not taken into a running batch: it leaves now
                         self._queue.remove(job)
                         raise PrefillCancelled("cancelled before its compute started")
-            if self._lock.acquire(timeout=0.02):
-                try:
-                    if not job.done.is_set():
-                        self._lead()
-                finally:
-                    self._lock.release()
         return job.outcome()
 
-    def _lead(self) -> None:
-        """Holding the accelerator: run the waiting job of the lowest priority value (then the oldest;
-        not necessarily the calling thread's) with the jobs :func:`plan_batch` adds. Every job taken
-        is finished, whatever fails; stopped jobs are left to their threads."""
+    def _lead(self, job: Job) -> None:
         with self._mutex:
-            queue = sorted((j for j in self._queue if not j.stop.is_set()), key=lambda j: j.priority)
-            if not queue:
-                return
-            lead = queue[0]  # sorted() is stable: arrival order within a priority
+            queue = [j for j in self._queue if not j.stop.is_set() or j is job]
             lens = [len(j.batch_ids) if j.batch_ids is not None else 0 for j in queue]
-            ok = [self.batching and j.batch_ids is not None and j.priority == lead.priority for j in queue]
-            batch = [queue[i] for i in plan_batch(lens, ok, 0, self.max_tokens, self.max_prompts)]
+            ok = [self.batching and j.batch_ids is not None for j in queue]
+            batch = [queue[i] for i in plan_batch(lens, ok, queue.index(job), self.max_tokens, self.max_prompts)]
             for j in batch:
                 self._queue.remove(j)
+        for j in batch:
+            j.on_start()
+        if len(batch) == 1:
+            try:
+                job.finish(self.backend.prefill(*job.args, **job.kwargs))
+            except BaseException as e:  # noqa: BLE001 - the job's own thread re-raises it
+                job.finish(error=e)
+            return
+        self.batches += 1
+        self.batched_prompts += len(batch)
         try:
-            for j in batch:
-                j.on_start()
-            if len(batch) == 1:
-                lead.finish(self.backend.prefill(*lead.args, **lead.kwargs))
-                return
-            self.batches += 1
-            self.batched_prompts += len(batch)
             out = self.backend.prefill_batch([j.batch_ids for j in batch], [j.batch_on_layer for j in batch],
                                              [j.stop.is_set for j in batch])
-            for j, logits in zip(batch, out):
-                j.finish(logits) if logits is not None else j.finish(error=PrefillCancelled("stopped inside a batched prefill"))
-        except BaseException as e:  # noqa: BLE001 - each job's own thread re-raises it
+        except BaseException as e:  # noqa: BLE001 - every job of the batch re-raises it in its thread
             for j in batch:
-                if not j.done.is_set():
-                    j.finish(error=e)
+                j.finish(error=e)
+            return
+        for j, logits in zip(batch, out):
+            j.finish(logits) if logits is not None else j.finish(error=PrefillCancelled("stopped inside a batched prefill"))

@@ -309,19 +309,18 @@ class PrefillWorker:
             release_slot()
 
     def _compute(self, loop: asyncio.AbstractEventLoop, on_start, stop: threading.Event, began: list[float],
-                 priority: int, *args: Any, **kwargs: Any) -> Any:
+                 *args: Any, **kwargs: Any) -> Any:
         """Compute thread: wait for the accelerator (a cancelled staged request leaves at once with
         :class:`PrefillCancelled`), note the start (``began``, monotonic seconds) and tell the loop
         (``on_start``), run ``backend.prefill(*args)``, alone or batched with other whole prompts that
-        wait (``services/prefill/batcher.py``; the waiting job of the lowest ``priority`` value, then
-        the oldest, goes first); the next staged thread takes the accelerator without a
+        wait (``services/prefill/batcher.py``); the next staged thread takes the accelerator without a
         trip through the event loop."""
         def started() -> None:
             began.append(time.monotonic())
             loop.call_soon_threadsafe(on_start)
         ids, on_layer, chunk, prefix_len, checkpoints = args[0], args[1], args[3], args[5], args[6]
         whole = not kwargs and not prefix_len and not checkpoints and (not chunk or chunk >= len(ids))
-        return self._accelerator.run(Job(args, kwargs, stop, started, ids if whole else None, on_layer, priority))
+        return self._accelerator.run(Job(args, kwargs, stop, started, ids if whole else None, on_layer))
 
     def _compute_inline(self, on_start, began: list[float], computed_at: list[float], ready: asyncio.Queue,
                         args: tuple, extra: dict[str, Any]) -> asyncio.Future:
@@ -394,7 +393,7 @@ class PrefillWorker:
         if inline is not None and inline(n_in - hit.tokens) and self._accelerator.acquire(blocking=False):
             compute = self._compute_inline(on_start, began, computed_at, ready, args, extra)
         else:
-            compute = asyncio.ensure_future(asyncio.to_thread(self._compute, loop, on_start, stop, began, priority, *args, **extra))
+            compute = asyncio.ensure_future(asyncio.to_thread(self._compute, loop, on_start, stop, began, *args, **extra))
         transfer = None
         sent_at = 0.0
         sent_upto = [kv_from] * len(layouts)  # per attention layer: tokens already sent
