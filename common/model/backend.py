@@ -10,8 +10,12 @@ Layer states (what crosses the wire), per layer ``i``, as a dict of name to tens
   slot ``j`` the layer uses; fixed size whatever the sequence length.
 
 Threading: :meth:`TorchBackend.prefill` and :meth:`TorchBackend.paged_step` are blocking and are
-meant to run in a worker thread (``asyncio.to_thread``); torch releases the GIL inside its kernels,
-so the event loop keeps sending layer ``i`` while layer ``i+1`` computes.
+meant to be called from a worker thread (``asyncio.to_thread``); torch releases the GIL inside its
+kernels, so the event loop keeps sending layer ``i`` while layer ``i+1`` computes. Whatever thread
+calls them, :class:`TorchBackend`'s prefills, decode steps and store building run on the process's
+one compute thread (``common/model/compute_thread.py``: a second thread computing in parallel makes
+OpenMP stop spinning between ops), except an early decode step, which waits for a prefill's layers
+and runs on one torch thread where it is called.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from common.kv.paged_store import PagedKvStore
+from common.model import compute_thread
 from common.model.cores import CoreShare
 from common.model.lean_decode import LeanLlamaDecoder, lean_supported
 from common.model.loader import LoadedModel
@@ -134,9 +139,13 @@ class TorchBackend(Backend):
         self.lean: LeanLlamaDecoder | None = None  # the decode step of a Llama-layout model (set by paged_store)
         if threads:
             torch.set_num_threads(threads)
+        # the torch threads of every compute call without core leases: fixed here, since the calls run
+        # on the compute thread, whose own count may differ from the building thread's
+        self.threads = threads or torch.get_num_threads()
         self.packed_linears = pack_module_linears(self._decoder_layers()) if pack_prefill else 0
 
     # -- prefill ------------------------------------------------------------------------------
+    @compute_thread.computes
     def prefill(self, input_ids: list[int], on_layer: OnLayer, should_stop: Callable[[], bool] = lambda: False,
                 chunk_tokens: int = 0, prefix: list[LayerState] | None = None, prefix_len: int = 0,
                 checkpoints: Iterable[int] = (), on_checkpoint: Callable[[int, dict[int, LayerState]], None] | None = None,
@@ -160,6 +169,7 @@ class TorchBackend(Backend):
         n = len(input_ids)
         if prefix_len and not 0 < prefix_len < n:
             raise ValueError(f"a prefix of {prefix_len} tokens leaves nothing to compute in a prompt of {n}")
+        self._own_threads()
         cache = self._cache_with_prefix(prefix) if prefix_len else DynamicCache(config=self.config)
         layers = self._decoder_layers()
         bounds, marks = chunk_bounds(n, prefix_len, chunk_tokens, checkpoints)
@@ -217,6 +227,11 @@ class TorchBackend(Backend):
                 h.remove()
         return out.logits[0, -1].float()
 
+    def _own_threads(self) -> None:
+        """Run this thread's torch ops on :attr:`threads` threads (a core lease sets its own count later)."""
+        if self.cores is None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+
     @functools.cached_property
     def batch_prefill(self) -> bool:
         """Whether :meth:`prefill_batch` runs several prompts in one forward: a model whose every layer
@@ -224,6 +239,7 @@ class TorchBackend(Backend):
         a right-padded row's real positions never attend to its padding (causal)."""
         return lean_supported(self.model)
 
+    @compute_thread.computes
     def prefill_batch(self, prompts: list[list[int]], on_layers: list[OnLayer],
                       stopped: list[Callable[[], bool]]) -> list[torch.Tensor | None]:
         """Prefill ``prompts`` (token ids, each >= 1) in one forward of ``[len(prompts), max length]``
@@ -242,6 +258,7 @@ class TorchBackend(Backend):
         if not lens or min(lens) < 1:
             raise ValueError("a batched prefill needs prompts of at least one token")
         width = max(lens)
+        self._own_threads()
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, : lens[b]] = torch.tensor(p, dtype=torch.long)
@@ -330,9 +347,11 @@ class TorchBackend(Backend):
         return base.layers
 
     # -- decode -------------------------------------------------------------------------------
+    @compute_thread.computes
     def paged_store(self, capacity_bytes: int, block_size: int = 16) -> PagedKvStore:
         """A paged KVCache pool of ``capacity_bytes`` for this model, and the model switched to paged
         decode (the attention falls back to SDPA outside a paged step, so prefill is unchanged)."""
+        self._own_threads()
         store = PagedKvStore(self.state_specs, capacity_bytes, block_size)
         if self.lean is None and lean_supported(self.model):
             self.lean = LeanLlamaDecoder(self.model)
@@ -344,15 +363,22 @@ class TorchBackend(Backend):
                    wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """One decode step from the pool: float32 ``[rows, vocab]``. A Llama-layout model runs the lean
         step (``common/model/lean_decode.py``), others the transformers forward over the pool
-        (:func:`common.model.paged_attention.decode_step`)."""
+        (:func:`common.model.paged_attention.decode_step`). Runs on the compute thread, except an
+        early step (``wait_layer``): it waits for a prefill's layers, which in a process that also
+        prefills come from the compute thread, so it runs where it is called, on one torch thread."""
+        if wait_layer is not None:
+            with self._lock:
+                torch.set_num_threads(1)  # holds no core a prefill needs, and starts no OpenMP team here
+                return self._step(store, seqs, tokens, wait_layer)
+        return compute_thread.call(self._paged_step, store, seqs, tokens)
+
+    def _paged_step(self, store: PagedKvStore, seqs: list, tokens: list[int]) -> torch.Tensor:
         with self._lock:
             if self.cores is None:
-                return self._step(store, seqs, tokens, wait_layer)
-            if wait_layer is not None:  # an early step waits for a prefill's layers: it must hold no core that prefill needs
-                torch.set_num_threads(1)
-                return self._step(store, seqs, tokens, wait_layer)
+                self._own_threads()
+                return self._step(store, seqs, tokens, None)
             with self.cores.lease("decode"):
-                return self._step(store, seqs, tokens, wait_layer)
+                return self._step(store, seqs, tokens, None)
 
     def _step(self, store: PagedKvStore, seqs: list, tokens: list[int], wait_layer) -> torch.Tensor:
         if self.lean is not None:

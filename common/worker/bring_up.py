@@ -4,7 +4,9 @@ worker (which hosts either role).
 Order of a worker process (:func:`load_worker`, then :func:`serve_worker`):
 
 1. check the addresses (``--listen``, ``--kv-listen`` for a decode role, ``--planner``: a missing one
-   exits naming the flag and its environment variable), load the model and backend in a thread;
+   exits naming the flag and its environment variable), load the model and backend on the process's
+   compute thread (``common/model/compute_thread.py``; the event loop's thread and the default
+   executor's run torch on one thread from here on);
 2. the ``__main__`` builds its role's worker over the backend;
 3. start the prefix-cache event publisher (when the worker has a cache and ``--router`` is set), wrap
    the worker's stats with the publisher's counters;
@@ -27,6 +29,7 @@ from typing import Any, NamedTuple
 
 from common.control.kv_events import KvEventPublisher
 from common.control.planner_agent import PlannerAgent
+from common.model import compute_thread
 from common.model.backend import Backend, make_backend
 from common.model.cores import CoreShare
 from common.model.loader import load_model
@@ -76,11 +79,15 @@ async def load_worker(args: argparse.Namespace, listen_var: str,
                       kv_listen_var: str | None = None, prefills: bool = True) -> tuple[WorkerAddrs, Backend]:
     """Steps 1 of the module docstring: the addresses (``listen_var``/``kv_listen_var`` name the
     environment variables of ``--listen``/``--kv-listen``; exits when one is unset) and the backend,
-    loaded in a thread so the event loop stays free (``prefills``: see :func:`load_backend`)."""
+    loaded on the compute thread so the event loop stays free (``prefills``: see :func:`load_backend`).
+    From here on this thread and the loop's default executor run torch ops on one thread, so the
+    compute thread is the only one with an OpenMP team (see ``common/model/compute_thread.py``)."""
     listen = service.require(args, "listen", listen_var)
     kv_listen = service.require(args, "kv_listen", kv_listen_var) if kv_listen_var else None
     planner = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
-    backend = await asyncio.to_thread(load_backend, args, prefills)
+    compute_thread.serial_here()
+    asyncio.get_running_loop().set_default_executor(compute_thread.serial_executor())
+    backend = await compute_thread.run(load_backend, args, prefills)
     return WorkerAddrs(listen, kv_listen, planner), backend
 
 
