@@ -41,7 +41,31 @@ def in_fresh_thread(fn):
     return out[0]
 
 
-def test_call_runs_on_one_thread_returns_and_raises():
+@pytest.fixture
+def enabled():
+    """The compute thread on, as in a worker process; off again after (this thread's torch count restored)."""
+    threads = torch.get_num_threads()
+    before = compute_thread.enable(True)
+    try:
+        yield
+    finally:
+        compute_thread.enable(before)
+        torch.set_num_threads(threads)
+
+
+def test_off_by_default_calls_run_inline():
+    """A script or test that never enabled it computes in its own thread, as before (a second thread
+    would make the second OpenMP team the module avoids)."""
+    assert not compute_thread.enabled()
+    assert compute_thread.call(threading.get_ident) == threading.get_ident()
+    assert in_fresh_thread(lambda: compute_thread.call(threading.get_ident) == threading.get_ident())
+
+
+def test_enable_makes_the_calling_thread_serial(enabled):
+    assert compute_thread.enabled() and torch.get_num_threads() == 1
+
+
+def test_call_runs_on_one_thread_returns_and_raises(enabled):
     idents = {compute_thread.call(threading.get_ident) for _ in range(3)}
     idents |= {in_fresh_thread(lambda: compute_thread.call(threading.get_ident)) for _ in range(3)}
     assert len(idents) == 1 and threading.get_ident() not in idents
@@ -52,7 +76,7 @@ def test_call_runs_on_one_thread_returns_and_raises():
     assert compute_thread.call(lambda: compute_thread.call(compute_thread.on_compute_thread))
 
 
-def test_run_awaits_on_the_compute_thread_with_the_callers_context():
+def test_run_awaits_on_the_compute_thread_with_the_callers_context(enabled):
     var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
 
     async def main():
@@ -62,7 +86,7 @@ def test_run_awaits_on_the_compute_thread_with_the_callers_context():
     assert asyncio.run(main()) == ("request-7", True)
 
 
-def test_serial_here_refuses_the_compute_thread():
+def test_serial_here_refuses_the_compute_thread(enabled):
     with pytest.raises(RuntimeError):
         compute_thread.call(compute_thread.serial_here)
 
@@ -102,7 +126,7 @@ def test_a_serial_thread_starts_no_openmp_team():
     assert compute_thread.serial_executor(1).submit(torch.get_num_threads).result() == 1
 
 
-def test_backend_computes_on_the_compute_thread_whoever_calls():
+def test_backend_computes_on_the_compute_thread_whoever_calls(enabled):
     """Prefill layers and decode steps of a TorchBackend run on the compute thread, from the main
     thread, a fresh thread or an executor, with the backend's own thread count."""
     be = TorchBackend(load_model("tiny-dense"), threads=1)

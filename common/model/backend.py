@@ -13,9 +13,10 @@ Threading: :meth:`TorchBackend.prefill` and :meth:`TorchBackend.paged_step` are 
 meant to be called from a worker thread (``asyncio.to_thread``); torch releases the GIL inside its
 kernels, so the event loop keeps sending layer ``i`` while layer ``i+1`` computes. Whatever thread
 calls them, :class:`TorchBackend`'s prefills, decode steps and store building run on the process's
-one compute thread (``common/model/compute_thread.py``: a second thread computing in parallel makes
-OpenMP stop spinning between ops), except an early decode step, which waits for a prefill's layers
-and runs on one torch thread where it is called.
+one compute thread in a worker process (``common/model/compute_thread.py``: a second thread computing
+in parallel makes OpenMP stop spinning between ops), except an early decode step, which waits for a
+prefill's layers and runs on one torch thread where it is called; elsewhere (scripts, tests) they
+run in the calling thread.
 """
 
 from __future__ import annotations
@@ -228,8 +229,9 @@ class TorchBackend(Backend):
         return out.logits[0, -1].float()
 
     def _own_threads(self) -> None:
-        """Run this thread's torch ops on :attr:`threads` threads (a core lease sets its own count later)."""
-        if self.cores is None and torch.get_num_threads() != self.threads:
+        """On the compute thread, run torch ops on :attr:`threads` threads (a core lease sets its own
+        count later); a call made inline keeps its thread's count, as before the compute thread."""
+        if self.cores is None and compute_thread.on_compute_thread() and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
 
     @functools.cached_property
@@ -365,10 +367,12 @@ class TorchBackend(Backend):
         step (``common/model/lean_decode.py``), others the transformers forward over the pool
         (:func:`common.model.paged_attention.decode_step`). Runs on the compute thread, except an
         early step (``wait_layer``): it waits for a prefill's layers, which in a process that also
-        prefills come from the compute thread, so it runs where it is called, on one torch thread."""
+        prefills come from the compute thread, so it runs where it is called, on one torch thread
+        (with core leases or the compute thread on; otherwise on the calling thread's count)."""
         if wait_layer is not None:
             with self._lock:
-                torch.set_num_threads(1)  # holds no core a prefill needs, and starts no OpenMP team here
+                if self.cores is not None or compute_thread.enabled():
+                    torch.set_num_threads(1)  # holds no core a prefill needs, and starts no OpenMP team here
                 return self._step(store, seqs, tokens, wait_layer)
         return compute_thread.call(self._paged_step, store, seqs, tokens)
 

@@ -10,15 +10,18 @@ event loop's: SmolLM2-135M's 128-token prefill on 2 threads took 0.18 s in a thr
 loading thread lived, 0.13 s with one thread only (on the main thread, or a thread of its own), and
 in the running system each layer took 7 ms against 4 ms in one process.
 
-The rule: a worker process runs its loads, prefills and decode steps on :func:`call`'s single thread
-(``prfaas-compute``), keeping the torch thread count it had at import (or what a backend or core
-lease sets there); every other thread that touches torch (the event loop's, the executor's) runs
-its ops on one thread (:func:`serial_here`), so it never starts a team of its own.
+The rule: a worker process (``common/worker/bring_up.py``) calls :func:`enable`, which makes the
+event loop's thread serial, and then runs its loads, prefills and decode steps on :func:`call`'s
+single thread (``prfaas-compute``), keeping the torch thread count it had at import (or what a
+backend or core lease sets there); every other thread that touches torch (the event loop's, the
+executor's) runs its ops on one thread (:func:`serial_here`), so it never starts a team of its own.
 
 :func:`call` runs a function on the compute thread and waits for it (inline when already there), so
 a blocking backend method can be called from any thread; the compute thread runs one call at a time,
 in submission order. Calls carry the caller's context variables (log context), as ``asyncio.to_thread``
-does.
+does. In a process that never called :func:`enable` (a script, a test, a benchmark's in-process
+baseline that loads and computes on its main thread) :func:`call` runs inline in the caller's
+thread: moving that work to a second thread would make the second team this module avoids.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ _DEFAULT_THREADS = torch.get_num_threads()  # this process's torch thread count 
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
 _ident: int | None = None
+_enabled = False
 
 
 def _start_compute_thread() -> None:
@@ -63,6 +67,22 @@ def _pool() -> ThreadPoolExecutor:
         return _executor
 
 
+def enable(on: bool = True) -> bool:
+    """Turn the compute thread on for this process (:func:`call` then dispatches to it) or off
+    (inline); returns the previous setting. With ``on``, the calling thread becomes serial
+    (:func:`serial_here`): call it from the thread that will not compute, before any compute."""
+    global _enabled
+    before, _enabled = _enabled, on
+    if on and not on_compute_thread():
+        serial_here()
+    return before
+
+
+def enabled() -> bool:
+    """Whether :func:`call` dispatches to the compute thread (see :func:`enable`)."""
+    return _enabled
+
+
 def on_compute_thread() -> bool:
     """Whether the caller runs on this process's compute thread."""
     return _ident is not None and threading.get_ident() == _ident
@@ -70,8 +90,9 @@ def on_compute_thread() -> bool:
 
 def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` on the compute thread; blocks until it returns and returns its result,
-    or raises what it raised. Inline when the caller is the compute thread (nested calls)."""
-    if on_compute_thread():
+    or raises what it raised. Inline when the caller is the compute thread (nested calls), or when
+    this process has not called :func:`enable`."""
+    if not _enabled or on_compute_thread():
         return fn(*args, **kwargs)
     ctx = contextvars.copy_context()
     return _pool().submit(ctx.run, functools.partial(fn, *args, **kwargs)).result()

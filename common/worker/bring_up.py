@@ -85,7 +85,7 @@ async def load_worker(args: argparse.Namespace, listen_var: str,
     listen = service.require(args, "listen", listen_var)
     kv_listen = service.require(args, "kv_listen", kv_listen_var) if kv_listen_var else None
     planner = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
-    compute_thread.serial_here()
+    compute_thread.enable()
     asyncio.get_running_loop().set_default_executor(compute_thread.serial_executor())
     backend = await compute_thread.run(load_backend, args, prefills)
     return WorkerAddrs(listen, kv_listen, planner), backend
