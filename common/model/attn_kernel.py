@@ -190,21 +190,26 @@ def _cpu_id() -> str:
         return platform.machine() + platform.processor()
 
 
-def _build(compiler: str) -> str:
-    """The cached library's path, compiling it first if it is not there (atomic rename)."""
-    digest = hashlib.sha256((SOURCE + " ".join(FLAGS) + compiler + _cpu_id()).encode()).hexdigest()[:16]
+def build(compiler: str, name: str = "paged_attn", source: str = SOURCE, extra: tuple[str, ...] = ()) -> str:
+    """The cached shared library of C ``source`` (compiled with :data:`FLAGS` and ``extra``, which
+    the link step gets too, for this CPU), named ``<name>-<digest>.so``: its path, compiling it first
+    if it is not there (atomic rename, so processes starting together are safe). Raises
+    ``subprocess.SubprocessError`` or ``OSError`` when the compiler fails."""
+    flags = (*FLAGS, *extra)
+    digest = hashlib.sha256((source + " ".join(flags) + compiler + _cpu_id()).encode()).hexdigest()[:16]
     folder = _cache_dir()
-    path = os.path.join(folder, f"paged_attn-{digest}.so")
+    path = os.path.join(folder, f"{name}-{digest}.so")
     if os.path.isfile(path):
         return path
     os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        src = os.path.join(tmp, "paged_attn.c")
+        src = os.path.join(tmp, f"{name}.c")
         with open(src, "w") as f:
-            f.write(SOURCE)
-        obj, so = os.path.join(tmp, "paged_attn.o"), os.path.join(tmp, "paged_attn.so")
-        subprocess.run([compiler, *FLAGS, "-c", "-o", obj, src], check=True, capture_output=True, timeout=120)
-        subprocess.run([compiler, "-shared", "-o", so, obj, "-lm", "-lpthread"], check=True, capture_output=True, timeout=120)
+            f.write(source)
+        obj, so = os.path.join(tmp, f"{name}.o"), os.path.join(tmp, f"{name}.so")
+        subprocess.run([compiler, *flags, "-c", "-o", obj, src], check=True, capture_output=True, timeout=120)
+        subprocess.run([compiler, *extra, "-shared", "-o", so, obj, "-lm", "-lpthread"], check=True, capture_output=True,
+                       timeout=120)
         os.replace(so, path)
     return path
 
@@ -222,7 +227,7 @@ def load() -> ctypes.CDLL | None:
     if compiler is None:
         return None
     try:
-        lib = ctypes.CDLL(_build(compiler))
+        lib = ctypes.CDLL(build(compiler))
     except (OSError, subprocess.SubprocessError):
         return None
     fn = lib.paged_decode_attention

@@ -21,6 +21,7 @@ run in the calling thread.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from abc import ABC, abstractmethod
@@ -36,6 +37,7 @@ from common.model.lean_decode import LeanLlamaDecoder, lean_supported
 from common.model.loader import LoadedModel
 from common.model.packed_gemm import pack_module_linears
 from common.model.paged_attention import ATTN_IMPL, decode_step, install_layer_hooks
+from common.model.prefill_attn import PREFILL_IMPL
 
 LayerState = dict[str, torch.Tensor]
 OnLayer = Callable[[int, LayerState, "int | None"], None]
@@ -207,7 +209,7 @@ class TorchBackend(Backend):
         handles += [layer.register_forward_pre_hook(take_cores) for layer in layers]
         handles += [layer.register_forward_hook(make_hook(i)) for i, layer in enumerate(layers)]
         try:
-            with self._lock, torch.inference_mode():
+            with self._lock, torch.inference_mode(), self._native_prefill_attention():
                 if self.cores is not None:
                     self.cores.set_busy("prefill", True)
                 for a, b in bounds:
@@ -227,6 +229,20 @@ class TorchBackend(Backend):
             for h in handles:
                 h.remove()
         return out.logits[0, -1].float()
+
+    @contextlib.contextmanager
+    def _native_prefill_attention(self):
+        """For the body (a prefill's forward): a model on SDPA attention takes the native causal kernel
+        where it applies (``common/model/prefill_attn.py``; SDPA elsewhere). Only for the body, under
+        the backend's lock: the model object may be shared (tests' references stay plain SDPA)."""
+        if self.config._attn_implementation != "sdpa":  # a paged model's attention already falls back to it
+            yield
+            return
+        self.config._attn_implementation = PREFILL_IMPL
+        try:
+            yield
+        finally:
+            self.config._attn_implementation = "sdpa"
 
     def _own_threads(self) -> None:
         """On the compute thread, run torch ops on :attr:`threads` threads (a core lease sets its own
@@ -289,7 +305,7 @@ class TorchBackend(Backend):
         handles = [layer.register_forward_pre_hook(before) for layer in layers]
         handles += [layer.register_forward_hook(after_layer(i)) for i, layer in enumerate(layers)]
         try:
-            with self._lock, torch.inference_mode():
+            with self._lock, torch.inference_mode(), self._native_prefill_attention():
                 if self.cores is not None:
                     self.cores.set_busy("prefill", True)
                 base = getattr(self.model, self.model.base_model_prefix)

@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from common.kv.paged_store import PagedKvStore, PagedSeq
 from common.model import attn_kernel
+from common.model.prefill_attn import prefill_attention
 
 ATTN_IMPL = "prfaas_paged"
 
@@ -65,11 +65,12 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     ``query``: ``[rows, q_heads, 1, d]``. Returns ``[rows, 1, q_heads, d]`` (the layout transformers'
     attention modules expect). Grouped-query heads are handled by viewing the query heads of one KV
     head as a group of queries (no repeat of K/V). Without a step in ``kwargs["prfaas_paged"]`` (e.g. a
-    prefill on the same model) this is transformers' SDPA attention unchanged.
+    prefill on the same model) this is the prefill attention (``common/model/prefill_attn.py``: the
+    native causal kernel where it applies, else transformers' SDPA attention unchanged).
     """
     meta: _StepMeta | None = kwargs.get("prfaas_paged")
     if meta is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return prefill_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     karena, varena = meta.store.k[module.layer_idx], meta.store.v[module.layer_idx]
     if meta.table is not None and query.dtype == karena.dtype == torch.float32:

@@ -1,0 +1,105 @@
+"""The native causal prefill attention (common/model/prefill_attn.py) against torch's SDPA, and its
+place in a transformers model: the layers that apply go through it, the rest through SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from common.model import prefill_attn
+
+LIB = prefill_attn.load()
+native = pytest.mark.skipif(LIB is None, reason="no C compiler or no AVX-512F here: the kernel is not built")
+
+
+def qkv(t: int, s: int, q_heads: int, kv_heads: int, token_major: bool = True, spread: float = 1.0, seed: int = 0):
+    """float32 q [1, q_heads, t, 64], k/v [1, kv_heads, s, 64]; token-major storage (transformers'
+    layout after its transpose) or contiguous per head."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make(n, h):
+        x = torch.randn(1, n, h, 64, generator=g) * spread
+        return x.transpose(1, 2) if token_major else x.transpose(1, 2).contiguous()
+    return make(t, q_heads), make(s, kv_heads), make(s, kv_heads)
+
+
+def reference(q, k, v, scale):
+    t, s = q.shape[2], k.shape[2]
+    mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)  # query i sees keys [0, i + s - t]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2)
+
+
+@native
+@pytest.mark.parametrize("t,s", [(1, 1), (31, 31), (32, 32), (33, 33), (129, 129), (600, 600), (1, 50), (77, 300), (40, 41)])
+@pytest.mark.parametrize("q_heads,kv_heads", [(9, 3), (4, 4), (8, 2)])
+def test_equals_sdpa(t, s, q_heads, kv_heads):
+    q, k, v = qkv(t, s, q_heads, kv_heads)
+    out = prefill_attn.causal(LIB, q, k, v, 0.125)
+    assert out.shape == (1, t, q_heads, 64)
+    torch.testing.assert_close(out, reference(q, k, v, 0.125), rtol=1e-5, atol=2e-6)
+
+
+@native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threads_and_layouts_give_the_same_result(threads):
+    q, k, v = qkv(300, 300, 6, 2, token_major=True, seed=3)
+    qc, kc, vc = (x.contiguous() for x in (q, k, v))
+    a = prefill_attn.causal(LIB, q, k, v, 0.1, threads=threads)
+    b = prefill_attn.causal(LIB, qc, kc, vc, 0.1, threads=1)
+    assert torch.equal(a, b)  # each tile is computed the same way whichever thread takes it
+
+
+@native
+def test_peaked_scores_underflow_to_zero_not_nan():
+    """Scores far apart (the softmax's smaller terms below e^-87) stay exact: no NaN, no overflow."""
+    q, k, v = qkv(200, 200, 3, 1, spread=6.0, seed=5)
+    out = prefill_attn.causal(LIB, q, k, v, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference(q, k, v, 1.0), rtol=1e-4, atol=1e-4)
+
+
+@native
+def test_rejects_what_it_does_not_take():
+    q, k, v = qkv(8, 8, 4, 2)
+    with pytest.raises(ValueError):
+        prefill_attn.causal(LIB, q.double(), k.double(), v.double(), 0.1)
+    with pytest.raises(ValueError):
+        prefill_attn.causal(LIB, q[..., :32], k[..., :32], v[..., :32], 0.1)  # head size 32
+    with pytest.raises(ValueError):
+        prefill_attn.causal(LIB, *qkv(8, 4, 4, 2), 0.1)  # fewer keys than queries
+    with pytest.raises(ValueError):
+        prefill_attn.causal(LIB, *qkv(8, 8, 3, 2), 0.1)  # 3 query heads over 2 KV heads
+
+
+def test_applies_only_to_whole_long_float32_prompts():
+    n = prefill_attn.MIN_TOKENS
+    q, k, _ = qkv(n, n, 4, 2)
+    assert prefill_attn.applies(q, k, None, 0.0)
+    assert not prefill_attn.applies(q[:, :, 1:], k[:, :, 1:], None, 0.0)  # short
+    assert not prefill_attn.applies(q, k, torch.ones(1, 1, n, n, dtype=torch.bool), 0.0)  # a mask: padding or a prefix
+    assert not prefill_attn.applies(q[:, :, 1:], k, None, 0.0)  # fewer queries than keys (a chunk after a prefix)
+    assert not prefill_attn.applies(q, k, None, 0.1)  # dropout
+    assert not prefill_attn.applies(q.double(), k.double(), None, 0.0)
+
+
+@native
+def test_a_llama_model_prefills_through_the_kernel_and_matches_sdpa():
+    """A random Llama of 64-dim heads: a prompt of MIN_TOKENS runs every layer through the kernel and
+    its logits match SDPA's; a shorter prompt runs none through it."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=3, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 300, (1, prefill_attn.MIN_TOKENS))
+    with torch.inference_mode():
+        model.set_attn_implementation("sdpa")
+        ref = model(input_ids=ids).logits
+        model.set_attn_implementation(prefill_attn.PREFILL_IMPL)
+        before = prefill_attn.calls
+        out = model(input_ids=ids).logits
+        assert prefill_attn.calls == before + 2
+        model(input_ids=ids[:, :100])
+        assert prefill_attn.calls == before + 2
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
