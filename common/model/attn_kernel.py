@@ -214,27 +214,32 @@ def build(compiler: str, name: str = "paged_attn", source: str = SOURCE, extra: 
     return path
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None where it cannot be built (no compiler, a failed build, or
-    ``PRFAAS_NATIVE_ATTN=0``). Built at most once per process; later processes reuse the cached file."""
-    global _LIB
-    if _LIB is not False:
-        return _LIB or None
-    _LIB = None
+def open_library(name: str, source: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """:func:`build` then load the library, or None where it cannot be had: ``PRFAAS_NATIVE_ATTN=0``,
+    no compiler (``$CC``, else ``cc``), or a failed build or load (e.g. a CPU the source refuses)."""
     if os.environ.get("PRFAAS_NATIVE_ATTN", "1") == "0":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         return None
     try:
-        lib = ctypes.CDLL(build(compiler))
+        return ctypes.CDLL(build(compiler, name, source, extra))
     except (OSError, subprocess.SubprocessError):
         return None
-    fn = lib.paged_decode_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64]
-    fn.restype = None
-    _LIB = lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None where it cannot be built (no compiler, a failed build, or
+    ``PRFAAS_NATIVE_ATTN=0``). Built at most once per process; later processes reuse the cached file."""
+    global _LIB
+    if _LIB is not False:
+        return _LIB or None
+    _LIB = lib = open_library("paged_attn", SOURCE)
+    if lib is not None:
+        fn = lib.paged_decode_attention
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64]
+        fn.restype = None
     return lib
 
 

@@ -30,9 +30,6 @@ so does any call outside what the kernel takes (see :func:`applies`).
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
 from typing import Any
 
 import torch
@@ -254,21 +251,12 @@ def load() -> ctypes.CDLL | None:
     global _LIB
     if _LIB is not False:
         return _LIB or None
-    _LIB = None
-    if os.environ.get("PRFAAS_NATIVE_ATTN", "1") == "0":
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        return None
-    try:
-        lib = ctypes.CDLL(attn_kernel.build(compiler, "prefill_attn", SOURCE, extra=("-fopenmp",)))
-    except (OSError, subprocess.SubprocessError):
-        return None
-    fn = lib.prefill_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ctypes.c_float, i64]
-    fn.restype = ctypes.c_int
-    _LIB = lib
+    _LIB = lib = attn_kernel.open_library("prefill_attn", SOURCE, extra=("-fopenmp",))
+    if lib is not None:
+        fn = lib.prefill_attention
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ctypes.c_float, i64]
+        fn.restype = ctypes.c_int
     return lib
 
 
