@@ -73,15 +73,38 @@ def test_rejects_what_it_does_not_take():
         prefill_attn.causal(LIB, *qkv(8, 8, 3, 2), 0.1)  # 3 query heads over 2 KV heads
 
 
-def test_applies_only_to_whole_long_float32_prompts():
+def test_applies_to_long_float32_prompts_and_chunks_after_a_prefix():
     n = prefill_attn.MIN_TOKENS
     q, k, _ = qkv(n, n, 4, 2)
     assert prefill_attn.applies(q, k, None, 0.0)
-    assert not prefill_attn.applies(q[:, :, 1:], k[:, :, 1:], None, 0.0)  # short
-    assert not prefill_attn.applies(q, k, torch.ones(1, 1, n, n, dtype=torch.bool), 0.0)  # a mask: padding or a prefix
-    assert not prefill_attn.applies(q[:, :, 1:], k, None, 0.0)  # fewer queries than keys (a chunk after a prefix)
+    assert not prefill_attn.applies(q[:, :, 1:], k[:, :, 1:], None, 0.0)  # too few pairs
+    assert not prefill_attn.applies(q[:, :, 1:], k, None, 0.0)  # fewer queries than keys needs the mask
     assert not prefill_attn.applies(q, k, None, 0.1)  # dropout
     assert not prefill_attn.applies(q.double(), k.double(), None, 0.0)
+    qc, kc, _ = qkv(128, 4096, 4, 2)  # a chunk after 3,968 cached tokens: 512K pairs
+    mask = torch.ones(128, 4096, dtype=torch.bool).tril(4096 - 128)[None, None]
+    assert prefill_attn.applies(qc, kc, mask, 0.0)
+    assert not prefill_attn.applies(qc, kc, mask.float(), 0.0)  # an additive mask
+    assert not prefill_attn.applies(qc, kc, mask.expand(2, 1, 128, 4096), 0.0)
+    assert not prefill_attn.applies(kc, qc, None, 0.0)  # more queries than keys
+
+
+def test_is_causal_offset_accepts_only_the_exact_pattern():
+    mask = torch.ones(6, 10, dtype=torch.bool).tril(4)[None, None]
+    assert prefill_attn.is_causal_offset(mask)
+    for i, j in [(0, 5), (5, 9), (2, 0), (3, 7)]:  # one more key seen, or one seen key hidden (padding)
+        bad = mask.clone()
+        bad[0, 0, i, j] = not bad[0, 0, i, j]
+        assert not prefill_attn.is_causal_offset(bad)
+    assert not prefill_attn.is_causal_offset(torch.ones(6, 10, dtype=torch.bool).tril(3)[None, None])  # another offset
+
+
+@native
+def test_a_chunk_after_cached_tokens_matches_sdpa_with_its_mask():
+    q, k, v = qkv(300, 900, 9, 3, seed=7)
+    mask = torch.ones(300, 900, dtype=torch.bool).tril(600)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(prefill_attn.causal(LIB, q, k, v, 0.125), ref, rtol=1e-5, atol=2e-6)
 
 
 @native
@@ -103,3 +126,28 @@ def test_a_llama_model_prefills_through_the_kernel_and_matches_sdpa():
         model(input_ids=ids[:, :100])
         assert prefill_attn.calls == before + 2
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@native
+def test_a_backend_prefill_after_a_prefix_runs_through_the_kernel_and_matches_one_pass():
+    """TorchBackend with a prefix-cache hit (512 cached, 600 new tokens: transformers passes the
+    causal-offset mask) and a chunked prefill: every layer through the kernel, logits as one SDPA pass."""
+    from common.model.backend import TorchBackend
+    from common.model.loader import load_model
+
+    lm = load_model("tiny-dense")
+    be = TorchBackend(lm, threads=1)
+    ids = torch.randint(10, 200, (1112,), generator=torch.Generator().manual_seed(3)).tolist()
+    states: dict = {}
+    be.prefill(ids[:512], lambda i, st, a: states.__setitem__(i, st))
+    with torch.inference_mode():
+        ref = lm.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float()  # plain SDPA
+    layers = lm.model.config.num_hidden_layers
+    before = prefill_attn.calls
+    hit = be.prefill(ids, lambda i, st, a: None, prefix=[states[i] for i in range(len(states))], prefix_len=512)
+    assert prefill_attn.calls == before + layers
+    chunked = be.prefill(ids, lambda i, st, a: None, chunk_tokens=556)  # 556 x 556 whole, then 556 x 1112 masked
+    assert prefill_attn.calls == before + 3 * layers
+    torch.testing.assert_close(hit, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(chunked, ref, rtol=1e-4, atol=1e-4)
+    assert lm.model.config._attn_implementation == "sdpa"  # the backend switched it only for its own forwards

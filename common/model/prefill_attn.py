@@ -1,7 +1,8 @@
 """Causal prefill attention in one native call per layer: every query head of a grouped-query layer
 against its KV head, blocked so each tile of queries streams the keys once (flash attention, float32).
 
-Why: a prefill's attention grows with the square of the prompt. SmolLM2-135M's 4,096-token prefill
+Why: a prefill's attention grows with the square of the prompt (and a chunk after cached tokens with
+the chunk times everything before it). SmolLM2-135M's 4,096-token prefill
 spent 46 % of its time (torch profiler, 2 threads) in torch's CPU flash-attention kernel, 78 ms a
 layer; at 1,024 tokens 22 %. This kernel takes 71 against 88 ms a layer at 4,096 tokens and 4.9
 against 7.6 ms at 1,024 (9 query and 3 KV heads of 64 dims, 2 threads, this machine's AVX-512 core,
@@ -24,12 +25,16 @@ Arithmetic: ``e^x`` is a degree-7 polynomial after the usual ``2^n`` range reduc
 outputs agree with SDPA to about 5e-7 on unit-scale inputs, and greedy tokens with ``generate`` (the
 exactness tests). The library is built like ``common/model/attn_kernel.py``'s (``$CC`` once, cached per
 CPU); a CPU without AVX-512F, no compiler, or ``PRFAAS_NATIVE_ATTN=0`` leaves torch's SDPA in place, and
-so does any call outside what the kernel takes (see :func:`applies`).
+so does any call outside what the kernel takes (see :func:`applies`). A chunk after cached tokens
+(a prefix-cache hit, a chunked prefill) comes with transformers' causal-offset mask; the kernel takes
+it once :func:`is_causal_offset` confirms it (against SDPA with that mask: 1.4-1.6x at 128 x 4,096,
+512 x 4,608 and 2,048 x 8,192 queries x keys).
 """
 
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Any
 
 import torch
@@ -42,7 +47,7 @@ from common.model import attn_kernel
 PREFILL_IMPL = "prfaas_prefill"  # transformers attention implementation: this kernel, else SDPA
 HEAD_DIM = 64  # the only head size the kernel's register blocking takes
 BLOCK_KEYS = 128
-MIN_TOKENS = 512  # shorter prompts keep SDPA: the kernel starts its threads per call (slower at 128 tokens)
+MIN_TOKENS = 512  # fewer than MIN_TOKENS**2 query-key pairs keep SDPA (no gain measured there)
 MAX_THREADS = 8  # the C source caps a call's team the same
 
 SOURCE = r"""
@@ -243,6 +248,7 @@ int prefill_attention(const float *q, int64_t qs_h, int64_t qs_t, const float *k
 
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet
 calls = 0  # layers this process computed through the kernel (tests check it ran)
+_checked: weakref.ref | None = None  # the last attention mask is_causal_offset confirmed
 
 
 def load() -> ctypes.CDLL | None:
@@ -285,12 +291,41 @@ def causal(lib: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, value: torc
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float) -> bool:
-    """Whether a transformers attention call is one the kernel computes: a whole prompt of one row
-    (``attention_mask`` None, as transformers passes for a causal prefill without padding, and as many
-    queries as keys), at least :data:`MIN_TOKENS` of them, float32, head size 64, no dropout. Pure."""
-    return (attention_mask is None and not dropout and query.shape[0] == 1 and query.shape[2] >= MIN_TOKENS
-            and query.shape[2] == key.shape[2] and query.shape[-1] == HEAD_DIM and query.dtype == torch.float32
-            and query.shape[1] % key.shape[1] == 0)
+    """Whether a transformers attention call has the shape the kernel computes: one row, float32,
+    head size 64, whole query groups, no dropout, at most as many queries as keys and at least
+    :data:`MIN_TOKENS` squared query-key pairs; a whole prompt (as many queries as keys) without a mask,
+    as transformers passes a causal prefill without padding, or a chunk after cached tokens (fewer
+    queries than keys) with a boolean ``[1, 1, queries, keys]`` mask, which
+    :func:`is_causal_offset` must then confirm. Pure."""
+    t, s = query.shape[2], key.shape[2]
+    if (dropout or query.shape[0] != 1 or query.shape[-1] != HEAD_DIM or query.dtype != torch.float32
+            or query.shape[1] % key.shape[1] or t > s or t * s < MIN_TOKENS * MIN_TOKENS):
+        return False
+    if attention_mask is None:
+        return t == s
+    return attention_mask.dtype == torch.bool and tuple(attention_mask.shape) == (1, 1, t, s)
+
+
+def is_causal_offset(mask: torch.Tensor) -> bool:
+    """Whether boolean ``mask`` ``[1, 1, T, S]`` lets query ``i`` see exactly keys ``[0, i + S - T]``
+    (the mask transformers builds for a chunk after ``S - T`` cached tokens, no padding). Pure;
+    compares every element (about 16 ms at 2K x 8K)."""
+    t, s = mask.shape[-2], mask.shape[-1]
+    return bool(torch.equal(mask[0, 0], torch.ones(t, s, dtype=torch.bool).tril(s - t)))
+
+
+def _mask_ok(mask: torch.Tensor | None) -> bool:
+    """:func:`is_causal_offset`, checked once per mask object: every layer of one forward gets the
+    same tensor, so the check costs one comparison per forward, not one per layer."""
+    global _checked
+    if mask is None:
+        return True
+    if _checked is not None and _checked() is mask:
+        return True
+    if not is_causal_offset(mask):
+        return False
+    _checked = weakref.ref(mask)
+    return True
 
 
 def prefill_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -300,7 +335,8 @@ def prefill_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     :func:`applies` and the kernel loads, else ``sdpa_attention_forward`` unchanged. ``query``
     ``[1, q_heads, T, d]``; returns ``([1, T, q_heads, d], None)``."""
     global calls
-    lib = load() if applies(query, key, attention_mask, dropout) and getattr(module, "is_causal", True) else None
+    lib = (load() if applies(query, key, attention_mask, dropout) and getattr(module, "is_causal", True)
+           and _mask_ok(attention_mask) else None)
     if lib is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
