@@ -31,7 +31,7 @@ import contextvars
 import functools
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import torch
@@ -94,15 +94,18 @@ def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     this process has not called :func:`enable`."""
     if not _enabled or on_compute_thread():
         return fn(*args, **kwargs)
-    ctx = contextvars.copy_context()
-    return _pool().submit(ctx.run, functools.partial(fn, *args, **kwargs)).result()
+    return _submit(fn, args, kwargs).result()
 
 
 async def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """:func:`call` for a coroutine: awaits ``fn``'s result without blocking the event loop
     (``asyncio.to_thread``, but always on the compute thread)."""
-    ctx = contextvars.copy_context()
-    return await asyncio.wrap_future(_pool().submit(ctx.run, functools.partial(fn, *args, **kwargs)))
+    return await asyncio.wrap_future(_submit(fn, args, kwargs))
+
+
+def _submit(fn: Callable[..., T], args: tuple, kwargs: dict) -> Future[T]:
+    """Queue ``fn(*args, **kwargs)`` on the compute thread, in the caller's context variables."""
+    return _pool().submit(contextvars.copy_context().run, functools.partial(fn, *args, **kwargs))
 
 
 def computes(method: Callable[..., T]) -> Callable[..., T]:
@@ -128,9 +131,3 @@ def serial_executor(max_workers: int | None = None) -> ThreadPoolExecutor:
     """A thread pool whose threads run torch serially (:func:`serial_here`): a worker's default
     executor (``loop.set_default_executor``), so ``asyncio.to_thread`` never starts a team."""
     return ThreadPoolExecutor(max_workers, thread_name_prefix="prfaas-io", initializer=serial_here)
-
-
-def default_threads() -> int:
-    """The torch thread count this process had when this module was imported (the compute
-    thread's, unless a backend or a core lease sets another there)."""
-    return _DEFAULT_THREADS

@@ -10,7 +10,8 @@ the same minute).
 
 Mechanism: K is first repacked transposed per block of :data:`BLOCK_KEYS` keys (``[kv head][block]
 [dim][key]``: the score loop reads each dimension's keys as one vector; with K transposed whole the 64
-rows of a block lie 16 KB apart and fight over one L1 set) and V per head contiguously. A tile is one
+rows of a block lie 16 KB apart and fight over one L1 set); V is read where it is (repacking it
+gained nothing). A tile is one
 KV head and 32 query positions of every query head of its group (96 rows for a group of 3): scores
 ``Q K^T`` four rows by 64 keys at a time in 16 AVX-512 registers, the causal mask on blocks that cross
 the diagonal, an online softmax (running max and sum, the output rescaled when the max rises), then
@@ -85,13 +86,27 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
+/* a[u][c] += x[u * xs] * y[16 c .. 16 c + 16) for 4 rows u and 64 columns: the register block of
+   both the score loop (x: a query's dims, y: the keys of one dim) and the P V loop (x: a row's
+   weights, y: one key's V). */
+static inline void fma4x4(__m512 a[4][4], const float *x, int64_t xs, const float *y) {
+    __m512 y0 = _mm512_loadu_ps(y), y1 = _mm512_loadu_ps(y + 16);
+    __m512 y2 = _mm512_loadu_ps(y + 32), y3 = _mm512_loadu_ps(y + 48);
+    for (int u = 0; u < 4; u++) {
+        __m512 b = _mm512_set1_ps(x[u * xs]);
+        a[u][0] = _mm512_fmadd_ps(b, y0, a[u][0]);
+        a[u][1] = _mm512_fmadd_ps(b, y1, a[u][1]);
+        a[u][2] = _mm512_fmadd_ps(b, y2, a[u][2]);
+        a[u][3] = _mm512_fmadd_ps(b, y3, a[u][3]);
+    }
+}
+
 struct job {
-    const float *q, *k, *v; float *out;
-    int64_t qs_h, qs_t, ks_h, ks_t, vs_h, vs_t;
-    int64_t T, S, H, G, off; float scale;
+    const float *q, *v; float *out;
+    int64_t qs_h, qs_t, vs_h, vs_t;
+    int64_t T, H, G, off; float scale;
     int64_t n_items; int64_t next; /* atomic */
     float *kt; int64_t sp; /* K transposed: [H][sp/BK][D][BK] */
-    float *vp; /* V packed: [H][sp][D] */
 };
 
 /* one tile: KV head h, query positions [q0, q0 + nq) of every head of its group */
@@ -113,7 +128,7 @@ static void tile(const struct job *J, int64_t h, int64_t q0, float *buf) {
     memset(O, 0, sizeof(float) * R * D);
     for (int64_t r = 0; r < R; r++) { m[r] = -INFINITY; l[r] = 0.f; }
     const int64_t last = q0 + nq - 1 + J->off; /* the last key any row of the tile sees */
-    const float *vh = J->vp + h * J->sp * D;
+    const float *vh = J->v + h * J->vs_h;
     for (int64_t k0 = 0; k0 <= last; k0 += BK) {
         const int64_t nk = (last + 1 - k0 < BK) ? last + 1 - k0 : BK;
         const float *Kt0 = J->kt + h * D * J->sp + k0 * D;  /* block k0/BK: [D][BK] */
@@ -125,17 +140,7 @@ static void tile(const struct job *J, int64_t h, int64_t q0, float *buf) {
             for (int u = 0; u < 4; u++) for (int c = 0; c < 4; c++) a[u][c] = _mm512_setzero_ps();
             const float *q0p = Q + r * D;
             const float *Kt = Kt0 + cc;
-            for (int e = 0; e < D; e++) {
-                __m512 kv0 = _mm512_loadu_ps(Kt + e * KS), kv1 = _mm512_loadu_ps(Kt + e * KS + 16);
-                __m512 kv2 = _mm512_loadu_ps(Kt + e * KS + 32), kv3 = _mm512_loadu_ps(Kt + e * KS + 48);
-                for (int u = 0; u < 4; u++) {
-                    __m512 qb = _mm512_set1_ps(q0p[u * D + e]);
-                    a[u][0] = _mm512_fmadd_ps(qb, kv0, a[u][0]);
-                    a[u][1] = _mm512_fmadd_ps(qb, kv1, a[u][1]);
-                    a[u][2] = _mm512_fmadd_ps(qb, kv2, a[u][2]);
-                    a[u][3] = _mm512_fmadd_ps(qb, kv3, a[u][3]);
-                }
-            }
+            for (int e = 0; e < D; e++) fma4x4(a, q0p + e, D, Kt + e * KS);
             for (int u = 0; u < 4; u++) for (int c = 0; c < 4; c++) _mm512_storeu_ps(Sc + (r + u) * BK + cc + c * 16, a[u][c]);
         }
         /* mask keys past each row's position (and past nk), online softmax */
@@ -173,18 +178,7 @@ static void tile(const struct job *J, int64_t h, int64_t q0, float *buf) {
             __m512 a[4][4];
             for (int u = 0; u < 4; u++) for (int c = 0; c < 4; c++) a[u][c] = _mm512_loadu_ps(O + (r + u) * D + c * 16);
             const float *p = Sc + r * BK;
-            for (int64_t j = 0; j < nk; j++) {
-                const float *vr = vh + (k0 + j) * D;
-                __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16);
-                __m512 v2 = _mm512_loadu_ps(vr + 32), v3 = _mm512_loadu_ps(vr + 48);
-                for (int u = 0; u < 4; u++) {
-                    __m512 pb = _mm512_set1_ps(p[u * BK + j]);
-                    a[u][0] = _mm512_fmadd_ps(pb, v0, a[u][0]);
-                    a[u][1] = _mm512_fmadd_ps(pb, v1, a[u][1]);
-                    a[u][2] = _mm512_fmadd_ps(pb, v2, a[u][2]);
-                    a[u][3] = _mm512_fmadd_ps(pb, v3, a[u][3]);
-                }
-            }
+            for (int64_t j = 0; j < nk; j++) fma4x4(a, p + j, BK, vh + (k0 + j) * J->vs_t);
             for (int u = 0; u < 4; u++) for (int c = 0; c < 4; c++) _mm512_storeu_ps(O + (r + u) * D + c * 16, a[u][c]);
         }
     }
@@ -221,19 +215,14 @@ static void *worker(void *arg) {
 int prefill_attention(const float *q, int64_t qs_h, int64_t qs_t, const float *k, int64_t ks_h, int64_t ks_t,
                       const float *v, int64_t vs_h, int64_t vs_t, float *out, int64_t T, int64_t S,
                       int64_t H, int64_t G, float scale, int64_t threads) {
-    struct job J = {q, k, v, out, qs_h, qs_t, ks_h, ks_t, vs_h, vs_t, T, S, H, G, S - T, scale,
+    struct job J = {q, v, out, qs_h, qs_t, vs_h, vs_t, T, H, G, S - T, scale,
                     H * ((T + BQ - 1) / BQ), 0, NULL, (S + BK - 1) / BK * BK};
     J.kt = aligned_alloc(64, sizeof(float) * H * D * J.sp);
-    J.vp = aligned_alloc(64, sizeof(float) * H * D * J.sp);
-    if (!J.kt || !J.vp) { free(J.kt); free(J.vp); return 1; }
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t j = 0; j < S; j++) memcpy(J.vp + (h * J.sp + j) * D, v + h * vs_h + j * vs_t, sizeof(float) * D);
+    if (!J.kt) return 1;
     for (int64_t h = 0; h < H; h++)
         for (int64_t j = 0; j < J.sp; j++) {
-            const float *src = k + h * ks_h + j * ks_t;
             float *dst = J.kt + h * D * J.sp + (j / BK) * BK * D + j % BK;
-            if (j < S) for (int e = 0; e < D; e++) dst[e * BK] = src[e];
-            else for (int e = 0; e < D; e++) dst[e * BK] = 0.f;
+            for (int e = 0; e < D; e++) dst[e * BK] = j < S ? k[h * ks_h + j * ks_t + e] : 0.f;
         }
     if (threads > 8) threads = 8;
     if (threads < 1) threads = 1;
@@ -241,7 +230,6 @@ int prefill_attention(const float *q, int64_t qs_h, int64_t qs_t, const float *k
 #pragma omp parallel num_threads(threads) reduction(|:rc)
     rc |= worker(&J) != NULL;
     free(J.kt);
-    free(J.vp);
     return rc;
 }
 """
