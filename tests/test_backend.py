@@ -632,3 +632,29 @@ def test_chunked_prefill_streamed_by_ranges_matches_generate(spec):
         store.release(seq)
     assert_pool_empty(store)
     assert toks == reference(spec, ids, 12)
+
+
+def test_a_reserved_kv_layer_grows_in_place_and_matches_a_dynamic_layer():
+    """A prefix-cache hit's cache layer: the new tokens land after the cached ones in one buffer (no
+    concatenation), earlier views stay as they were, and past its capacity it concatenates like
+    transformers' own layer; every step returns what DynamicLayer returns."""
+    from transformers.cache_utils import DynamicLayer
+
+    from common.model.backend import ReservedKvLayer
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 3, 5, 4, generator=g), torch.randn(1, 3, 5, 4, generator=g)
+    reserved, plain = ReservedKvLayer(k, v, capacity=9), DynamicLayer()
+    plain.update(k, v)
+    first = reserved.keys
+    for n in (3, 1):
+        a, b = torch.randn(1, 3, n, 4, generator=g), torch.randn(1, 3, n, 4, generator=g)
+        got, want = reserved.update(a, b), plain.update(a, b)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert reserved.keys.data_ptr() == first.data_ptr() and reserved.get_seq_length() == 9
+    assert torch.equal(first, k)  # the view handed out before the updates
+    a = torch.randn(1, 3, 2, 4, generator=g)
+    got, want = reserved.update(a, a), plain.update(a, a)  # past the capacity
+    assert torch.equal(got[0], want[0]) and reserved.get_seq_length() == 11
+    with pytest.raises(ValueError):
+        ReservedKvLayer(k, v, capacity=4)

@@ -567,3 +567,30 @@ def test_buffer_pool_tracks_buffers_by_identity_not_contents():
     pool.give(x)
     pool.give(x)  # a buffer already held is not held twice
     assert pool.free_bytes == 8 and pool.take(8) is x and pool.take(8) is not x
+
+
+def test_a_tensor_covering_its_whole_layout_is_one_range_with_the_per_head_bytes():
+    """tensor_ranges with seq_from == base over every token of the layout (a whole prompt's layer, or
+    the suffix after a prefix the receiver holds) sends one range in the layout's order, not one per
+    head; its bytes equal the per-head ranges', strided or not; a partial chunk stays per head."""
+    import numpy as np
+
+    from common.kv.layout import make_layout
+
+    def assemble(layout, ranges) -> bytes:
+        buf = bytearray(sum(d["nbytes"] for d in layout["tensors"]))
+        for off, view in ranges:
+            buf[off : off + view.nbytes] = bytes(view)
+        return bytes(buf)
+
+    g = torch.Generator().manual_seed(3)
+    token_major = torch.randn(1, 10, 3, 4, generator=g).transpose(1, 2)  # [1, 3, 10, 4], strided as transformers' K
+    for base in (0, 4):
+        layout = make_layout([("k", "float32", [1, 3, 10 - base, 4])])
+        one = tensor_ranges(layout, "k", token_major, base, base=base)
+        assert len(one) == 1
+        per_head = [(layout["tensors"][0]["offset"] + h * (10 - base) * 16,
+                     memoryview(np.ascontiguousarray(token_major[0, h, base:].numpy())).cast("B")) for h in range(3)]
+        assert assemble(layout, one) == assemble(layout, per_head)
+    layout = make_layout([("k", "float32", [1, 3, 12, 4])])  # a chunk of 10 of 12 tokens: per head
+    assert len(tensor_ranges(layout, "k", token_major, 0)) == 3

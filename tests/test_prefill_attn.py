@@ -74,7 +74,8 @@ def test_rejects_what_it_does_not_take():
 
 
 def test_applies_to_long_float32_prompts_and_chunks_after_a_prefix():
-    n = prefill_attn.MIN_TOKENS
+    n = 91  # the fewest tokens of a whole prompt with MIN_PAIRS query-key pairs
+    assert (n - 1) ** 2 < prefill_attn.MIN_PAIRS <= n * n
     q, k, _ = qkv(n, n, 4, 2)
     assert prefill_attn.applies(q, k, None, 0.0)
     assert not prefill_attn.applies(q[:, :, 1:], k[:, :, 1:], None, 0.0)  # too few pairs
@@ -87,6 +88,10 @@ def test_applies_to_long_float32_prompts_and_chunks_after_a_prefix():
     assert not prefill_attn.applies(qc, kc, mask.float(), 0.0)  # an additive mask
     assert not prefill_attn.applies(qc, kc, mask.expand(2, 1, 128, 4096), 0.0)
     assert not prefill_attn.applies(kc, qc, None, 0.0)  # more queries than keys
+    q2, k2, _ = qkv(2, 4096, 4, 2)  # two new tokens after 4,094 cached: 8,192 pairs
+    assert prefill_attn.applies(q2, k2, torch.ones(2, 4096, dtype=torch.bool).tril(4094)[None, None], 0.0)
+    q1, k1, _ = qkv(1, 8192, 4, 2)  # one new token: SDPA, whatever the keys
+    assert not prefill_attn.applies(q1, k1, torch.ones(1, 8192, dtype=torch.bool)[None, None], 0.0)
 
 
 def test_is_causal_offset_accepts_only_the_exact_pattern():
@@ -108,14 +113,26 @@ def test_a_chunk_after_cached_tokens_matches_sdpa_with_its_mask():
 
 
 @native
+@pytest.mark.parametrize("t,threads", [(2, 2), (5, 2), (16, 2), (33, 4), (40, 1)])
+def test_a_short_chunk_after_a_long_prefix_takes_smaller_tiles_and_matches_sdpa(t, threads):
+    """Few queries over many keys: tiles shrink (down to 4 positions) until every thread has work;
+    each size, a partial last tile included, gives SDPA's output."""
+    s = 1500
+    q, k, v = qkv(t, s, 9, 3, seed=t)
+    mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(prefill_attn.causal(LIB, q, k, v, 0.125, threads=threads), ref, rtol=1e-5, atol=2e-6)
+
+
+@native
 def test_a_llama_model_prefills_through_the_kernel_and_matches_sdpa():
-    """A random Llama of 64-dim heads: a prompt of MIN_TOKENS runs every layer through the kernel and
-    its logits match SDPA's; a shorter prompt runs none through it."""
+    """A random Llama of 64-dim heads: a prompt of 512 tokens runs every layer through the kernel and
+    its logits match SDPA's; a prompt under MIN_PAIRS query-key pairs runs none through it."""
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=300, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=3, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048)
     model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 300, (1, prefill_attn.MIN_TOKENS))
+    ids = torch.randint(0, 300, (1, 512))
     with torch.inference_mode():
         model.set_attn_implementation("sdpa")
         ref = model(input_ids=ids).logits
@@ -123,7 +140,7 @@ def test_a_llama_model_prefills_through_the_kernel_and_matches_sdpa():
         before = prefill_attn.calls
         out = model(input_ids=ids).logits
         assert prefill_attn.calls == before + 2
-        model(input_ids=ids[:, :100])
+        model(input_ids=ids[:, :64])
         assert prefill_attn.calls == before + 2
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from common.kv.paged_store import PagedKvStore
 from common.model import compute_thread
@@ -105,6 +106,52 @@ def _has_kv(layer) -> bool:
     return getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None and layer.keys.numel() > 0
 
 
+class ReservedKvLayer(DynamicLayer):
+    """A transformers cache layer (batch 1) that starts from cached K/V and grows inside buffers
+    reserved for ``capacity`` tokens: ``update`` writes the new tokens after the ones held, and
+    ``keys``/``values`` are views ``[1, kv_heads, length, head_dim]`` of the buffers (strided by
+    ``capacity`` between heads), where :class:`DynamicLayer` concatenates, copying every cached token
+    again on each chunk. Rows once written never change, so a view handed out earlier (an exported
+    layer, the KV on its way to the decode side) stays valid. Past ``capacity`` tokens, or after a
+    ``crop``/``reset``, it falls back to :class:`DynamicLayer`'s concatenation.
+
+    ``keys``/``values``: ``[1, kv_heads, n, head_dim]`` (any strides), copied; ``capacity`` >= n tokens.
+    Raises ``ValueError`` for another batch size or a capacity below n."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+        super().__init__()
+        if keys.dim() != 4 or keys.shape[0] != 1 or values.shape != keys.shape or capacity < keys.shape[2]:
+            raise ValueError(f"cached K/V {list(keys.shape)}, {list(values.shape)} do not fit {capacity} tokens of one row")
+        _, heads, n, d = keys.shape
+        self._k = keys.new_empty(1, heads, capacity, d)
+        self._v = values.new_empty(1, heads, capacity, d)
+        self._k[:, :, :n].copy_(keys)
+        self._v[:, :, :n].copy_(values)
+        self._n = n
+        self.device = keys.device
+        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self._n + key_states.shape[-2]
+        if self._k is None or key_states.shape[0] != 1 or end > self._k.shape[2]:
+            self._k = self._v = None
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._k[:, :, self._n : end].copy_(key_states)
+        self._v[:, :, self._n : end].copy_(value_states)
+        self._n = end
+        self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._k = self._v = None
+        super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        super().reset()
+
+
 def export_layer(cache: DynamicCache, i: int) -> LayerState:
     """Snapshot layer ``i`` of a (batch-1) cache as named tensors. Linear states are cloned because
     transformers updates them in place; K/V are re-allocated on each update, so they are not copied."""
@@ -173,7 +220,7 @@ class TorchBackend(Backend):
         if prefix_len and not 0 < prefix_len < n:
             raise ValueError(f"a prefix of {prefix_len} tokens leaves nothing to compute in a prompt of {n}")
         self._own_threads()
-        cache = self._cache_with_prefix(prefix) if prefix_len else DynamicCache(config=self.config)
+        cache = self._cache_with_prefix(prefix, n) if prefix_len else DynamicCache(config=self.config)
         layers = self._decoder_layers()
         bounds, marks = chunk_bounds(n, prefix_len, chunk_tokens, checkpoints)
         current = {"a": 0, "final": True}
@@ -322,12 +369,17 @@ class TorchBackend(Backend):
                 h.remove()
         return [None if stopped[b]() else logits[b] for b in range(len(prompts))]
 
-    def _cache_with_prefix(self, prefix: list[LayerState]) -> DynamicCache:
-        """A transformers cache holding ``prefix`` (one state per layer, see :meth:`prefill`); copies."""
+    def _cache_with_prefix(self, prefix: list[LayerState], capacity: int) -> DynamicCache:
+        """A transformers cache holding ``prefix`` (one state per layer, see :meth:`prefill`); copies.
+        Attention layers get buffers of ``capacity`` tokens (the prompt's), so the new tokens' K/V are
+        written after the prefix instead of concatenated with it (:class:`ReservedKvLayer`)."""
         cache = DynamicCache(config=self.config)
         for i, state in enumerate(prefix):
             if "k" in state:
-                cache.layers[i].update(state["k"].contiguous(), state["v"].contiguous())
+                if type(cache.layers[i]) is DynamicLayer:
+                    cache.layers[i] = ReservedKvLayer(state["k"], state["v"], capacity)
+                else:
+                    cache.layers[i].update(state["k"].contiguous(), state["v"].contiguous())
             for kind in ("conv", "rec"):  # conv first: it marks the layer as having a previous state
                 for name, t in sorted(state.items()):
                     head, _, j = name.partition(".")

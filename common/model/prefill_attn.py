@@ -48,7 +48,8 @@ from common.model import attn_kernel
 PREFILL_IMPL = "prfaas_prefill"  # transformers attention implementation: this kernel, else SDPA
 HEAD_DIM = 64  # the only head size the kernel's register blocking takes
 BLOCK_KEYS = 128
-MIN_TOKENS = 512  # fewer than MIN_TOKENS**2 query-key pairs keep SDPA (no gain measured there)
+MIN_PAIRS = 8192  # fewer query-key pairs keep SDPA: its lower call cost wins there (64 x 64: 0.07 against 0.09 ms)
+MIN_QUERIES = 2  # one query (one new token after cached ones) keeps SDPA (0.20 against 0.35 ms at 2K keys)
 MAX_THREADS = 8  # the C source caps a call's team the same
 
 SOURCE = r"""
@@ -107,19 +108,20 @@ struct job {
     int64_t T, H, G, off; float scale;
     int64_t n_items; int64_t next; /* atomic */
     float *kt; int64_t sp; /* K transposed: [H][sp/BK][D][BK] */
+    int64_t bq; /* query positions per tile: BQ, halved while the tiles are too few for the threads */
 };
 
 /* one tile: KV head h, query positions [q0, q0 + nq) of every head of its group */
 static void tile(const struct job *J, int64_t h, int64_t q0, float *buf) {
-    const int64_t G = J->G, nq = (J->T - q0 < BQ) ? J->T - q0 : BQ;
-    const int64_t R = G * BQ;
+    const int64_t bq = J->bq, G = J->G, nq = (J->T - q0 < bq) ? J->T - q0 : bq;
+    const int64_t R = G * bq;
     float *Q = buf;                 /* [R][D] */
     float *Sc = Q + R * D;          /* [R][BK] */
     float *O = Sc + R * BK;         /* [R][D] */
     float *m = O + R * D, *l = m + R;
     for (int64_t g = 0; g < G; g++)
-        for (int64_t i = 0; i < BQ; i++) {
-            float *dst = Q + (g * BQ + i) * D;
+        for (int64_t i = 0; i < bq; i++) {
+            float *dst = Q + (g * bq + i) * D;
             if (i < nq) {
                 const float *src = J->q + (h * G + g) * J->qs_h + (q0 + i) * J->qs_t;
                 for (int e = 0; e < D; e++) dst[e] = src[e] * J->scale;
@@ -148,8 +150,8 @@ static void tile(const struct job *J, int64_t h, int64_t q0, float *buf) {
         for (int64_t r = 0; r < R; r++) {
             float *s = Sc + r * BK;
             if (diag) {
-                int64_t lim = q0 + (r % BQ) + J->off - k0 + 1; /* keys [0, lim) of the block are seen */
-                if ((r % BQ) >= nq) lim = 0;
+                int64_t lim = q0 + (r % bq) + J->off - k0 + 1; /* keys [0, lim) of the block are seen */
+                if ((r % bq) >= nq) lim = 0;
                 if (lim > nk) lim = nk;
                 for (int64_t j = (lim > 0 ? lim : 0); j < BK; j++) s[j] = -INFINITY;
             }
@@ -185,7 +187,7 @@ static void tile(const struct job *J, int64_t h, int64_t q0, float *buf) {
     /* out: [T, H*G, D] */
     for (int64_t g = 0; g < G; g++)
         for (int64_t i = 0; i < nq; i++) {
-            int64_t r = g * BQ + i;
+            int64_t r = g * bq + i;
             float inv = 1.f / l[r];
             float *dst = J->out + ((q0 + i) * J->H * G + h * G + g) * D;
             const float *o = O + r * D;
@@ -195,7 +197,7 @@ static void tile(const struct job *J, int64_t h, int64_t q0, float *buf) {
 
 static void *worker(void *arg) {
     struct job *J = (struct job *)arg;
-    const int64_t nb = (J->T + BQ - 1) / BQ, R = J->G * BQ;
+    const int64_t nb = (J->T + J->bq - 1) / J->bq, R = J->G * J->bq;
     float *buf = aligned_alloc(64, sizeof(float) * (R * D * 2 + R * BK + 2 * R + 16));
     if (!buf) return (void *)1;
     for (;;) {
@@ -203,7 +205,7 @@ static void *worker(void *arg) {
         if (it >= J->n_items) break;
         /* largest tiles first: the last query blocks see the most keys */
         int64_t b = nb - 1 - it / J->H, h = it % J->H;
-        tile(J, h, b * BQ, buf);
+        tile(J, h, b * J->bq, buf);
     }
     free(buf);
     return NULL;
@@ -215,20 +217,35 @@ static void *worker(void *arg) {
 int prefill_attention(const float *q, int64_t qs_h, int64_t qs_t, const float *k, int64_t ks_h, int64_t ks_t,
                       const float *v, int64_t vs_h, int64_t vs_t, float *out, int64_t T, int64_t S,
                       int64_t H, int64_t G, float scale, int64_t threads) {
-    struct job J = {q, v, out, qs_h, qs_t, vs_h, vs_t, T, H, G, S - T, scale,
-                    H * ((T + BQ - 1) / BQ), 0, NULL, (S + BK - 1) / BK * BK};
-    J.kt = aligned_alloc(64, sizeof(float) * H * D * J.sp);
-    if (!J.kt) return 1;
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t j = 0; j < J.sp; j++) {
-            float *dst = J.kt + h * D * J.sp + (j / BK) * BK * D + j % BK;
-            for (int e = 0; e < D; e++) dst[e * BK] = j < S ? k[h * ks_h + j * ks_t + e] : 0.f;
-        }
     if (threads > 8) threads = 8;
     if (threads < 1) threads = 1;
+    /* a short chunk (a few new tokens after a long cached prefix) makes few tiles: smaller tiles,
+       down to 4 positions (G * 4 rows stay a multiple of the 4-row register block), feed every thread */
+    int64_t bq = BQ;
+    while (bq > 4 && H * ((T + bq - 1) / bq) < 2 * threads) bq /= 2;
+    struct job J = {q, v, out, qs_h, qs_t, vs_h, vs_t, T, H, G, S - T, scale,
+                    H * ((T + bq - 1) / bq), 0, NULL, (S + BK - 1) / BK * BK, bq};
+    J.kt = aligned_alloc(64, sizeof(float) * H * D * J.sp);
+    if (!J.kt) return 1;
+    const int64_t nblk = J.sp / BK;
     int rc = 0;
 #pragma omp parallel num_threads(threads) reduction(|:rc)
-    rc |= worker(&J) != NULL;
+    {
+        /* K transposed, one 128-key block of one head per iteration, on every thread (a long cached
+           prefix behind a short chunk makes this as long as the tiles); the for's barrier ends it */
+#pragma omp for schedule(static)
+        for (int64_t hb = 0; hb < H * nblk; hb++) {
+            const int64_t h = hb / nblk, b = hb % nblk;
+            float *dst = J.kt + h * D * J.sp + b * BK * D;
+            for (int64_t jj = 0; jj < BK; jj++) {
+                const int64_t j = b * BK + jj;
+                const float *src = k + h * ks_h + j * ks_t;
+                if (j < S) for (int e = 0; e < D; e++) dst[e * BK + jj] = src[e];
+                else for (int e = 0; e < D; e++) dst[e * BK + jj] = 0.f;
+            }
+        }
+        rc |= worker(&J) != NULL;
+    }
     free(J.kt);
     return rc;
 }
@@ -281,13 +298,13 @@ def causal(lib: ctypes.CDLL, query: torch.Tensor, key: torch.Tensor, value: torc
 def applies(query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float) -> bool:
     """Whether a transformers attention call has the shape the kernel computes: one row, float32,
     head size 64, whole query groups, no dropout, at most as many queries as keys and at least
-    :data:`MIN_TOKENS` squared query-key pairs; a whole prompt (as many queries as keys) without a mask,
+    :data:`MIN_PAIRS` query-key pairs and :data:`MIN_QUERIES` queries; a whole prompt (as many queries as keys) without a mask,
     as transformers passes a causal prefill without padding, or a chunk after cached tokens (fewer
     queries than keys) with a boolean ``[1, 1, queries, keys]`` mask, which
     :func:`is_causal_offset` must then confirm. Pure."""
     t, s = query.shape[2], key.shape[2]
     if (dropout or query.shape[0] != 1 or query.shape[-1] != HEAD_DIM or query.dtype != torch.float32
-            or query.shape[1] % key.shape[1] or t > s or t * s < MIN_TOKENS * MIN_TOKENS):
+            or query.shape[1] % key.shape[1] or t > s or t < MIN_QUERIES or t * s < MIN_PAIRS):
         return False
     if attention_mask is None:
         return t == s

@@ -51,6 +51,11 @@ def tensor_ranges(layout: Layout, name: str, tensor: torch.Tensor, seq_from: int
     t_len = tensor.shape[2]
     if not base <= seq_from <= t_len:
         raise KvError(f"{name}: seq_from {seq_from} outside [{base}, {t_len}]")
+    if seq_from == base and t_len - base == total_len and tensor.shape[0] == 1:
+        # every token of the layout: one range in the layout's own order (a copy only where the
+        # tensor is strided, as each head's rows would be), not one range (and one chunk) per head
+        whole = tensor if base == 0 else tensor[:, :, base:]
+        return [(desc["offset"], byte_view(whole.contiguous()))]
     item = DTYPES[desc["dtype"]].itemsize
     out = []
     for h in range(heads):
