@@ -644,7 +644,7 @@ def test_a_reserved_kv_layer_grows_in_place_and_matches_a_dynamic_layer():
 
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, 3, 5, 4, generator=g), torch.randn(1, 3, 5, 4, generator=g)
-    reserved, plain = ReservedKvLayer(k, v, capacity=9), DynamicLayer()
+    reserved, plain = ReservedKvLayer((k, v), capacity=9), DynamicLayer()
     plain.update(k, v)
     first = reserved.keys
     for n in (3, 1):
@@ -657,4 +657,27 @@ def test_a_reserved_kv_layer_grows_in_place_and_matches_a_dynamic_layer():
     got, want = reserved.update(a, a), plain.update(a, a)  # past the capacity
     assert torch.equal(got[0], want[0]) and reserved.get_seq_length() == 11
     with pytest.raises(ValueError):
-        ReservedKvLayer(k, v, capacity=4)
+        ReservedKvLayer((k, v), capacity=4)
+
+
+def test_a_paged_kv_left_in_its_store_reads_as_read_layer_does():
+    """A hit's K/V left in the paged store (PagedKv) and copied by the prefill: the same tensors
+    read_layer copies, across runs of fragmented blocks, and a reserved layer built from it holds them."""
+    from common.kv.paged_store import PagedKv
+    from common.model.backend import ReservedKvLayer
+
+    specs = [{"k": ("float32", [1, 2, -1, 4]), "v": ("float32", [1, 2, -1, 4])}]
+    store = PagedKvStore(specs, 1 << 20, block_size=4)
+    g = torch.Generator().manual_seed(1)
+    seq = store.reserve("seq", 4)
+    store.reserve("between", 4)  # the next block is taken: growing splits the sequence into two runs
+    store.grow(seq, 11)
+    assert len(store.runs(seq, 11)) == 2
+    k, v = torch.randn(1, 2, 11, 4, generator=g), torch.randn(1, 2, 11, 4, generator=g)
+    store.write_layer(seq, 0, {"k": k, "v": v}, 0)
+    seq.length = 11
+    want = store.read_layer(seq, 0)
+    got = PagedKv(store, seq, 0, 11).tensors()
+    assert torch.equal(got[0], want["k"]) and torch.equal(got[1], want["v"]) and torch.equal(got[0], k)
+    layer = ReservedKvLayer(PagedKv(store, seq, 0, 11), capacity=14)
+    assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)

@@ -54,6 +54,33 @@ class PagedSeq:
 # -- the store ----------------------------------------------------------------------------------
 
 
+@dataclass
+class PagedKv:
+    """Attention layer ``layer``'s K/V for ``seq``'s first ``tokens`` tokens, left in ``store`` until
+    a prefill copies them into its own cache (:meth:`PagedKvStore.read_kv_into`, in the compute
+    thread, on its threads), instead of a copy made when the hit is found. ``seq``'s blocks must stay
+    pinned until then. ``shape``: ``(1, kv_heads, tokens, head_dim)``."""
+
+    store: PagedKvStore
+    seq: PagedSeq
+    layer: int
+    tokens: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (1, self.store.kv_heads, self.tokens, self.store.head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.store.dtype
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies: K and V ``[1, kv_heads, tokens, head_dim]``."""
+        k, v = torch.empty(self.shape, dtype=self.dtype), torch.empty(self.shape, dtype=self.dtype)
+        self.store.read_kv_into(self.seq, self.layer, k, v)
+        return k, v
+
+
 class PagedKvStore:
     """The decode worker's KVCache memory: a :class:`BlockPool` (accounting) plus its arenas (tensors).
 
@@ -279,6 +306,16 @@ class PagedKvStore:
             pos = hi
             if pos >= start + count:
                 break
+
+    def read_kv_into(self, seq: PagedSeq, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy attention layer ``layer``'s K/V of ``seq``'s first ``keys.shape[2]`` tokens into
+        ``keys``/``values`` (``[1, kv_heads, tokens, head_dim]``, this store's dtype, any strides), run
+        of blocks by run: the one copy :meth:`read_layer` makes, straight into the caller's buffers."""
+        a = 0
+        for b0, n in self.runs(seq, keys.shape[2]):
+            keys[0, :, a : a + n].copy_(self.run_view(self.k[layer], b0, n))
+            values[0, :, a : a + n].copy_(self.run_view(self.v[layer], b0, n))
+            a += n
 
     def read_layer(self, seq: PagedSeq, layer: int, tokens: int | None = None) -> LayerState:
         """A copy of one layer's state for the first ``tokens`` tokens (default ``seq.length``), wire layout."""

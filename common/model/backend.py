@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from common.kv.paged_store import PagedKvStore
+from common.kv.paged_store import PagedKv, PagedKvStore
 from common.model import compute_thread
 from common.model.cores import CoreShare
 from common.model.lean_decode import LeanLlamaDecoder, lean_supported
@@ -115,20 +115,27 @@ class ReservedKvLayer(DynamicLayer):
     layer, the KV on its way to the decode side) stays valid. Past ``capacity`` tokens, or after a
     ``crop``/``reset``, it falls back to :class:`DynamicLayer`'s concatenation.
 
-    ``keys``/``values``: ``[1, kv_heads, n, head_dim]`` (any strides), copied; ``capacity`` >= n tokens.
-    Raises ``ValueError`` for another batch size or a capacity below n."""
+    ``cached``: ``(keys, values)``, each ``[1, kv_heads, n, head_dim]`` (any strides), or a
+    :class:`~common.kv.paged_store.PagedKv` still in its store; copied once; ``capacity`` >= n tokens.
+    Raises ``ValueError`` for another batch size, mismatched K and V or a capacity below n."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+    def __init__(self, cached: tuple[torch.Tensor, torch.Tensor] | PagedKv, capacity: int):
         super().__init__()
-        if keys.dim() != 4 or keys.shape[0] != 1 or values.shape != keys.shape or capacity < keys.shape[2]:
-            raise ValueError(f"cached K/V {list(keys.shape)}, {list(values.shape)} do not fit {capacity} tokens of one row")
-        _, heads, n, d = keys.shape
-        self._k = keys.new_empty(1, heads, capacity, d)
-        self._v = values.new_empty(1, heads, capacity, d)
-        self._k[:, :, :n].copy_(keys)
-        self._v[:, :, :n].copy_(values)
+        shape = tuple(cached.shape) if isinstance(cached, PagedKv) else tuple(cached[0].shape)
+        if (len(shape) != 4 or shape[0] != 1 or capacity < shape[2]
+                or (not isinstance(cached, PagedKv) and tuple(cached[1].shape) != shape)):
+            raise ValueError(f"cached K/V {list(shape)} do not fit {capacity} tokens of one row")
+        _, heads, n, d = shape
+        dtype = cached.dtype if isinstance(cached, PagedKv) else cached[0].dtype
+        self._k = torch.empty(1, heads, capacity, d, dtype=dtype)
+        self._v = torch.empty(1, heads, capacity, d, dtype=dtype)
+        if isinstance(cached, PagedKv):
+            cached.store.read_kv_into(cached.seq, cached.layer, self._k[:, :, :n], self._v[:, :, :n])
+        else:
+            self._k[:, :, :n].copy_(cached[0])
+            self._v[:, :, :n].copy_(cached[1])
         self._n = n
-        self.device = keys.device
+        self.device = self._k.device
         self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
         self.is_initialized = True
 
@@ -208,7 +215,8 @@ class TorchBackend(Backend):
         first token), and linear states once, after the last chunk (``seq_from`` None).
 
         ``prefix``/``prefix_len``: resume after a prefix-cache hit. ``prefix[i]`` is layer ``i``'s
-        state for tokens ``[0, prefix_len)`` (attention ``k``/``v`` ``[1, H, prefix_len, d]``; linear
+        state for tokens ``[0, prefix_len)`` (attention ``k``/``v`` ``[1, H, prefix_len, d]``, or ``kv``, a
+        :class:`~common.kv.paged_store.PagedKv` left in its store and copied in here; linear
         states as they were exactly after token ``prefix_len - 1``); only tokens ``[prefix_len, n)`` are
         computed, and attention layers report per chunk, the first with ``seq_from`` = ``prefix_len``
         (their exported K/V still starts at token 0). ``checkpoints``: token positions in
@@ -220,6 +228,8 @@ class TorchBackend(Backend):
         if prefix_len and not 0 < prefix_len < n:
             raise ValueError(f"a prefix of {prefix_len} tokens leaves nothing to compute in a prompt of {n}")
         self._own_threads()
+        if prefix_len and should_stop():  # a stopped caller may unpin the prefix's blocks: read none of them
+            raise PrefillCancelled("prefill stopped before reading its cached prefix")
         cache = self._cache_with_prefix(prefix, n) if prefix_len else DynamicCache(config=self.config)
         layers = self._decoder_layers()
         bounds, marks = chunk_bounds(n, prefix_len, chunk_tokens, checkpoints)
@@ -375,11 +385,13 @@ class TorchBackend(Backend):
         written after the prefix instead of concatenated with it (:class:`ReservedKvLayer`)."""
         cache = DynamicCache(config=self.config)
         for i, state in enumerate(prefix):
-            if "k" in state:
+            if "kv" in state or "k" in state:
+                kv = state.get("kv")
                 if type(cache.layers[i]) is DynamicLayer:
-                    cache.layers[i] = ReservedKvLayer(state["k"], state["v"], capacity)
+                    cache.layers[i] = ReservedKvLayer(kv if kv is not None else (state["k"], state["v"]), capacity)
                 else:
-                    cache.layers[i].update(state["k"].contiguous(), state["v"].contiguous())
+                    k, v = kv.tensors() if kv is not None else (state["k"].contiguous(), state["v"].contiguous())
+                    cache.layers[i].update(k, v)
             for kind in ("conv", "rec"):  # conv first: it marks the layer as having a previous state
                 for name, t in sorted(state.items()):
                     head, _, j = name.partition(".")

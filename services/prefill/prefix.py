@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from common.kv.block_hash import ROOT_HASH, block_hashes
-from common.kv.paged_store import PagedKvStore, PagedSeq, PoolExhausted
+from common.kv.paged_store import PagedKv, PagedKvStore, PagedSeq, PoolExhausted
 from common.kv.prefix_cache import PrefixCache
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
@@ -58,8 +58,10 @@ def checkpoint_positions(prompt_len: int, block_size: int, hit_blocks: int, ever
 
 
 class Hit:
-    """A prefix-cache hit of one prefill: ``tokens`` cached tokens, their ``prefix`` states (copies,
-    one per layer, see :meth:`common.model.backend.TorchBackend.prefill`), the pinned ``blocks``;
+    """A prefix-cache hit of one prefill: ``tokens`` cached tokens, their ``prefix`` states (one per
+    layer, see :meth:`common.model.backend.TorchBackend.prefill`: attention K/V as a
+    :class:`~common.kv.paged_store.PagedKv` the prefill copies out of the pinned blocks, linear states
+    copied here), the pinned ``blocks`` (unpin only once the prefill has stopped or ended);
     ``hashes`` of every full block of the prompt; ``checkpoints`` to take (token positions)."""
 
     def __init__(self, store: PagedKvStore | None = None):
@@ -189,7 +191,7 @@ class PrefillPrefix:
             store.pool.incref(blocks)  # pinned: eviction cannot take them while we read
             hit.blocks, hit.tokens = blocks[:n], n * bs
             seq = PagedSeq("prefix", blocks=hit.blocks, length=hit.tokens)
-            hit.prefix = [store.read_layer(seq, i) if i in store.k else
+            hit.prefix = [{"kv": PagedKv(store, seq, i, hit.tokens)} if i in store.k else
                           {name: t[slot].unsqueeze(0).clone() for name, t in store.states[i].items()}
                           for i in range(len(store.specs))]
         if store.linear_layers:
