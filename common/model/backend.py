@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from common.kv.paged_store import PagedKv, PagedKvStore
-from common.model import compute_thread
+from common.model import compute_thread, fused_modules
 from common.model.cores import CoreShare
 from common.model.lean_decode import LeanLlamaDecoder, lean_supported
 from common.model.loader import LoadedModel
@@ -200,6 +200,7 @@ class TorchBackend(Backend):
         # on the compute thread, whose own count may differ from the building thread's
         self.threads = threads or torch.get_num_threads()
         self.packed_linears = pack_module_linears(self._decoder_layers()) if pack_prefill else 0
+        self.fused_modules = fused_modules.install(self.model)  # RMSNorm, gated MLP: same bits, fewer passes
 
     # -- prefill ------------------------------------------------------------------------------
     @compute_thread.computes
