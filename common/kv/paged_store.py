@@ -75,10 +75,13 @@ class PagedKv:
         return self.store.dtype
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies: K and V ``[1, kv_heads, tokens, head_dim]``."""
-        k, v = torch.empty(self.shape, dtype=self.dtype), torch.empty(self.shape, dtype=self.dtype)
-        self.store.read_kv_into(self.seq, self.layer, k, v)
-        return k, v
+        """Copies: K and V ``[1, kv_heads, tokens, head_dim]`` (:meth:`PagedKvStore.read_layer`)."""
+        state = self.store.read_layer(self.seq, self.layer, self.tokens)
+        return state["k"], state["v"]
+
+    def copy_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """:meth:`PagedKvStore.read_kv_into` of these tokens into ``keys``/``values`` (``shape``, any strides)."""
+        self.store.read_kv_into(self.seq, self.layer, keys, values)
 
 
 class PagedKvStore:
@@ -322,9 +325,9 @@ class PagedKvStore:
         tokens = seq.length if tokens is None else tokens
         out: LayerState = {}
         if layer in self.k:
-            for name, arena in (("k", self.k[layer]), ("v", self.v[layer])):
-                out[name] = (torch.cat([self.run_view(arena, b0, n) for b0, n in self.runs(seq, tokens)], dim=1) if tokens else
-                             torch.empty(self.kv_heads, 0, self.head_dim, dtype=self.dtype)).unsqueeze(0)
+            shape = (1, self.kv_heads, tokens, self.head_dim)
+            out["k"], out["v"] = torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
+            self.read_kv_into(seq, layer, out["k"], out["v"])
         for name, t in self.states.get(layer, {}).items():
             out[name] = t[seq.slot].unsqueeze(0).clone()
         return out

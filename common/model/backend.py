@@ -121,19 +121,23 @@ class ReservedKvLayer(DynamicLayer):
 
     def __init__(self, cached: tuple[torch.Tensor, torch.Tensor] | PagedKv, capacity: int):
         super().__init__()
-        shape = tuple(cached.shape) if isinstance(cached, PagedKv) else tuple(cached[0].shape)
-        if (len(shape) != 4 or shape[0] != 1 or capacity < shape[2]
-                or (not isinstance(cached, PagedKv) and tuple(cached[1].shape) != shape)):
+        if isinstance(cached, PagedKv):
+            shape, dtype, fill = tuple(cached.shape), cached.dtype, cached.copy_into
+        else:
+            keys, values = cached
+            if values.shape != keys.shape:
+                raise ValueError(f"cached K {list(keys.shape)} and V {list(values.shape)} differ")
+            shape, dtype = tuple(keys.shape), keys.dtype
+
+            def fill(k: torch.Tensor, v: torch.Tensor) -> None:
+                k.copy_(keys)
+                v.copy_(values)
+        if len(shape) != 4 or shape[0] != 1 or capacity < shape[2]:
             raise ValueError(f"cached K/V {list(shape)} do not fit {capacity} tokens of one row")
         _, heads, n, d = shape
-        dtype = cached.dtype if isinstance(cached, PagedKv) else cached[0].dtype
         self._k = torch.empty(1, heads, capacity, d, dtype=dtype)
         self._v = torch.empty(1, heads, capacity, d, dtype=dtype)
-        if isinstance(cached, PagedKv):
-            cached.store.read_kv_into(cached.seq, cached.layer, self._k[:, :, :n], self._v[:, :, :n])
-        else:
-            self._k[:, :, :n].copy_(cached[0])
-            self._v[:, :, :n].copy_(cached[1])
+        fill(self._k[:, :, :n], self._v[:, :, :n])
         self._n = n
         self.device = self._k.device
         self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]

@@ -71,13 +71,13 @@ def install(model: torch.nn.Module) -> int:
             forward, width = _mlp_forward(module), module.gate_proj.in_features
         else:
             continue
-        if module_dtype(module) == torch.float32 and _same(module, forward, width):
+        if _module_dtype(module) == torch.float32 and _same(module, forward, width):
             module.forward = forward
             done += 1
     return done
 
 
-def module_dtype(module: torch.nn.Module) -> torch.dtype | None:
+def _module_dtype(module: torch.nn.Module) -> torch.dtype | None:
     """The dtype of ``module``'s first parameter (None without parameters)."""
     p = next(module.parameters(), None)
     return None if p is None else p.dtype
