@@ -25,8 +25,10 @@ is closed by :meth:`stop`. Units: unscaled Gbit/s for links, seconds.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,12 +139,25 @@ class MultiCluster(EmulatedCluster):
         return self
 
     async def _wait_healthy(self, timeout: float) -> None:
+        """The base class's wait (every worker registered, the gateway healthy), then until the router
+        holds every site's link into the PD cluster as up: until the planner's link loop has reported
+        them, the router has no pair with headroom and places a long prompt locally, so a run's first
+        requests would not take the routes its topology names. Raises ``TimeoutError``."""
+        deadline = time.monotonic() + timeout
         n_sites = sum(s.n for s in self.sites)
         self.shape = type(self.shape)(self.shape.name, n_sites, self.shape.n_p, self.shape.n_d)  # counted by the base
         try:
             await super()._wait_healthy(timeout)
         finally:
             self.shape = type(self.shape)(self.shape.name, 0, self.shape.n_p, self.shape.n_d)
+        want = {f"{s.name}->{self.shape.name}" for s in self.sites}
+        while True:
+            links = ((await self.router_stats()).get("topology") or {}).get("links") or {}
+            if all((links.get(k) or {}).get("up") for k in want):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the router did not hold the links {sorted(want)} up within {timeout:g}s: {links}")
+            await asyncio.sleep(0.1)
 
     async def _close_links(self) -> None:
         for link in self.links.values():
