@@ -11,9 +11,9 @@ def _kv_stream() -> str:
     return p.parse_args([]).kv_stream
 
 
-def test_kv_stream_defaults_to_layer_and_follows_the_environment(monkeypatch):
+def test_kv_stream_defaults_to_auto_and_follows_the_environment(monkeypatch):
     monkeypatch.delenv("PRFAAS_KV_STREAM", raising=False)
-    assert _kv_stream() == "layer"
+    assert _kv_stream() == "auto"
     monkeypatch.setenv("PRFAAS_KV_STREAM", "after")
     assert _kv_stream() == "after"
     p = argparse.ArgumentParser()

@@ -91,6 +91,13 @@ class Backend(ABC):
     def decode_busy(self, busy: bool) -> None:  # noqa: B027 - a hook most backends do not need
         """The decode worker has running rows (True) or none (False). Nothing by default."""
 
+    @property
+    def computes_on_host_cpu(self) -> bool:
+        """Whether prefill runs on this host's CPU cores, the ones the event loop's KV sends also take
+        (``--kv-stream auto`` then sends a prompt's KVCache after its prefill over a fast link, see
+        ``common/transfer/stream_mode.py``). False by default (an accelerator, the emulated backend)."""
+        return False
+
 
 def chunk_bounds(n: int, prefix_len: int, chunk_tokens: int, checkpoints: Iterable[int]) -> tuple[list[tuple[int, int]], set[int]]:
     """The chunks ``[(a, b), ...]`` a prefill of tokens ``[prefix_len, n)`` computes, in order: cut every
@@ -473,6 +480,11 @@ class TorchBackend(Backend):
         if self.lean is not None:
             return self.lean.step(store, seqs, tokens, wait_layer)
         return decode_step(self.model, store, seqs, tokens, wait_layer)
+
+    @property
+    def computes_on_host_cpu(self) -> bool:
+        """True when the model's weights are on the CPU (see :attr:`Backend.computes_on_host_cpu`)."""
+        return next(self.model.parameters()).device.type == "cpu"
 
     def decode_busy(self, busy: bool) -> None:
         """The decode worker has running rows (True) or none (False): with shared cores, prefills

@@ -381,6 +381,11 @@ class LinkStats:
         v = self._goodput.value
         return 0.0 if v is None else v * 8.0
 
+    @property
+    def rtt_min_s(self) -> float | None:
+        """The lowest application RTT seen on the link (s), None before a sample."""
+        return self._rtt_min_s
+
     def capacity_bytes_per_s(self, now: float | None = None) -> float | None:
         """The link capacity estimate at ``now`` (s), bytes/s: the largest backlogged-interval rate
         of the last ``capacity_window_s`` seconds, or None if there is none (see the class

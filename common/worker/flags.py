@@ -11,6 +11,7 @@ import re
 from common.model.backend import BACKENDS
 from common.obs.http import add_metrics_flags
 from common.runtime import service
+from common.transfer.stream_mode import KV_STREAM_MODES
 
 
 def threads_flag(value: str) -> int | str:
@@ -79,9 +80,11 @@ def add_prefill_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-
                    help="seconds a write may take to drain before its connection is replaced")
     p.add_argument("--prefill-chunk-tokens", type=int, default=int(service.env_default("PRFAAS_PREFILL_CHUNK_TOKENS", "0")),
                    help="chunked prefill: stream each chunk's K/V while the next computes (0 = one pass)")
-    p.add_argument("--kv-stream", choices=["layer", "after"], default=service.env_default("PRFAAS_KV_STREAM", "layer"),
-                   help="layer: send each layer (or chunk) as soon as it is computed; after: send once prefill ends (baseline; env "
-                        "PRFAAS_KV_STREAM, so a benchmark can A/B it with --prfaas-env)")
+    p.add_argument("--kv-stream", choices=list(KV_STREAM_MODES), default=service.env_default("PRFAAS_KV_STREAM", "auto"),
+                   help="layer: send each layer (or chunk) as soon as it is computed; after: send once prefill ends (baseline); "
+                        "auto: after where the model computes on this host's CPU and the link carries the KVCache in 5%% of the "
+                        "compute time, else layer (common/transfer/stream_mode.py; env PRFAAS_KV_STREAM, so a benchmark can "
+                        "A/B it with --prfaas-env)")
     p.add_argument("--prefix-cache-bytes", type=int, default=int(service.env_default("PRFAAS_PREFIX_CACHE_BYTES", str(1 << 30))),
                    help="budget of this worker's prefix cache (KV blocks and linear-state checkpoints); 0 turns it off "
                         "(so does PRFAAS_PREFIX_CACHE=0)")

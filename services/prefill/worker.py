@@ -56,6 +56,7 @@ from common.runtime.priority import PriorityGate
 from common.transfer.ranges import tensor_ranges
 from common.transfer.sender import KvLink
 from common.transfer.share import group_gate
+from common.transfer.stream_mode import KV_STREAM_MODES, StreamChoice
 from proto.frames import ErrorCode
 from services.prefill.batcher import Accelerator, Job
 from services.prefill.faults import Faults, FaultsDisabled
@@ -83,14 +84,17 @@ class PrefillWorker:
                  prefix_cache_bytes: int = 1 << 30, block_size: int = 16, checkpoint_every: int = 32,
                  cluster: str = "pd", kv_wire_codec: str = "none", kv_wire_lossy_ok: bool = False,
                  kv_share_group: str | None = None, kv_share_gbps: float | None = None, **link_options: Any):
-        if kv_stream not in ("layer", "after"):
-            raise ValueError("kv_stream must be 'layer' (send each layer as it is computed) or 'after' (send after prefill)")
+        if kv_stream not in KV_STREAM_MODES:
+            raise ValueError("kv_stream must be 'layer' (send each layer as it is computed), 'after' (send after prefill) "
+                             "or 'auto' (after over a fast link on a CPU backend, else layer: common/transfer/stream_mode.py)")
         self.backend = backend
         self.name = name
         self.cluster = cluster  # the histograms' label: prfaas or pd
         self.hist = process_histograms(PrefillHistograms)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.kv_stream = kv_stream
+        self._stream_choice: dict[str, StreamChoice] = {}  # by KV address (kv_stream auto)
+        self.kv_sent_after = 0  # transfers sent once their prefill ended (kv_stream after, or auto's choice)
         specs = getattr(backend, "state_specs", None) or [] if kv_wire_codec != "none" else []
         kv = next((spec["k"] for spec in specs if "k" in spec), ("float32", [1, 1, -1, 64]))
         self.wire = WireCodec(kv_wire_codec, kv_wire_lossy_ok, dtype=kv[0], row=int(kv[1][3]))  # raises ValueError
@@ -125,11 +129,30 @@ class PrefillWorker:
             self.prefix = PrefillPrefix(backend.state_specs, prefix_cache_bytes, block_size, checkpoint_every, name)
         self.prefix_cache: PrefixCache | None = self.prefix.cache if self.prefix is not None else None
 
+    def _choice(self, link: KvLink) -> StreamChoice:
+        choice = self._stream_choice.get(link.addr)
+        if choice is None:
+            # bounded by the links this worker keeps: dropped with them (_drop_link)
+            choice = self._stream_choice[link.addr] = StreamChoice()
+        return choice
+
+    def _stream_mode(self, link: KvLink, tokens: int, chunk_tokens: int) -> str | None:
+        """``"after"`` when this transfer's KVCache leaves once the prefill ends, ``"layer"`` when each
+        layer leaves as it is computed (``kv_stream``; for ``auto`` see
+        ``common/transfer/stream_mode.py``); None for a layer-by-layer transfer ``auto`` does not
+        choose (chunked, or not computed on this host's CPU), which it then does not learn from."""
+        if self.kv_stream != "auto":
+            return self.kv_stream
+        if chunk_tokens or not self.backend.computes_on_host_cpu:
+            return None
+        return self._choice(link).mode(tokens, link.stats.rtt_min_s)
+
     def stats(self) -> dict[str, Any]:
         """Load report for the planner (counts; bytes)."""
         return {
             "waiting": self.waiting, "running": self.running, "kv_bytes_inflight": self.kv_bytes_inflight,
             "completed": self.completed, "cancelled": self.cancelled, "prompt_tokens": self.prompt_tokens,
+            "kv_sent_after": self.kv_sent_after,
             "links": self.link_stats(), "kv_codec": self.wire.stats(), "request_tasks": service.live_call_tasks("prefill"),
             "kv_links_dropped": self.links_dropped, "batched_prefills": self._accelerator.batches,
             "batched_prompts": self._accelerator.batched_prompts,
@@ -170,6 +193,7 @@ class PrefillWorker:
     async def _drop_link(self, addr: str, why: str) -> None:
         link = self._links.pop(addr, None)
         self._link_used.pop(addr, None)
+        self._stream_choice.pop(addr, None)
         if link is not None:
             self.links_dropped += 1
             log.info("closing the KV link to %s (%s)", addr, why)
@@ -401,7 +425,10 @@ class PrefillWorker:
             cap = link.stats.capacity_bytes_per_s()
             transfer = await link.begin(req_id, layouts, n_in, codec=self.wire.for_link(link.addr, cap * 8 / 1e9 if cap else None),
                                         priority=priority, pipelined=pipelined)
-            if self.kv_stream == "after":  # the non-pipelined baseline: nothing leaves before the prefill ends
+            mode = self._stream_mode(link, n_in - hit.tokens, chunk_tokens)
+            after = mode == "after"
+            if after:  # nothing leaves before the prefill ends (the non-pipelined baseline, or auto's choice)
+                self.kv_sent_after += 1
                 await asyncio.shield(compute)
             while True:
                 if compute.done():
@@ -459,6 +486,8 @@ class PrefillWorker:
                 done["first_logprobs"] = [f.logprobs.to_wire() for f in firsts]
             try:
                 await link.finish(transfer, done)
+                if self.kv_stream == "auto" and mode is not None:  # acked: what this mode cost, compute included
+                    self._choice(link).observe(mode, n_in - hit.tokens, time.monotonic() - t0)
             finally:
                 if delivered is not None:
                     delivered[0] = transfer.done_sent
