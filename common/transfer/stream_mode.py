@@ -18,11 +18,14 @@ link and the prompt's length, so ``--kv-stream auto`` measures it rather than pr
   one with delay, needs the overlap, and trying the other mode there would cost a whole transfer's
   time on the critical path;
 - over a near link, per prompt-length bucket (powers of two of the computed tokens): both modes
-  are tried ``warmup`` times, then the one with the lower smoothed cost (seconds from the compute's
-  start to the receiver's ``KV_ACK``, per token) is taken, and the other once in ``explore_every``
-  decisions, so a change in load or link is followed.
+  are tried ``warmup`` times, layer by layer first, then the one with the lower smoothed cost
+  (seconds from the compute's start to the receiver's ``KV_ACK``, per token) is taken, and the other
+  once in ``explore_every`` decisions while its cost is within ``explore_within`` of the best, so a
+  change in load follows without paying a slow mode's cost again and again.
 
-A near link that is slow (a shaper on loopback) loses its ``after`` trials and stays layer by layer.
+A near link that turns out slow (a shaper on loopback: sending after costs the whole transfer on top
+of the compute) stops every ``after`` trial on that link, in every bucket, once one costs
+``slow_factor`` times its bucket's layer-by-layer cost.
 Pure: no sockets, no clock; every decision is a function of the samples given.
 """
 
@@ -52,20 +55,25 @@ class StreamChoice:
 
     ``near_rtt_s``: links whose lowest RTT (s) is below this may send after the prefill; ``warmup``:
     trials of each mode per length bucket before costs are compared; ``explore_every``: one decision in
-    this many (per bucket) takes the costlier mode; ``alpha``: EWMA weight of a new cost sample.
+    this many (per bucket) takes the costlier mode, if its cost is at most ``explore_within`` times the
+    best; ``slow_factor``: an ``after`` trial costing this many times its bucket's layer-by-layer cost
+    marks the link :attr:`slow` (layer by layer from then on); ``alpha``: EWMA weight of a new sample.
     """
 
     near_rtt_s: float = 1e-3
-    warmup: int = 2
+    warmup: int = 1
     explore_every: int = 8
+    explore_within: float = 1.25
+    slow_factor: float = 2.0
     alpha: float = 0.3
+    slow: bool = False
     _arms: dict[tuple[int, str], _Arm] = field(default_factory=dict)
     _decisions: dict[int, int] = field(default_factory=dict)
 
     def mode(self, tokens: int, rtt_min_s: float | None) -> str:
         """``"layer"`` or ``"after"`` for a prefill of ``tokens`` computed tokens over a link whose
         lowest RTT seen is ``rtt_min_s`` seconds (None: not measured)."""
-        if rtt_min_s is None or not 0 <= rtt_min_s < self.near_rtt_s:
+        if self.slow or rtt_min_s is None or not 0 <= rtt_min_s < self.near_rtt_s:
             return "layer"
         b = length_bucket(tokens)
         k = self._decisions.get(b, 0)
@@ -75,8 +83,10 @@ class StreamChoice:
         if short:  # the mode with fewer trials, layer first
             return min(short, key=lambda m: arms[m].n)
         best = min(MODES, key=lambda m: arms[m].cost)
-        if self.explore_every > 0 and k % self.explore_every == self.explore_every - 1:
-            return "after" if best == "layer" else "layer"
+        other = "after" if best == "layer" else "layer"
+        if (self.explore_every > 0 and k % self.explore_every == self.explore_every - 1
+                and arms[other].cost <= self.explore_within * arms[best].cost):
+            return other
         return best
 
     def observe(self, mode: str, tokens: int, seconds: float) -> None:
@@ -85,10 +95,14 @@ class StreamChoice:
         that is not one of :data:`MODES`."""
         if mode not in MODES or tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
             return
-        arm = self._arms.setdefault((length_bucket(tokens), mode), _Arm())
+        b = length_bucket(tokens)
+        arm = self._arms.setdefault((b, mode), _Arm())
         x = seconds / tokens
         arm.cost = x if arm.n == 0 else (1 - self.alpha) * arm.cost + self.alpha * x
         arm.n += 1
+        layer = self._arms.get((b, "layer"))
+        if mode == "after" and layer is not None and layer.n and x > self.slow_factor * layer.cost:
+            self.slow = True
 
     def cost(self, tokens: int, mode: str) -> float | None:
         """The smoothed cost (seconds per token) of ``mode`` in ``tokens``'s bucket; None untried."""
