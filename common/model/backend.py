@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from common.kv.paged_store import PagedKv, PagedKvStore
-from common.model import compute_thread, fused_modules
+from common.model import compute_thread, fused_modules, fused_rope
 from common.model.cores import CoreShare
 from common.model.lean_decode import LeanLlamaDecoder, lean_supported
 from common.model.loader import LoadedModel
@@ -212,6 +212,7 @@ class TorchBackend(Backend):
         self.threads = threads or torch.get_num_threads()
         self.packed_linears = pack_module_linears(self._decoder_layers()) if pack_prefill else 0
         self.fused_modules = fused_modules.install(self.model)  # RMSNorm, gated MLP: same bits, fewer passes
+        self.fused_rope = fused_rope.install()  # rotary embedding in one native pass: same bits
 
     # -- prefill ------------------------------------------------------------------------------
     @compute_thread.computes
