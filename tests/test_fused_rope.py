@@ -115,3 +115,16 @@ def test_a_llama_computes_the_same_logits_and_greedy_tokens(fast):
 def test_install_is_idempotent(fast):
     assert fused_rope.install() == fused_rope.install()
     assert modeling_llama.apply_rotary_pos_emb is fast
+
+
+def test_prfaas_native_rope_0_leaves_transformers_alone(tmp_path):
+    import os
+    import subprocess
+    import sys
+    code = ("from transformers.models.llama import modeling_llama as m; f = m.apply_rotary_pos_emb\n"
+            "from common.model import fused_rope\n"
+            "assert fused_rope.install() == [] and m.apply_rotary_pos_emb is f, 'replaced'")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PRFAAS_NATIVE_ROPE": "0", "PYTHONPATH": root}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

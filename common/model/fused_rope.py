@@ -16,13 +16,14 @@ checking on random inputs (a whole prompt's layout and a contiguous one, several
 returns exactly what that module's own function returns; it takes the native path only for float32
 CPU tensors of rank 4 whose last dimension is contiguous and even, with ``cos``/``sin`` of shape
 ``[batch or 1, seq, head_dim]``, and calls the module's own function otherwise. No compiler, a failed
-build or ``PRFAAS_NATIVE_ATTN=0``: nothing is replaced.
+build, ``PRFAAS_NATIVE_ATTN=0`` or ``PRFAAS_NATIVE_ROPE=0``: nothing is replaced.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib
+import os
 import threading
 from collections.abc import Callable
 
@@ -72,7 +73,8 @@ def load() -> ctypes.CDLL | None:
     global _LIB
     with _lock:
         if _LIB is False:
-            lib = attn_kernel.open_library("rope", SOURCE, extra=("-fopenmp", "-ffp-contract=off"))
+            off = os.environ.get("PRFAAS_NATIVE_ROPE", "1") == "0"
+            lib = None if off else attn_kernel.open_library("rope", SOURCE, extra=("-fopenmp", "-ffp-contract=off"))
             if lib is not None:
                 i64, ptr = ctypes.c_int64, ctypes.c_void_p
                 lib.rope.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, ctypes.c_int]
