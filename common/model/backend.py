@@ -94,8 +94,9 @@ class Backend(ABC):
     @property
     def computes_on_host_cpu(self) -> bool:
         """Whether prefill runs on this host's CPU cores, the ones the event loop's KV sends also take
-        (``--kv-stream auto`` then sends a prompt's KVCache after its prefill over a fast link, see
-        ``common/transfer/stream_mode.py``). False by default (an accelerator, the emulated backend)."""
+        (``--kv-stream auto`` then measures sending a prompt's KVCache after its prefill against
+        streaming it, over a near link, see ``common/transfer/stream_mode.py``). False by default (an
+        accelerator, the emulated backend)."""
         return False
 
 

@@ -82,9 +82,9 @@ def add_prefill_flags(p: argparse.ArgumentParser, stall_flag: str = "--kv-stall-
                    help="chunked prefill: stream each chunk's K/V while the next computes (0 = one pass)")
     p.add_argument("--kv-stream", choices=list(KV_STREAM_MODES), default=service.env_default("PRFAAS_KV_STREAM", "auto"),
                    help="layer: send each layer (or chunk) as soon as it is computed; after: send once prefill ends (baseline); "
-                        "auto: after where the model computes on this host's CPU and the link carries the KVCache in 5%% of the "
-                        "compute time, else layer (common/transfer/stream_mode.py; env PRFAAS_KV_STREAM, so a benchmark can "
-                        "A/B it with --prfaas-env)")
+                        "auto: where the model computes on this host's CPU and the link is near (RTT < 1 ms), the cheaper of the two "
+                        "as measured per prompt-length bucket, else layer (common/transfer/stream_mode.py; env PRFAAS_KV_STREAM, "
+                        "so a benchmark can A/B it with --prfaas-env)")
     p.add_argument("--prefix-cache-bytes", type=int, default=int(service.env_default("PRFAAS_PREFIX_CACHE_BYTES", str(1 << 30))),
                    help="budget of this worker's prefix cache (KV blocks and linear-state checkpoints); 0 turns it off "
                         "(so does PRFAAS_PREFIX_CACHE=0)")

@@ -86,7 +86,8 @@ class PrefillWorker:
                  kv_share_group: str | None = None, kv_share_gbps: float | None = None, **link_options: Any):
         if kv_stream not in KV_STREAM_MODES:
             raise ValueError("kv_stream must be 'layer' (send each layer as it is computed), 'after' (send after prefill) "
-                             "or 'auto' (after over a fast link on a CPU backend, else layer: common/transfer/stream_mode.py)")
+                             "or 'auto' (the cheaper of the two, measured, over a near link on a CPU backend, else layer: "
+                             "common/transfer/stream_mode.py)")
         self.backend = backend
         self.name = name
         self.cluster = cluster  # the histograms' label: prfaas or pd
