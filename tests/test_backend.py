@@ -640,7 +640,7 @@ def test_a_reserved_kv_layer_grows_in_place_and_matches_a_dynamic_layer():
     transformers' own layer; every step returns what DynamicLayer returns."""
     from transformers.cache_utils import DynamicLayer
 
-    from common.model.backend import ReservedKvLayer
+    from common.model.reserved_kv import ReservedKvLayer
 
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, 3, 5, 4, generator=g), torch.randn(1, 3, 5, 4, generator=g)
@@ -664,7 +664,7 @@ def test_a_paged_kv_left_in_its_store_reads_as_read_layer_does():
     """A hit's K/V left in the paged store (PagedKv) and copied by the prefill: the same tensors
     read_layer copies, across runs of fragmented blocks, and a reserved layer built from it holds them."""
     from common.kv.paged_store import PagedKv
-    from common.model.backend import ReservedKvLayer
+    from common.model.reserved_kv import ReservedKvLayer
 
     specs = [{"k": ("float32", [1, 2, -1, 4]), "v": ("float32", [1, 2, -1, 4])}]
     store = PagedKvStore(specs, 1 << 20, block_size=4)
