@@ -174,10 +174,10 @@ def copies() -> None:
         del os.environ["BENCH_TRACEMALLOC"]
     h, total = res[0]["heap_peak_bytes"], res[0]["total"]
     print("\n== Copies per payload byte (64 MiB, 4 connections, tracemalloc peak of Python allocations) ==")
-    print(f"sender: {h['send'] / total:.4f} (tensor memory is written with writelines of memoryviews; the kernel copies once)")
+    print(f"sender: {h['send'] / total:.4f} (tensor memory goes out by sendmsg of memoryviews; the kernel copies once)")
     print(f"receiver: {h['recv'] / total:.4f} (recv_into the layer buffer reserved for it; buffers come from a pool)")
     print("so no payload byte is copied through a Python object on either side; what tracemalloc cannot see is the\n"
-          "event loop's C write buffer (bytes the kernel did not take at once) and the kernel's own copy per side.")
+          "event loop's C write buffer (frames under 256 KiB the kernel did not take at once) and the kernel's own copy per side.")
 
 
 def shaped(quick: bool) -> tuple[float, list[dict]]:

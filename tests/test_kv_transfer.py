@@ -434,13 +434,14 @@ def stall(rx: KvReceiver, c) -> None:
 
 
 async def stuck(c, quiet_s: float = 0.3) -> None:
-    """Wait until connection ``c``'s writer is stuck: bytes wait in its transport and the kernel has
+    """Wait until connection ``c``'s writer is stuck: bytes wait in its transport or its chunk thread and the kernel has
     taken none for ``quiet_s`` seconds, with more chunks queued behind."""
     last, since = None, time.monotonic()
     end = since + 5
     while True:
         info = read_tcp_info(c.writer.transport)
-        now = (c.writer.transport.get_write_buffer_size(), info.bytes_acked if info else None)
+        # bytes wait in the transport, or in the chunk thread's write (common/transfer/connection.py)
+        now = (c.writer.transport.get_write_buffer_size() or int(c.direct_busy), info.bytes_acked if info else None)
         if now != last:
             last, since = now, time.monotonic()
         elif now[0] > 0 and c.queue.qsize() > 0 and time.monotonic() - since > quiet_s:

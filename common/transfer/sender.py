@@ -224,7 +224,7 @@ class KvLink:
         """Write a pipelined transfer's ``KV_BEGIN`` on the least queued live connection and send its
         chunks (and ``KV_DONE``) after it there until ``KV_ADMIT`` arrives."""
         conn = self._least_queued()
-        conn.writer.write(tr.begin_frame)
+        conn.write(tr.begin_frame)
         tr.pinned = conn.cid
 
     def _conn_for(self, tr: Transfer) -> LinkConnection:
@@ -256,21 +256,16 @@ class KvLink:
                 continue
             view = entry[0]
             c.current = (tr, key, window)  # if _fail cancels us while draining, it resends this chunk
-            c.writer.writelines(encode_frame_parts(Kind.KV_LAYER, {"req_id": tr.req_id, "layer": key[0], "offset": key[1],
-                                                                   **entry[3]}, [view]))
             try:
-                t = c.writer.transport
-                if t.get_write_buffer_size() or t.is_closing():  # (wait_for makes a task per call)
-                    await asyncio.wait_for(c.writer.drain(), self.stall_timeout)
-                else:  # all is with the kernel: nothing to drain, but the other writers and the acks get a turn
-                    await asyncio.sleep(0)
+                await c.write_chunk(encode_frame_parts(Kind.KV_LAYER, {"req_id": tr.req_id, "layer": key[0], "offset": key[1],
+                                                                       **entry[3]}, [view]), self.stall_timeout)
             except (TimeoutError, ConnectionError, OSError) as e:
                 if not c.alive:  # already failed (wait_for can swallow _fail's cancel): the chunk moved
                     return
                 c.current = None
                 self._release(window)
                 c.queue.put_nowait((tr, key, 0, nbytes))  # _fail moves it, with the rest of this queue
-                self._fail(c, f"write did not drain within {self.stall_timeout}s" if isinstance(e, asyncio.TimeoutError) else str(e))
+                self._fail(c, f"write did not drain within {self.stall_timeout}s" if isinstance(e, TimeoutError) and not str(e) else str(e))
                 return
             if not c.alive:  # failed while draining: _fail moved this chunk (and its window) already
                 return
@@ -366,7 +361,7 @@ class KvLink:
                 if not self._live():
                     await self.ensure_connected()
                 conn = self._least_queued()
-                conn.writer.write(begin)
+                conn.write(begin)
                 remaining = end - time.monotonic()
                 try:  # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel racing the admission
                     async with asyncio.timeout(max(0.01, remaining)):
@@ -430,7 +425,7 @@ class KvLink:
                     if not self._live():
                         await self.ensure_connected()
                     conn = self._conn_for(tr)
-                    conn.writer.write(encode_frame(Kind.KV_DONE, {"req_id": tr.req_id, **done}))
+                    conn.write(encode_frame(Kind.KV_DONE, {"req_id": tr.req_id, **done}))
                     tr.done_sent = True
                     # resends after a failure re-open all_written; KV_DONE is re-sent after them, and
                     # on another connection if the one that carried it failed
@@ -459,7 +454,7 @@ class KvLink:
         tr.chunks.clear()
         if self._live():
             with contextlib.suppress(Exception):
-                self._conn_for(tr).writer.write(encode_frame(Kind.KV_ABORT, {"req_id": tr.req_id, "reason": reason}))
+                self._conn_for(tr).write(encode_frame(Kind.KV_ABORT, {"req_id": tr.req_id, "reason": reason}))
 
     def snapshot(self) -> dict[str, Any]:
         """The link's congestion signals (see ``common/transfer/link_stats.py``) plus its live
@@ -493,6 +488,7 @@ class KvLink:
         for c in list(self.conns.values()):
             c.alive = False
             c.writer.close()
+            c.close_direct()
             for t in c.tasks:
                 t.cancel()
                 tasks.append(t)
