@@ -125,10 +125,10 @@ async def test_control_frame_waits_for_the_chunk_in_the_thread(env):
     peer = rx_peer(rx, c)
     peer_sock = socket.socket(fileno=os.dup(peer.transport.get_extra_info("socket").fileno()))
     try:
-        peer_sock.setblocking(True)
+        peer_sock.settimeout(10)  # every read is bounded
         got = 0
-        while got < (8 << 20):
-            got += len(await asyncio.to_thread(peer_sock.recv, 1 << 20))
+        while got < (8 << 20):  # exactly the chunk's bytes: what follows is the next frame
+            got += len(await asyncio.to_thread(peer_sock.recv, min(1 << 20, (8 << 20) - got)))
         await asyncio.wait_for(task, 10)
         assert not c.direct_busy and not c.deferred
         from proto.frames import PREFIX, PREFIX_SIZE, Kind
