@@ -7,6 +7,7 @@ order; models it does not cover are refused. The end-to-end tests on tiny-dense 
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import shutil
@@ -148,6 +149,41 @@ def test_native_attention_equals_sdpa_over_runs():
         assert torch.equal(split, got), threads
     with pytest.raises(ValueError):
         attn_kernel.attend(lib, q.double(), store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125)
+
+
+def test_native_attention_rescales_when_a_later_tile_raises_the_max():
+    """The kernel's one pass (online softmax, tiles of ``attn_kernel.TILE`` tokens): scores that rise
+    tile after tile, a single dominant token in the last tile, and one in the first, each against a
+    float64 softmax of the same rows (runs of one block, so tiles end inside runs and at their ends)."""
+    lib = attn_kernel.load()
+    if lib is None:
+        pytest.skip("no C compiler: the lean step keeps per-row SDPA")
+    specs = [{"k": ("float32", [1, 1, -1, 8]), "v": ("float32", [1, 1, -1, 8])}]
+    store = PagedKvStore(specs, 16 << 20, BS)
+    gen = torch.Generator().manual_seed(3)
+    n = 5 * attn_kernel.TILE + 7
+    q = torch.ones(3, 2, 8)  # 2 queries over 1 KV head
+    patterns = [torch.linspace(-20, 20, n), torch.zeros(n), torch.zeros(n)]
+    patterns[1][-1] = 30.0  # the last tile holds the max
+    patterns[2][0] = 30.0  # the first does
+    seqs, runs = [], []
+    for r, pat in enumerate(patterns):
+        s = store.reserve(f"r{r}", n)
+        store.reserve(f"gap{r}", 1)
+        s.length = n
+        seqs.append(s)
+        runs.append(store.runs(s, n))
+        ks = pat.view(n, 1).expand(n, 8) / 8.0  # q . k_j = pat[j] with q all ones, scale 1
+        vs = torch.randn(n, 8, generator=gen)
+        for (b0, cnt), start in zip(runs[-1], [0] + list(itertools.accumulate(c for _, c in runs[-1]))):
+            store.k[0][0].view(-1, 8)[b0 * BS : b0 * BS + cnt] = ks[start : start + cnt]
+            store.v[0][0].view(-1, 8)[b0 * BS : b0 * BS + cnt] = vs[start : start + cnt]
+    got = attn_kernel.attend(lib, q, store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 2), 1.0)
+    for r in range(len(seqs)):
+        kk = torch.cat([store.k[0][0].view(-1, 8)[b0 * BS : b0 * BS + c] for b0, c in runs[r]]).double()
+        vv = torch.cat([store.v[0][0].view(-1, 8)[b0 * BS : b0 * BS + c] for b0, c in runs[r]]).double()
+        w = torch.softmax(q[r].double() @ kk.T, dim=-1)
+        torch.testing.assert_close(got[r].double(), w @ vv, rtol=1e-5, atol=1e-5)
 
 
 def test_loading_the_native_attention_keeps_subnormal_floats():

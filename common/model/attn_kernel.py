@@ -21,9 +21,15 @@ with the tensors' data pointers. Where no compiler exists or the build fails, :f
 and the caller keeps the per-row SDPA path (``common/model/paged_attention.py``).
 
 Arithmetic (per row, KV head ``h``, query ``g`` of that head's group): ``s_j = scale * q . k_j`` over
-the row's tokens ``j`` (all runs), ``p_j = exp(s_j - max_j s_j)``, ``out = sum_j p_j v_j / sum_j p_j``:
-an exact softmax, float32 throughout, as SDPA computes it up to the order of the sums (the outputs
-agree to float32 rounding; the exactness tests check greedy tokens against transformers).
+the row's tokens ``j`` (all runs), ``out = sum_j exp(s_j - m) v_j / sum_j exp(s_j - m)`` with ``m`` the
+largest score: a softmax in one pass, tile by tile of 32 tokens (the running max, the sum and the output
+rescaled by ``exp(m_old - m_new)`` when a tile raises the max, as flash attention does), float32
+throughout, as SDPA computes it up to the order of the sums (the outputs agree to float32 rounding,
+3e-7 against the two-pass kernel it replaced; the exactness tests check greedy tokens against
+transformers). One pass instead of two (scores, then V) reads each row's K and V once: one thread,
+K/V out of cache, 4 layers of tiny-dense at 32 rows x 4,096 tokens 61 -> 49.5 ms (torch's flash
+attention on the same shape inside the static-cache loop: 53.6 ms), 8 x 4,096 with 3 queries a KV
+head 13.9 -> 12.0 ms, 64 x 512 12.1 -> 11.3 ms; in-cache shapes within 0.1 ms.
 """
 
 from __future__ import annotations
@@ -45,57 +51,65 @@ SOURCE = r"""
 
 #define PF_AHEAD 8 /* tokens a prefetch runs ahead of the score loop */
 
+#define TILE 32 /* tokens scored, then weighed, together: K and V stream through once */
+
 /* q: [rows, H*G, D]; out: [rows, H*G, D]; k, v: arena base, head stride hs floats, token stride D.
    run_off[r]..run_off[r+1]: row r's runs, each (first token index, tokens) in run_tok/run_len.
-   Rows [r0, r1) only; scratch: G * (the longest row's tokens) floats. */
+   Rows [r0, r1) only; scratch: G * TILE floats. One pass over each row's K and V: per tile of a
+   run, the G scores of each token, then the running max and sum rescaled (online softmax), then the
+   tile's V weighed into the output. */
 static void rows_attention(const float *q, const float *k, const float *v, float *out,
                            int64_t r0, int64_t r1, int64_t H, int64_t G, int64_t D, int64_t hs,
                            const int64_t *run_off, const int64_t *run_tok, const int64_t *run_len,
                            float scale, float *scratch) {
     for (int64_t r = r0; r < r1; r++) {
-        int64_t n = 0;
-        for (int64_t u = run_off[r]; u < run_off[r + 1]; u++) n += run_len[u];
         for (int64_t h = 0; h < H; h++) {
             const float *qh = q + (r * H + h) * G * D;
             float *oh = out + (r * H + h) * G * D;
-            float *s = scratch;                 /* [G, n] scores, then weights */
+            float *s = scratch;                 /* [G, TILE] scores, then weights, of one tile */
             float mx[64], sum[64];
-            for (int64_t g = 0; g < G; g++) mx[g] = -INFINITY;
-            int64_t j = 0;
+            for (int64_t g = 0; g < G; g++) { mx[g] = -INFINITY; sum[g] = 0.f; }
+            for (int64_t e = 0; e < G * D; e++) oh[e] = 0.f;
             for (int64_t u = run_off[r]; u < run_off[r + 1]; u++) {
-                const float *kp = k + h * hs + run_tok[u] * D;
-                for (int64_t t = 0; t < run_len[u]; t++, j++, kp += D) {
-                    /* both streams in flight: K PF_AHEAD tokens on, and the V this row reads next */
-                    for (int64_t e = 0; e < D; e += 16) {
-                        __builtin_prefetch(kp + PF_AHEAD * D + e);
-                        __builtin_prefetch(v + (kp - k) + PF_AHEAD * D + e);
+                for (int64_t t0 = 0; t0 < run_len[u]; t0 += TILE) {
+                    const int64_t nt = run_len[u] - t0 < TILE ? run_len[u] - t0 : TILE;
+                    const float *kp = k + h * hs + (run_tok[u] + t0) * D;
+                    const float *vp = v + h * hs + (run_tok[u] + t0) * D;
+                    for (int64_t t = 0; t < nt; t++) {
+                        const float *kt = kp + t * D;
+                        for (int64_t e = 0; e < D; e += 16) {
+                            __builtin_prefetch(kt + PF_AHEAD * D + e);
+                            __builtin_prefetch(vp + t * D + e);
+                        }
+                        for (int64_t g = 0; g < G; g++) {
+                            const float *qg = qh + g * D;
+                            float acc = 0.f;
+                            for (int64_t e = 0; e < D; e++) acc += qg[e] * kt[e];
+                            s[g * TILE + t] = acc * scale;
+                        }
                     }
                     for (int64_t g = 0; g < G; g++) {
-                        const float *qg = qh + g * D;
-                        float acc = 0.f;
-                        for (int64_t e = 0; e < D; e++) acc += qg[e] * kp[e];
-                        acc *= scale;
-                        s[g * n + j] = acc;
-                        if (acc > mx[g]) mx[g] = acc;
+                        float *sg = s + g * TILE;
+                        float tmax = mx[g];
+                        for (int64_t t = 0; t < nt; t++) if (sg[t] > tmax) tmax = sg[t];
+                        if (tmax > mx[g]) {
+                            const float corr = expf(mx[g] - tmax);
+                            sum[g] *= corr;
+                            float *og = oh + g * D;
+                            for (int64_t e = 0; e < D; e++) og[e] *= corr;
+                            mx[g] = tmax;
+                        }
+                        float tot = 0.f;
+                        for (int64_t t = 0; t < nt; t++) { sg[t] = expf(sg[t] - tmax); tot += sg[t]; }
+                        sum[g] += tot;
                     }
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                float tot = 0.f;
-                float *sg = s + g * n;
-                for (int64_t t = 0; t < n; t++) { sg[t] = expf(sg[t] - mx[g]); tot += sg[t]; }
-                sum[g] = tot;
-                float *og = oh + g * D;
-                for (int64_t e = 0; e < D; e++) og[e] = 0.f;
-            }
-            j = 0;
-            for (int64_t u = run_off[r]; u < run_off[r + 1]; u++) {
-                const float *vp = v + h * hs + run_tok[u] * D;
-                for (int64_t t = 0; t < run_len[u]; t++, j++, vp += D) {
-                    for (int64_t g = 0; g < G; g++) {
-                        const float w = s[g * n + j];
-                        float *og = oh + g * D;
-                        for (int64_t e = 0; e < D; e++) og[e] += w * vp[e];
+                    for (int64_t t = 0; t < nt; t++) {
+                        const float *vt = vp + t * D;
+                        for (int64_t g = 0; g < G; g++) {
+                            const float w = s[g * TILE + t];
+                            float *og = oh + g * D;
+                            for (int64_t e = 0; e < D; e++) og[e] += w * vt[e];
+                        }
                     }
                 }
             }
@@ -162,6 +176,7 @@ void paged_decode_attention(const float *q, const float *k, const float *v, floa
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-fPIC")
 MAX_GROUP = 64  # query heads per KV head the kernel's stack arrays hold
+TILE = 32  # tokens per tile of the kernel's one pass (the C source's TILE)
 MAX_THREADS = 8  # threads one call splits its rows over (the C source caps it the same)
 # Tokens (summed over rows) per thread a call starts, at least. The threads are started per call, and
 # on a core where torch's OpenMP worker still spins after the previous op, a started thread waited for
@@ -247,26 +262,24 @@ class RunTable:
     """One decode step's rows as runs of tokens for :func:`attend`: built once per step, used by every
     layer. ``runs[r]``: row ``r``'s ``(first_block, tokens)`` pairs (``PagedKvStore.runs``);
     ``block_size``: tokens per block. Holds int64 tensors ``off`` ``[rows + 1]``, ``tok`` and ``len``
-    ``[runs]`` (first token index in the arena, tokens), and a float32 scratch of ``G * max tokens``
-    per thread, for up to :data:`MAX_THREADS` threads."""
+    ``[runs]`` (first token index in the arena, tokens), and a float32 scratch of ``G *`` :data:`TILE`
+    per thread (one tile's scores), for up to :data:`MAX_THREADS` threads."""
 
     def __init__(self, runs: list[list[tuple[int, int]]], block_size: int, group: int):
         off = [0]
         tok: list[int] = []
         lens: list[int] = []
-        longest = 0
         for row in runs:
             for b0, n in row:
                 tok.append(b0 * block_size)
                 lens.append(n)
             off.append(len(tok))
-            longest = max(longest, sum(n for _, n in row))
         self.rows = len(runs)
         self.tokens = sum(lens)
         self.off = torch.tensor(off, dtype=torch.long)
         self.tok = torch.tensor(tok, dtype=torch.long)
         self.len = torch.tensor(lens, dtype=torch.long)
-        self.per = max(1, group * longest)
+        self.per = max(1, group * TILE)
         self.scratch = torch.empty(self.per * MAX_THREADS, dtype=torch.float32)
 
 
