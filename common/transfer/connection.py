@@ -149,12 +149,19 @@ class LinkConnection:
         job = self.pool.submit(send_all, self.direct, parts, timeout)
         try:
             await asyncio.wrap_future(job)
-        finally:
-            if job.done():  # (cancelled while the thread still writes: the connection is closing; nothing follows)
+        except BaseException:
+            # The stream may stop inside this frame (a timeout or an error mid-write), and when we were
+            # cancelled the thread may still be writing: nothing may follow on this connection, which is
+            # being failed. The frames held back are dropped, as a failed transport's buffer is (the
+            # link re-sends KV_BEGIN and KV_DONE on another connection).
+            if job.done():
                 self.direct_busy = False
-                frames, self.deferred = self.deferred, []
-                if frames and self.alive:
-                    self.writer.writelines(frames)
+                self.deferred = []
+            raise
+        self.direct_busy = False
+        frames, self.deferred = self.deferred, []
+        if frames and self.alive:
+            self.writer.writelines(frames)
 
     def close_direct(self) -> None:
         """Shut the chunk thread's socket down (which wakes a write in progress), then close it from
