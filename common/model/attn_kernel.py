@@ -7,7 +7,7 @@ kernel does the same attention for all rows of a layer in one call: one thread, 
 A/B interleaved, 0.74 ms per layer through per-row SDPA, 0.49 ms here. It is bound by reading the
 rows' K/V (7.9 MB a layer there, about 16 GB/s), so it gains less than the call count suggests.
 While it scores a row's K it prefetches the K 8 tokens on and the V it will read next, so both
-streams are in flight at once (the V pass then mostly hits cache): with the K/V out of cache, as in a
+streams are in flight at once (weighing the tile's V then mostly hits cache): with the K/V out of cache, as in a
 real step, that cut the step's CPU time (one thread, A/B in one process, bit-identical logits)
 25.9 -> 22.4 ms at tiny-dense 64 x 512, 24.0 -> 23.0 ms at 8 x 4096 and 145 -> 141 ms at SmolLM2-135M
 16 x 256 (medians of 4 rounds, load average 9-10 on 2 cores).
