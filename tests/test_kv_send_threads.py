@@ -96,15 +96,16 @@ def test_switch_read_from_the_environment():
     assert (on.stdout.strip(), off.stdout.strip()) == ("True", "False")
 
 
-async def blocked_write(env, rx, link):
-    """One connection of ``link`` with a chunk stuck in its thread: the receiver stopped reading it
-    and its send buffer is small. Returns (connection, the write task)."""
+async def blocked_write(env, rx, link, timeout: float = 20):
+    """One connection of ``link`` with a chunk stuck in its thread (its write gives up after
+    ``timeout`` seconds): the receiver stopped reading it and its send buffer is small. Returns
+    (connection, the write task)."""
     await link.ensure_connected()
     c = link.conns[max(link.conns)]
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
     rx_peer(rx, c).transport.pause_reading()
     payload = bytes(8 << 20)  # far more than the socket buffers on both sides hold
-    task = asyncio.create_task(c.write_chunk([b"", payload], timeout=20))
+    task = asyncio.create_task(c.write_chunk([b"", payload], timeout=timeout))
     await eventually(lambda: c.direct_busy, 3, "the thread to take the chunk")
     await asyncio.sleep(0.2)
     assert not task.done()
@@ -146,14 +147,9 @@ async def test_frames_held_back_are_dropped_when_the_chunk_fails(env, monkeypatc
     it must not be written after it (it would land in the payload), and write_chunk raises."""
     rx, port = await env.receiver(**kvt.SMALL_RX)
     link = env.link(port, connections=2, ping_interval=60.0)
-    await link.ensure_connected()
-    c = link.conns[max(link.conns)]
-    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
-    rx_peer(rx, c).transport.pause_reading()
+    c, task = await blocked_write(env, rx, link, timeout=1.0)
     written = []
     monkeypatch.setattr(c.writer, "writelines", lambda frames: written.append(frames))
-    task = asyncio.create_task(c.write_chunk([b"", bytes(8 << 20)], timeout=0.5))
-    await eventually(lambda: c.direct_busy, 3, "the thread to take the chunk")
     c.ping_sent = None
     c.ping()
     assert c.deferred

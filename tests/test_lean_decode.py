@@ -7,7 +7,6 @@ order; models it does not cover are refused. The end-to-end tests on tiny-dense 
 
 from __future__ import annotations
 
-import itertools
 import os
 import random
 import shutil
@@ -118,14 +117,20 @@ def test_fused_weights_keep_the_modules_and_the_weight_hash(dense):
     assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
 
 
-def test_native_attention_equals_sdpa_over_runs():
+@pytest.fixture
+def native_lib():
+    """The compiled decode-attention kernel; the test is skipped where it cannot be built."""
+    lib = attn_kernel.load()
+    if lib is None:
+        pytest.skip("no C compiler: the lean step keeps per-row SDPA")
+    return lib
+
+
+def test_native_attention_equals_sdpa_over_runs(native_lib):
     """The kernel against per-row SDPA (``attend_rows``) on rows of one and of several runs, at 9 query
     heads over 3 KV heads, on 1 to 8 threads; a layout the kernel does not take is refused."""
     from common.model.paged_attention import attend_rows
 
-    lib = attn_kernel.load()
-    if lib is None:
-        pytest.skip("no C compiler: the lean step keeps per-row SDPA")
     specs = [{"k": ("float32", [1, 3, -1, 64]), "v": ("float32", [1, 3, -1, 64])}]
     store = PagedKvStore(specs, 64 << 20, BS)
     gen = torch.Generator().manual_seed(0)
@@ -142,22 +147,19 @@ def test_native_attention_equals_sdpa_over_runs():
     assert max(len(r) for r in runs) >= 2
     q = torch.randn(len(seqs), 9, 64, generator=gen)
     want = attend_rows(q.unsqueeze(2), store, 0, runs, 0.125).view(len(seqs), 9, 64)
-    got = attn_kernel.attend(lib, q, store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125)
+    got = attn_kernel.attend(native_lib, q, store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for threads in (1, 2, 3, 8):  # rows split over threads: each row's arithmetic is the same
-        split = attn_kernel.attend(lib, q, store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125, threads)
+        split = attn_kernel.attend(native_lib, q, store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125, threads)
         assert torch.equal(split, got), threads
     with pytest.raises(ValueError):
-        attn_kernel.attend(lib, q.double(), store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125)
+        attn_kernel.attend(native_lib, q.double(), store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 3), 0.125)
 
 
-def test_native_attention_rescales_when_a_later_tile_raises_the_max():
+def test_native_attention_rescales_when_a_later_tile_raises_the_max(native_lib):
     """The kernel's one pass (online softmax, tiles of ``attn_kernel.TILE`` tokens): scores that rise
     tile after tile, a single dominant token in the last tile, and one in the first, each against a
-    float64 softmax of the same rows (runs of one block, so tiles end inside runs and at their ends)."""
-    lib = attn_kernel.load()
-    if lib is None:
-        pytest.skip("no C compiler: the lean step keeps per-row SDPA")
+    float64 softmax of the same rows (one run of 5 tiles and 7 tokens each: a short tile ends it)."""
     specs = [{"k": ("float32", [1, 1, -1, 8]), "v": ("float32", [1, 1, -1, 8])}]
     store = PagedKvStore(specs, 16 << 20, BS)
     gen = torch.Generator().manual_seed(3)
@@ -166,24 +168,20 @@ def test_native_attention_rescales_when_a_later_tile_raises_the_max():
     patterns = [torch.linspace(-20, 20, n), torch.zeros(n), torch.zeros(n)]
     patterns[1][-1] = 30.0  # the last tile holds the max
     patterns[2][0] = 30.0  # the first does
-    seqs, runs = [], []
+    seqs, runs, want = [], [], []
     for r, pat in enumerate(patterns):
         s = store.reserve(f"r{r}", n)
         store.reserve(f"gap{r}", 1)
+        k = (pat.view(n, 1).expand(n, 8) / 8.0).reshape(1, 1, n, 8)  # q . k_j = pat[j] with q all ones, scale 1
+        v = torch.randn(1, 1, n, 8, generator=gen)
+        store.write_layer(s, 0, {"k": k, "v": v})
         s.length = n
         seqs.append(s)
         runs.append(store.runs(s, n))
-        ks = pat.view(n, 1).expand(n, 8) / 8.0  # q . k_j = pat[j] with q all ones, scale 1
-        vs = torch.randn(n, 8, generator=gen)
-        for (b0, cnt), start in zip(runs[-1], [0] + list(itertools.accumulate(c for _, c in runs[-1]))):
-            store.k[0][0].view(-1, 8)[b0 * BS : b0 * BS + cnt] = ks[start : start + cnt]
-            store.v[0][0].view(-1, 8)[b0 * BS : b0 * BS + cnt] = vs[start : start + cnt]
-    got = attn_kernel.attend(lib, q, store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 2), 1.0)
+        want.append(torch.softmax(q[r].double() @ k[0, 0].double().T, dim=-1) @ v[0, 0].double())
+    got = attn_kernel.attend(native_lib, q, store.k[0], store.v[0], attn_kernel.RunTable(runs, BS, 2), 1.0)
     for r in range(len(seqs)):
-        kk = torch.cat([store.k[0][0].view(-1, 8)[b0 * BS : b0 * BS + c] for b0, c in runs[r]]).double()
-        vv = torch.cat([store.v[0][0].view(-1, 8)[b0 * BS : b0 * BS + c] for b0, c in runs[r]]).double()
-        w = torch.softmax(q[r].double() @ kk.T, dim=-1)
-        torch.testing.assert_close(got[r].double(), w @ vv, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[r].double(), want[r], rtol=1e-5, atol=1e-5)
 
 
 def test_loading_the_native_attention_keeps_subnormal_floats():

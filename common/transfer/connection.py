@@ -112,9 +112,16 @@ class LinkConnection:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self.writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
         if SEND_THREADS and sock is not None and self.writer.get_extra_info("sslcontext") is None:
-            with contextlib.suppress(OSError):
-                self.direct = socket.socket(fileno=os.dup(sock.fileno()))
-                self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"kv-send-{self.cid}")
+            try:
+                fd = os.dup(sock.fileno())
+            except OSError:
+                return  # no descriptor to spare: the transport writes the chunks
+            try:
+                self.direct = socket.socket(fileno=fd)
+            except OSError:
+                os.close(fd)
+                return
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"kv-send-{self.cid}")
 
     def write(self, data: bytes) -> None:
         """Write one control frame (``KV_BEGIN``, ``KV_DONE``, ``KV_ABORT``, ``PING``): now, or right
