@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -35,6 +36,7 @@ from common.kv.paged_store import PagedKvStore
 from common.model import compute_thread, fused_modules, fused_rope
 from common.model.cores import CoreShare
 from common.model.lean_decode import LeanLlamaDecoder, lean_supported
+from common.model.lean_hybrid import LeanHybridDecoder, lean_hybrid_supported
 from common.model.loader import LoadedModel
 from common.model.packed_gemm import pack_module_linears
 from common.model.paged_attention import ATTN_IMPL, decode_step, install_layer_hooks
@@ -149,7 +151,8 @@ class TorchBackend(Backend):
         self.config = loaded.model.config
         self._lock = threading.Lock()
         self.cores = cores
-        self.lean: LeanLlamaDecoder | None = None  # the decode step of a Llama-layout model (set by paged_store)
+        # the lean decode step of a Llama-layout or Qwen3-Next-layout model (set by paged_store)
+        self.lean: LeanLlamaDecoder | LeanHybridDecoder | None = None
         if threads:
             torch.set_num_threads(threads)
         # the torch threads of every compute call without core leases: fixed here, since the calls run
@@ -395,6 +398,8 @@ class TorchBackend(Backend):
         store = PagedKvStore(self.state_specs, capacity_bytes, block_size)
         if self.lean is None and lean_supported(self.model):
             self.lean = LeanLlamaDecoder(self.model)
+        elif self.lean is None and lean_hybrid_supported(self.model) and os.environ.get("PRFAAS_LEAN_HYBRID", "1") != "0":
+            self.lean = LeanHybridDecoder(self.model)
         self.model.set_attn_implementation(ATTN_IMPL)
         install_layer_hooks(self._decoder_layers())
         return store
@@ -402,7 +407,8 @@ class TorchBackend(Backend):
     def paged_step(self, store: PagedKvStore, seqs: list, tokens: list[int],
                    wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """One decode step from the pool: float32 ``[rows, vocab]``. A Llama-layout model runs the lean
-        step (``common/model/lean_decode.py``), others the transformers forward over the pool
+        step (``common/model/lean_decode.py``), a Qwen3-Next-layout one ``common/model/lean_hybrid.py``
+        (``PRFAAS_LEAN_HYBRID=0``: not), others the transformers forward over the pool
         (:func:`common.model.paged_attention.decode_step`). Runs on the compute thread, except an
         early step (``wait_layer``): it waits for a prefill's layers, which in a process that also
         prefills come from the compute thread, so it runs where it is called, on one torch thread

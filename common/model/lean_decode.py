@@ -46,6 +46,18 @@ def lean_supported(model: torch.nn.Module) -> bool:
             and getattr(c, "pretraining_tp", 1) == 1)
 
 
+def check_rows(store: PagedKvStore, seqs: list[PagedSeq], tokens: list[int]) -> int:
+    """The row count of a decode step of ``tokens`` over ``seqs``; raises ``ValueError`` when there are
+    no rows, the counts differ, or a row has no block for its new token (``PagedKvStore.grow``)."""
+    rows = len(seqs)
+    if rows == 0 or rows != len(tokens):
+        raise ValueError(f"decode step needs one token per row: {rows} rows, {len(tokens)} tokens")
+    for s in seqs:
+        if len(s.blocks) * store.block_size <= s.length:
+            raise ValueError(f"{s.req_id}: no block for token {s.length}; grow() first")
+    return rows
+
+
 def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
     """One weight ``[sum of outs, in]`` whose row slices become the modules' own weights (views)."""
     fused = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
@@ -110,13 +122,8 @@ class LeanLlamaDecoder:
         """Feed ``tokens[r]`` to ``seqs[r]`` at position ``seqs[r].length``: float32 logits ``[rows, vocab]``;
         every length advances by one. ``wait_layer(i)`` runs before layer ``i`` (an early first step).
         Every row needs a block for its new token (``PagedKvStore.grow``); raises ``ValueError`` otherwise."""
-        rows = len(seqs)
-        if rows == 0 or rows != len(tokens):
-            raise ValueError(f"decode step needs one token per row: {rows} rows, {len(tokens)} tokens")
+        rows = check_rows(store, seqs, tokens)
         bs = store.block_size
-        for s in seqs:
-            if len(s.blocks) * bs <= s.length:
-                raise ValueError(f"{s.req_id}: no block for token {s.length}; grow() first")
         runs = [store.runs(s, s.length + 1) for s in seqs]
         # the new token's place in an arena viewed as [H, pages * block, d]: one index_copy_ per tensor
         at = torch.tensor([s.blocks[s.length // bs] * bs + s.length % bs for s in seqs], dtype=torch.long)
