@@ -58,8 +58,11 @@ def check_rows(store: PagedKvStore, seqs: list[PagedSeq], tokens: list[int]) -> 
     return rows
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> torch.Tensor:
-    """One weight ``[sum of outs, in]`` whose row slices become the modules' own weights (views)."""
+def fuse_linears(linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """One float weight ``[sum of the modules' outputs, inputs]`` (a new tensor: the modules' weights
+    concatenated along the output dimension, in order) whose row slices become the modules' own
+    weights (views), so one matmul computes every module's output and no weight is stored twice. The
+    old tensors are freed unless held elsewhere (an allocator may keep their pages mapped)."""
     fused = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
     start = 0
     for m in linears:
@@ -96,9 +99,9 @@ class LeanLlamaDecoder:
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
             self.layers.append((
-                layer.input_layernorm, packed(_fuse([a.q_proj, a.k_proj, a.v_proj])),
+                layer.input_layernorm, packed(fuse_linears([a.q_proj, a.k_proj, a.v_proj])),
                 packed(a.o_proj.weight), a.scaling, layer.post_attention_layernorm,
-                packed(_fuse([m.gate_proj, m.up_proj])), packed(m.down_proj.weight),
+                packed(fuse_linears([m.gate_proj, m.up_proj])), packed(m.down_proj.weight),
             ))
         self.q_out, self.kv_out = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
         self.inter = c.intermediate_size

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from common.kv.paged_store import PagedKvStore, PagedSeq
 from common.model import attn_kernel
-from common.model.lean_decode import _fuse, check_rows
+from common.model.lean_decode import check_rows, fuse_linears
 from common.model.packed_gemm import pack
 from common.model.paged_attention import attend_rows, slot_range
 
@@ -72,7 +72,7 @@ class _LinearLayer:
     def __init__(self, la: torch.nn.Module, packed: Callable[[torch.Tensor], Callable]):
         hk, hv, dk, dv = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
         r = hv // hk
-        self.proj = packed(_fuse([la.in_proj_qkvz, la.in_proj_ba]))  # one matmul; the modules keep views
+        self.proj = packed(fuse_linears([la.in_proj_qkvz, la.in_proj_ba]))  # one matmul; the modules keep views
         self.hk, self.hv, self.dk, self.dv, self.r = hk, hv, dk, dv, r
         self.key_dim, self.value_dim = hk * dk, hv * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -89,7 +89,7 @@ class _AttnLayer:
     """The tensors of one ``Qwen3NextAttention`` layer, arranged for :meth:`LeanHybridDecoder.step`."""
 
     def __init__(self, a: torch.nn.Module, packed: Callable[[torch.Tensor], Callable], q_heads: int, kv_heads: int):
-        self.qkv = packed(_fuse([a.q_proj, a.k_proj, a.v_proj]))
+        self.qkv = packed(fuse_linears([a.q_proj, a.k_proj, a.v_proj]))
         self.o = packed(a.o_proj.weight)
         self.d = a.head_dim
         self.q_out, self.kv_out = q_heads * self.d * 2, kv_heads * self.d  # q_proj carries the output gate too
@@ -125,7 +125,7 @@ class LeanHybridDecoder:
             mixer = (_LinearLayer(layer.linear_attn, packed) if kind == "linear_attention"
                      else _AttnLayer(layer.self_attn, packed, self.q_heads, self.kv_heads))
             m = layer.mlp
-            mlp = (packed(_fuse([m.gate_proj, m.up_proj])), packed(m.down_proj.weight), m.gate_proj.weight.shape[0])
+            mlp = (packed(fuse_linears([m.gate_proj, m.up_proj])), packed(m.down_proj.weight), m.gate_proj.weight.shape[0])
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             self.layers.append((mixer, (1.0 + ln1.weight.detach().float(), ln1.eps),
                                 (1.0 + ln2.weight.detach().float(), ln2.eps), mlp))
