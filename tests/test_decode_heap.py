@@ -51,3 +51,35 @@ def test_kept_heap_stops_refaulting_step_temporaries():
     kept = max(faults("keep") for _ in range(4))
     assert plain > pages_per_round // 2, f"the default heap did not refault ({plain} faults): the probe proves nothing"
     assert kept < plain // 10, f"{kept} faults with the kept heap against {plain} without"
+
+
+TRIM_PROBE = """
+import sys
+import torch
+from services.decode.heap import give_back_free_heap, keep_heap
+assert keep_heap()
+def rss():
+    return int(next(ln for ln in open("/proc/self/status") if ln.startswith("VmRSS")).split()[1]) // 1024
+held = [torch.empty(1 << 18).fill_(1.0) for _ in range(64)]  # 64 blocks of 1 MiB on the heap, touched
+keep = held[-1]  # the top of the heap stays in use: only the middle is free
+del held
+before = rss()
+if sys.argv[1] == "trim":
+    give_back_free_heap()
+print(before - rss())
+"""
+
+
+@pytest.mark.parametrize("mode", ["trim", "plain"])
+def test_free_heap_pages_go_back_once_when_asked(mode):
+    """With the kept heap's thresholds, 63 MiB freed in the middle of the heap stay resident until
+    :func:`give_back_free_heap`, which the batch loop calls once before its first step (the weights a
+    lean step replaced with fused copies)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's malloc_trim")
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE, mode], capture_output=True, text=True, timeout=120, check=True)
+    released_mib = int(out.stdout.split()[-1])
+    if mode == "trim":
+        assert released_mib >= 50, f"only {released_mib} MiB went back"
+    else:
+        assert released_mib <= 2, f"{released_mib} MiB went back without asking: the probe proves nothing"

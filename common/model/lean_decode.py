@@ -17,8 +17,8 @@ the transformers forward to float32 rounding (bit for bit without the packed cop
 attention), which the exactness tests check against ``generate``.
 
 Supported (:func:`lean_supported`): ``llama`` and ``mistral`` configs with every layer full attention,
-no attention or MLP bias, SiLU, and no sliding window. Other models keep
-:func:`common.model.paged_attention.decode_step`.
+no attention or MLP bias, SiLU, and no sliding window. The Qwen3-Next hybrid layout has its own lean
+step (``common/model/lean_hybrid.py``); other models keep :func:`common.model.paged_attention.decode_step`.
 """
 
 from __future__ import annotations

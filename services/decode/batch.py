@@ -25,7 +25,7 @@ from common.runtime import service
 from common.transfer.paged_assembly import LayerNotReady
 from common.transfer.receiver import KvReceiver
 from proto.frames import ErrorCode
-from services.decode.heap import keep_heap
+from services.decode.heap import give_back_free_heap, keep_heap
 from services.decode.request import DecodeRequest
 from services.decode.scheduler import DecodeScheduler, Fail
 
@@ -53,6 +53,7 @@ class BatchLoop:
         self.step_time_ewma = 0.0
         self.first_step_after_kv_s: float | None = None  # last KV byte -> second token, latest request
         keep_heap()  # the step's temporaries stay mapped between steps (services/decode/heap.py)
+        give_back_free_heap()  # but what was freed before the first step (weights the lean step fused) goes back
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"{self.name}:batch-loop")
