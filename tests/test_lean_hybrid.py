@@ -120,3 +120,7 @@ def test_other_layouts_are_refused_and_the_weights_keep_their_hash(hybrid):
     with pytest.raises(ValueError, match="does not support"):
         LeanHybridDecoder(dense.model)
     assert weight_hash(hybrid.model) == hybrid.loaded.weight_hash
+    other = load_model("tiny-hybrid").model
+    assert lean_hybrid_supported(other)
+    assert not lean_hybrid_supported(other.to(torch.bfloat16))  # its ops are written for float32
+    assert not lean_hybrid_supported(load_model("tiny-hybrid-moe").model)  # sparse-MoE layers: the transformers step

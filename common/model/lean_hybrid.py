@@ -31,7 +31,7 @@ sums; about 1e-6 of the logits on the tiny hybrid model), which the exactness te
 ``generate``. Supported (:func:`lean_hybrid_supported`): ``qwen3_next`` configs whose layers are
 ``linear_attention`` or ``full_attention``, every MLP dense (``mlp_only_layers`` covering every
 layer, as in the embedded tiny-hybrid model; a model with sparse-MoE layers keeps the transformers step), SiLU,
-no attention bias, a bias-free conv.
+no attention bias, a bias-free conv, float32 weights.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def lean_hybrid_supported(model: torch.nn.Module) -> bool:
     if c.model_type != "qwen3_next" or not types or any(t not in ("linear_attention", "full_attention") for t in types):
         return False
     if getattr(c, "attention_bias", False) or getattr(c, "hidden_act", "silu") != "silu":
+        return False
+    if any(p.dtype != torch.float32 for p in model.parameters()):  # the ops below are written for float32
         return False
     dense_mlp = ("gate_proj", "up_proj", "down_proj")
     return all((getattr(layer, "linear_attn", None) is None or layer.linear_attn.conv1d.bias is None)
