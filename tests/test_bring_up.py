@@ -75,3 +75,31 @@ async def test_serve_worker_serves_then_closes_in_order(capsys):
     stop.set()
     await asyncio.wait_for(task, 5)
     assert events == ["start", "receiver", "worker"]  # in order, each after the RPC server closed
+
+
+async def test_an_emulated_worker_keeps_its_hosts_executor_and_no_compute_thread():
+    """Many emulated workers share one host process, whose default executor is sized for all of them
+    (``common/lab/emulated_host.py``): bringing one up must leave that executor and not turn the
+    compute thread on, or every worker's prefill and step waits queue on a few threads (the emulated
+    cluster's PrfaaS-PD capacity fell from 3.0 to 1.9-2.0 req/s that way)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from common.model import compute_thread
+
+    loop = asyncio.get_running_loop()
+    host_pool = ThreadPoolExecutor(64, thread_name_prefix="host")
+    loop.set_default_executor(host_pool)
+    args = argparse.Namespace(listen="127.0.0.1:1", kv_listen=None, planner="127.0.0.1:2", backend="emulated",
+                              emulated_profile="h20_table6_fit", served_model_name=None)
+    before = compute_thread.enabled()
+    try:
+        _, backend = await load_worker(args, "PRFAAS_PREFILL_ADDR")
+        assert type(backend).__name__ == "EmulatedBackend"
+        import threading
+
+        ran_on = await loop.run_in_executor(None, lambda: threading.current_thread().name)
+        assert ran_on.startswith("host"), f"the loop's executor was replaced ({ran_on})"
+        assert compute_thread.enabled() is before is False
+    finally:
+        compute_thread.enable(before)
+        host_pool.shutdown(wait=False)

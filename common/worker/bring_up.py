@@ -81,10 +81,16 @@ async def load_worker(args: argparse.Namespace, listen_var: str,
     environment variables of ``--listen``/``--kv-listen``; exits when one is unset) and the backend,
     loaded on the compute thread so the event loop stays free (``prefills``: see :func:`load_backend`).
     From here on this thread and the loop's default executor run torch ops on one thread, so the
-    compute thread is the only one with an OpenMP team (see ``common/model/compute_thread.py``)."""
+    compute thread is the only one with an OpenMP team (see ``common/model/compute_thread.py``).
+    The ``emulated`` backend computes nothing (its prefills and steps wait): it keeps the executor
+    it finds, since many emulated workers share one host process (``common/lab/emulated_host.py``
+    sizes that executor for all of them) and one compute thread, or a default pool of a few threads,
+    would queue every worker's waits behind each other's."""
     listen = service.require(args, "listen", listen_var)
     kv_listen = service.require(args, "kv_listen", kv_listen_var) if kv_listen_var else None
     planner = service.require(args, "planner", "PRFAAS_PLANNER_ADDR")
+    if args.backend == "emulated":
+        return WorkerAddrs(listen, kv_listen, planner), load_backend(args, prefills)
     compute_thread.enable()
     asyncio.get_running_loop().set_default_executor(compute_thread.serial_executor())
     backend = await compute_thread.run(load_backend, args, prefills)
