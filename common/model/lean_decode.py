@@ -61,8 +61,10 @@ def check_rows(store: PagedKvStore, seqs: list[PagedSeq], tokens: list[int]) -> 
 def fuse_linears(linears: list[torch.nn.Linear]) -> torch.Tensor:
     """One float weight ``[sum of the modules' outputs, inputs]`` (a new tensor: the modules' weights
     concatenated along the output dimension, in order) whose row slices become the modules' own
-    weights (views), so one matmul computes every module's output and no weight is stored twice. The
-    old tensors are freed unless held elsewhere (an allocator may keep their pages mapped)."""
+    weights (views), so one matmul computes every module's output and no tensor holds a weight twice.
+    The old tensors are freed unless held elsewhere; their memory may stay resident (a heap that keeps
+    freed pages, see ``services/decode/heap.py``; a checkpoint's file mapping, where the loader mapped
+    the weights from ``model.safetensors``: SmolLM2's lean step adds 257 MiB that way)."""
     fused = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
     start = 0
     for m in linears:

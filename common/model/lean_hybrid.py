@@ -13,7 +13,7 @@ runs each layer as a short list of torch ops on the model's own parameters:
   single-token recurrence op for op as ``torch_recurrent_gated_delta_rule`` writes it (the recurrent
   state updated in its slot), the gated RMSNorm and the output projection;
 - **full attention** (``Qwen3NextAttention``): one matmul for q (with its output gate), k and v (the
-  separate weights become row slices of one fused tensor, so no weight is stored twice), the per-head
+  separate weights become row slices of one fused tensor, so no tensor holds a weight twice), the per-head
   q/k RMSNorms, the partial rotary embedding from the model's own ``rotary_emb``, the new K/V written
   into the paged store, attention over every row's blocks in one native call per layer
   (``common/model/attn_kernel.py``; per-row SDPA where no C compiler exists), the sigmoid output gate;
@@ -104,7 +104,8 @@ class LeanHybridDecoder:
     """Decode steps of ``model`` (a supported Qwen3-Next causal LM, see :func:`lean_hybrid_supported`)
     over a :class:`PagedKvStore`. Building it fuses weights in place (q/k/v of the full-attention
     layers, the two input projections of the linear-attention ones, gate/up of the MLPs; the modules
-    keep working, on views, and no weight is stored twice). ``pack_weights``: the matmuls (and the
+    keep working, on views of the fused tensors; the originals are freed, though a checkpoint's
+    file pages they were mapped from stay resident). ``pack_weights``: the matmuls (and the
     lm_head) also get packed copies where faster (``common/model/packed_gemm.py``); ``gemm`` picks
     their kernel. ``native_attention``: the compiled attention kernel where it builds. Not
     thread-safe: one step at a time."""
