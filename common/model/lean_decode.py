@@ -58,6 +58,40 @@ def check_rows(store: PagedKvStore, seqs: list[PagedSeq], tokens: list[int]) -> 
     return rows
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (transformers' rotary embedding) for float32 ``x`` ``[rows,
+    heads, d]`` and ``cos``/``sin`` ``[rows, 1, d]``."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+def new_token_slots(store: PagedKvStore, seqs: list[PagedSeq]) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """What a decode step needs to place each row's new token (at position ``seq.length``): the rows'
+    block runs including it (``PagedKvStore.runs``), its index in an attention arena viewed as ``[H,
+    pages * block, d]`` (int64 ``[rows]``; one ``index_copy_`` per tensor writes every row's K or V), and
+    the positions (int64 ``[rows, 1]``, for the rotary embedding)."""
+    bs = store.block_size
+    runs = [store.runs(s, s.length + 1) for s in seqs]
+    at = torch.tensor([s.blocks[s.length // bs] * bs + s.length % bs for s in seqs], dtype=torch.long)
+    pos = torch.tensor([[s.length] for s in seqs], dtype=torch.long)
+    return runs, at, pos
+
+
+def write_and_attend(native, store: PagedKvStore, i: int, at: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, table, runs: list, scale: float) -> torch.Tensor:
+    """Write the new K/V (``[rows, kv heads, d]``) of attention layer ``i`` at ``at`` (see
+    :func:`new_token_slots`), then attend ``q`` (``[rows, q heads, d]``) over every row's blocks: one call
+    of the native kernel ``native`` with its ``table`` (``attn_kernel.RunTable``), or per-row SDPA
+    (:func:`common.model.paged_attention.attend_rows`) when ``table`` is None. Returns ``[rows, q heads, d]``."""
+    karena, varena = store.k[i], store.v[i]
+    flat = (karena.shape[0], karena.shape[1] * store.block_size, karena.shape[-1])
+    karena.view(flat).index_copy_(1, at, k.transpose(0, 1))
+    varena.view(flat).index_copy_(1, at, v.transpose(0, 1))
+    if table is not None:
+        return attn_kernel.attend(native, q.contiguous(), karena, varena, table, scale)
+    return attend_rows(q.unsqueeze(2), store, i, runs, scale)
+
+
 def fuse_linears(linears: list[torch.nn.Linear]) -> torch.Tensor:
     """One float weight ``[sum of the modules' outputs, inputs]`` (a new tensor: the modules' weights
     concatenated along the output dimension, in order) whose row slices become the modules' own
@@ -115,12 +149,6 @@ class LeanLlamaDecoder:
         variance = x.pow(2).mean(-1, keepdim=True)
         return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
 
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x * cos + rotate_half(x) * sin`` for ``x`` ``[rows, heads, d]``, ``cos``/``sin`` ``[rows, 1, d]``."""
-        half = x.shape[-1] // 2
-        return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
-
     @torch.inference_mode()
     def step(self, store: PagedKvStore, seqs: list[PagedSeq], tokens: list[int],
              wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -128,28 +156,18 @@ class LeanLlamaDecoder:
         every length advances by one. ``wait_layer(i)`` runs before layer ``i`` (an early first step).
         Every row needs a block for its new token (``PagedKvStore.grow``); raises ``ValueError`` otherwise."""
         rows = check_rows(store, seqs, tokens)
-        bs = store.block_size
-        runs = [store.runs(s, s.length + 1) for s in seqs]
-        # the new token's place in an arena viewed as [H, pages * block, d]: one index_copy_ per tensor
-        at = torch.tensor([s.blocks[s.length // bs] * bs + s.length % bs for s in seqs], dtype=torch.long)
-        pos = torch.tensor([[s.length] for s in seqs], dtype=torch.long)
+        runs, at, pos = new_token_slots(store, seqs)
         h = self.embed(torch.tensor(tokens, dtype=torch.long))  # [rows, D]
         cos, sin = self.rotary(h, pos)  # [rows, 1, d]
         qo, kvo, d, qh = self.q_out, self.kv_out, self.head_dim, self.q_heads
-        table = attn_kernel.RunTable(runs, bs, qh // self.kv_heads) if self.native is not None else None
+        table = attn_kernel.RunTable(runs, store.block_size, qh // self.kv_heads) if self.native is not None else None
         for i, (ln1, qkv_proj, o_proj, scale, ln2, gate_up, down) in enumerate(self.layers):
             if wait_layer is not None:
                 wait_layer(i)
             qkv = qkv_proj(self._rms(ln1, h))
-            qk = self._rope(qkv[:, :qo + kvo].view(rows, qh + self.kv_heads, d), cos, sin)  # q and k heads at once
-            karena, varena = store.k[i], store.v[i]
-            flat = (karena.shape[0], karena.shape[1] * bs, d)
-            karena.view(flat).index_copy_(1, at, qk[:, qh:].transpose(0, 1))
-            varena.view(flat).index_copy_(1, at, qkv[:, qo + kvo:].view(rows, self.kv_heads, d).transpose(0, 1))
-            if table is not None:
-                attn = attn_kernel.attend(self.native, qk[:, :qh].contiguous(), karena, varena, table, scale)
-            else:
-                attn = attend_rows(qk[:, :qh].unsqueeze(2), store, i, runs, scale)
+            qk = rope(qkv[:, :qo + kvo].view(rows, qh + self.kv_heads, d), cos, sin)  # q and k heads at once
+            attn = write_and_attend(self.native, store, i, at, qk[:, :qh], qk[:, qh:],
+                                    qkv[:, qo + kvo:].view(rows, self.kv_heads, d), table, runs, scale)
             h = h + o_proj(attn.reshape(rows, qo))
             gu = gate_up(self._rms(ln2, h))
             h = h + down(F.silu(gu[:, :self.inter]) * gu[:, self.inter:])

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 
 from common.kv.paged_store import PagedKvStore, PagedSeq
 from common.model import attn_kernel
-from common.model.lean_decode import check_rows, fuse_linears
+from common.model.lean_decode import check_rows, fuse_linears, new_token_slots, rope, write_and_attend
 from common.model.packed_gemm import pack
-from common.model.paged_attention import attend_rows, slot_range
+from common.model.paged_attention import slot_range
 
 
 def lean_hybrid_supported(model: torch.nn.Module) -> bool:
@@ -188,19 +188,8 @@ class LeanHybridDecoder:
         v = qkv[:, L.q_out + L.kv_out:].view(rows, kh, d)
         rd = cos.shape[-1]  # partial rotary: the first rd dims of each head rotate, the rest pass
         qk = torch.cat([q, k], dim=1)
-        rot = qk[..., :rd]
-        half = rd // 2
-        rot = rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin
-        qk = torch.cat([rot, qk[..., rd:]], dim=-1)
-        karena, varena = store.k[i], store.v[i]
-        bs = store.block_size
-        flat = (karena.shape[0], karena.shape[1] * bs, d)
-        karena.view(flat).index_copy_(1, at, qk[:, qh:].transpose(0, 1))
-        varena.view(flat).index_copy_(1, at, v.transpose(0, 1))
-        if table is not None:
-            attn = attn_kernel.attend(self.native, qk[:, :qh].contiguous(), karena, varena, table, L.scale)
-        else:
-            attn = attend_rows(qk[:, :qh].unsqueeze(2), store, i, runs, L.scale)
+        qk = torch.cat([rope(qk[..., :rd], cos, sin), qk[..., rd:]], dim=-1)
+        attn = write_and_attend(self.native, store, i, at, qk[:, :qh], qk[:, qh:], v, table, runs, L.scale)
         return L.o(attn.reshape(rows, qh * d) * torch.sigmoid(gate))
 
     # -- the step ----------------------------------------------------------------------------------
@@ -212,19 +201,16 @@ class LeanHybridDecoder:
         states are then updated only after the last layer). Every row needs a block for its new token
         (``PagedKvStore.grow``) and a state slot; raises ``ValueError`` otherwise."""
         rows = check_rows(store, seqs, tokens)
-        bs = store.block_size
         if any(s.slot is None for s in seqs):
             raise ValueError("every row of a hybrid decode step needs a state slot")
         first = slot_range(seqs) if wait_layer is None else None
         in_place = first is not None and all(s.slot == first + r for r, s in enumerate(seqs))
         slots = None if in_place else torch.tensor([s.slot for s in seqs], dtype=torch.long)
         scatter: list[tuple[torch.Tensor, torch.Tensor]] = []  # (arena, gathered rows) to write back at the end
-        runs = [store.runs(s, s.length + 1) for s in seqs]
-        at = torch.tensor([s.blocks[s.length // bs] * bs + s.length % bs for s in seqs], dtype=torch.long)
-        pos = torch.tensor([[s.length] for s in seqs], dtype=torch.long)
+        runs, at, pos = new_token_slots(store, seqs)
         h = self.embed(torch.tensor(tokens, dtype=torch.long))  # [rows, D]
         cos, sin = self.rotary(h, pos)  # [rows, 1, rotary dims]
-        table = (attn_kernel.RunTable(runs, bs, self.q_heads // self.kv_heads)
+        table = (attn_kernel.RunTable(runs, store.block_size, self.q_heads // self.kv_heads)
                  if self.native is not None and store.attn_layers else None)
         for i, (mixer, ln1, ln2, (up, down, inter)) in enumerate(self.layers):
             if wait_layer is not None:
