@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
 
 from common.lab.cluster import free_port
+from common.model import compute_thread
 from common.rpc.client import RpcClient
 from common.worker.bring_up import WorkerAddrs, load_worker, ready_line, serve_worker
 
@@ -82,10 +85,6 @@ async def test_an_emulated_worker_keeps_its_hosts_executor_and_no_compute_thread
     (``common/lab/emulated_host.py``): bringing one up must leave that executor and not turn the
     compute thread on, or every worker's prefill and step waits queue on a few threads (the emulated
     cluster's PrfaaS-PD capacity fell from 3.0 to 1.9-2.0 req/s that way)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from common.model import compute_thread
-
     loop = asyncio.get_running_loop()
     host_pool = ThreadPoolExecutor(64, thread_name_prefix="host")
     loop.set_default_executor(host_pool)
@@ -95,8 +94,6 @@ async def test_an_emulated_worker_keeps_its_hosts_executor_and_no_compute_thread
     try:
         _, backend = await load_worker(args, "PRFAAS_PREFILL_ADDR")
         assert type(backend).__name__ == "EmulatedBackend"
-        import threading
-
         ran_on = await loop.run_in_executor(None, lambda: threading.current_thread().name)
         assert ran_on.startswith("host"), f"the loop's executor was replaced ({ran_on})"
         assert compute_thread.enabled() is before is False

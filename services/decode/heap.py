@@ -44,15 +44,9 @@ def keep_heap() -> bool:
     if _DONE is not None:
         return _DONE
     _DONE = False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = getattr(libc, "mallopt", None)
-    except OSError:
-        mallopt = None
+    mallopt = _libc_function("mallopt", [ctypes.c_int, ctypes.c_int])
     if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _DONE = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     return _DONE
 
@@ -61,12 +55,18 @@ def give_back_free_heap() -> bool:
     """Return every whole free page of the heap to the system now (glibc's ``malloc_trim(0)``, which
     also releases free pages in the middle of the heap). True when it released memory; False when
     there was none to release or the C library has no ``malloc_trim``."""
-    name = ctypes.util.find_library("c")
+    trim = _libc_function("malloc_trim", [ctypes.c_size_t])
+    return trim is not None and bool(trim(0))
+
+
+def _libc_function(name: str, argtypes: list):
+    """The C library's function ``name`` (returning ``int``) with ``argtypes``, or None where there is
+    no such library or function (not glibc)."""
+    lib = ctypes.util.find_library("c")
     try:
-        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+        fn = getattr(ctypes.CDLL(lib), name, None) if lib else None
     except OSError:
-        trim = None
-    if trim is None:
-        return False
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(trim(0))
+        return None
+    if fn is not None:
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
