@@ -45,7 +45,13 @@ async def test_emulated_cluster_under_poisson_load(tmp_path):
         assert remote_bytes / (c.prfaas_hw.s_kv(c.carried(100_000) * 32) * c.model.byte_scale) == pytest.approx(1.0, rel=0.10)
 
         # 1b) the prefill worker's share of a request ends at its first token (the gateway's
-        #     prefill_done), while the decode worker holds it until its last
+        #     prefill_done), while the decode worker holds it until its last. The gateway releases a
+        #     request's lease after its stream ends, so the probes' leases may still be held: wait for
+        #     them to go first, or a probe's leftover {"pd-1": 1} looks like this request's
+        deadline = time.monotonic() + 10
+        while (st := await c.router_stats())["inflight"] or st["prefill_work"]:
+            assert time.monotonic() < deadline, f"the probes' leases were never released: {st['inflight']}"
+            await asyncio.sleep(0.02)
         task = asyncio.create_task(drive(c.url, SCALES, [0.0], [prompt_tokens(c.carried(30_000), 950)], [30_000], c.max_tokens,
                                          c.pd_hw.t_prefill))
         seen: list[dict] = []
