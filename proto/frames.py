@@ -59,6 +59,7 @@ class Kind(enum.IntEnum):
     KV_REFUSE = 16  # receiver cannot reserve now: {"req_id", "reason", "retry_after"} (seconds)
     KV_ACK = 17  # receiver holds every byte and the KV_DONE of a transfer: {"req_id", "bytes"}
     AUTH = 18  # the dialler's answer to the listener's challenge in HELLO_OK: {"mac"}
+    KV_PROGRESS = 19  # KV receiver -> sender, only to a sender whose HELLO asked for it: {"rx": bytes read on this connection}
 
 
 class ErrorCode(str, enum.Enum):  # noqa: UP042 - StrEnum would change str()/format() of members (str(X) is "ErrorCode.X" here)
@@ -152,6 +153,7 @@ REQUIRED_FIELDS: dict[Kind, tuple[str, ...]] = {
     Kind.KV_REFUSE: ("req_id", "reason"),
     Kind.KV_ACK: ("req_id",),
     Kind.AUTH: ("mac",),
+    Kind.KV_PROGRESS: ("rx",),
 }
 
 

@@ -454,6 +454,30 @@ def test_a_late_pong_fails_the_connection_and_the_path_sends_its_transfer_again(
         PathPings(1.0, 1, fail_after_s=0.0)
 
 
+def test_a_late_pong_on_a_path_whose_bytes_move_keeps_its_connection_up_to_the_cap():
+    """As the real sender (``LinkConnection.overdue``): a pong that waits behind bytes which keep
+    moving is late, not lost; only past ``LATE_PONG_CAP`` times the patience does it fail anyway."""
+    from common.sim.pings import PathPings
+    from common.transfer.connection import LATE_PONG_CAP
+
+    pings = PathPings(interval_s=5.0, connections=2, fail_after_s=25.0)
+    delivered = [0.0]
+    moving = lambda key: (delivered[0], 1e-3)  # noqa: E731  (1 B every 1000 s: its ping never gets through)
+    pings.tick(0.0, {"p": (1e9, 0.0)}, moving, 1.0)
+    first = pings.paths["p"].next
+    pings.tick(first, {"p": (1e9, 0.0)}, moving, 1.0)
+    t = first
+    while t < first + LATE_PONG_CAP * 25.0 - 5.0:
+        t += 5.0
+        delivered[0] += 1.0
+        pings.tick(t, {"p": (1e9, 0.0)}, moving, 1.0)
+        assert pings.failed == [], t - first
+    t = first + LATE_PONG_CAP * 25.0 + 1.0
+    delivered[0] += 1.0
+    pings.tick(t, {"p": (1e9, 0.0)}, moving, 1.0)
+    assert pings.failed == [("p", 0)]
+
+
 def test_engine_reports_rtts_on_the_senders_clock_and_floor_window():
     # the emulated cluster's senders time pings on the real clock (time_scale emulated s per real s): the same
     # queue reads time_scale times fewer milliseconds there, and their floor window is in real seconds

@@ -55,15 +55,16 @@ def fingerprint_mismatch(ours: dict[str, Any] | None, theirs: dict[str, Any] | N
 
 async def client_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, service: str, name: str,
                            fingerprint: dict[str, Any] | None, creds: Credentials | None, timeout: float,
-                           peer: str) -> dict[str, Any]:
+                           peer: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The dialling side of the handshake (RPC and KV links alike): send HELLO with our fingerprint and,
     with credentials, our role and nonce; check the listener's proof in HELLO_OK and send our ``AUTH``
-    (without waiting: the caller may write its first request right after). Returns the HELLO_OK header.
+    (without waiting: the caller may write its first request right after). ``extra``: more HELLO
+    fields (small; a listener ignores the ones it does not know). Returns the HELLO_OK header.
 
     Raises :class:`Unavailable` if the peer closes, :class:`RpcError` with the peer's code on refusal
     (``FINGERPRINT_MISMATCH``, ``AUTH_FAILED``...), ``asyncio.TimeoutError`` after ``timeout`` seconds.
     """
-    hello: dict[str, Any] = {"service": service, "name": name}
+    hello: dict[str, Any] = {**(extra or {}), "service": service, "name": name}
     if fingerprint is not None:
         hello["fingerprint"] = fingerprint
     auth = hello_auth(creds) if creds is not None else None

@@ -75,14 +75,15 @@ class SimConfig:
     remote request's first token), the buffers (bytes) of each prefill -> decode path in front of the
     link (``link_buffer_bytes``), the seconds between the KV senders' pings on each connection
     (``ping_interval_s``), the connections per path (``kv_connections``, the workers' ``--kv-connections``)
-    and the senders' liveness timeouts (``ping_timeout_s``, ``stall_timeout_s``: a pong later than both fails
-    its connection and the chunks written on it are sent again), how a transfer's chunks spread over a path's
-    connections (``kv_token_chunks``: chunks in each layer's send of the per-token KV, ``kv_fixed_chunks``: in
-    each layer's send of the fixed-size state, the profile's fixed KV bytes; 0: at least one per connection, a
-    real model's K and V ranges per KV head; see ``common/sim/pings.py``), ``rtt_floor_window_s`` the senders' RTT floor window (s) and
-    ``rtt_clock_scale`` the seconds of simulated time per second of the senders' clock for the RTTs they report
-    (1 for a real deployment; the emulated cluster's ``time_scale``: its senders time pings on the real clock,
-    a fifth of the emulated seconds, and its planner compares those milliseconds with its thresholds)."""
+    and the senders' liveness timeouts (``ping_timeout_s``, ``stall_timeout_s``: a pong later than both, on a
+    path that delivered nothing for as long, fails its connection and the chunks written on it are sent
+    again), how a transfer's chunks spread over a path's connections (``kv_token_chunks``: chunks in each
+    layer's send of the per-token KV, ``kv_fixed_chunks``: in each layer's send of the fixed-size state, the
+    profile's fixed KV bytes; 0: at least one per connection, a real model's K and V ranges per KV head; see
+    ``common/sim/pings.py``), ``rtt_floor_window_s`` the senders' RTT floor window (s) and ``rtt_clock_scale``
+    the seconds of simulated time per second of the senders' clock for the RTTs they report (1 for a real
+    deployment; the emulated cluster's ``time_scale``: its senders time pings on the real clock, a fifth of
+    the emulated seconds, and its planner compares those milliseconds with its thresholds)."""
 
     n_prfaas: int
     n_p: int

@@ -25,10 +25,13 @@ over links). A path joins when bytes wait on it and leaves once its queues are e
 and its smoothed RTT is back within 1 % of the base (what the real link would then report, to that 1 %).
 
 Liveness: the sender fails a connection whose pong is later than ``max(ping_timeout, stall_timeout)``
-(``common/transfer/connection.py`` ``overdue``; the shorter ``ping_timeout`` applies only while bytes
-wait in the sender's own buffers, which the paths' buffers keep empty here): :meth:`PathPings.tick`
-lists those connections in :attr:`PathPings.failed` as ``(path, connection)``, their ping lost with
-the connection, and the caller sends the chunks written on them again (``SharedLink.resend``).
+while its bytes did not move for as long, or later than ``LATE_PONG_CAP`` times that in any case
+(``common/transfer/connection.py`` ``overdue``: the receiver's ``KV_PROGRESS`` and the kernel's
+acknowledged bytes are its signs of movement, here the path's delivered bytes; the shorter
+``ping_timeout`` applies only while bytes wait in the sender's own buffers, which the paths' buffers
+keep empty here): :meth:`PathPings.tick` lists those connections in :attr:`PathPings.failed` as
+``(path, connection)``, their ping lost with the connection, and the caller sends the chunks written
+on them again (``SharedLink.resend``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Sequence
 
+from common.transfer.connection import LATE_PONG_CAP
 from common.transfer.estimators import Ewma, WindowedMin
 
 _GOLDEN = 0.6180339887498949
@@ -105,7 +109,7 @@ def connection_ahead(nbytes: float, shares: Sequence[float], conn_bytes: float =
 
 
 class _Path:
-    __slots__ = ("rtt", "floor", "next", "out", "seen")
+    __slots__ = ("rtt", "floor", "next", "out", "seen", "moved")
 
     def __init__(self, first_at: float, floor_window_s: float, connections: int, now: float, progress: tuple[float, float]):
         self.rtt = Ewma(alpha=0.125)
@@ -113,6 +117,7 @@ class _Path:
         self.next = first_at  # s: the next ping round
         self.out: list[tuple[float, float] | None] = [None] * connections  # per connection: (sent s, through at delivered bytes)
         self.seen = (now, *progress)  # the previous tick: (s, the path's delivered bytes, its rate in bytes/s)
+        self.moved = (now, progress[0])  # (s, delivered bytes): when its delivered bytes last grew, while a ping was out
 
 
 class PathPings:
@@ -159,7 +164,11 @@ class PathPings:
                 while p.next <= now:
                     p.next += self.interval_s
                 last_round = p.next - self.interval_s
-            d_now = progress(key)[0] if any(outs) else 0.0
+            pinging = any(outs)
+            d_now = progress(key)[0] if pinging else 0.0
+            if pinging and d_now > p.moved[1]:
+                p.moved = (now, d_now)
+            still = now - p.moved[0]  # seconds its bytes have not moved (while a ping was out)
             t0, d0, r0 = p.seen
             d_sent = None
             for c in range(n):
@@ -174,7 +183,9 @@ class PathPings:
                         if back > last_round:  # still out at the latest round: that round skipped it
                             continue
                     else:
-                        if now - o[0] > self.fail_after_s:  # its replacement pings at the next round
+                        late = now - o[0]
+                        if late > self.fail_after_s and (still > self.fail_after_s or late > LATE_PONG_CAP * self.fail_after_s):
+                            # its replacement pings at the next round
                             self.failed.append((key, c))
                             outs[c] = None
                         continue
@@ -186,6 +197,8 @@ class PathPings:
                 else:
                     if d_sent is None:
                         d_sent = progress(key)[0]
+                        if not pinging:  # the first ping out: its bytes' clock starts now
+                            p.moved = (now, d_sent)
                     outs[c] = (now, d_sent + a[c])
             p.seen = (now, *progress(key)) if any(outs) else (now, 0.0, 0.0)
             rtt, floor = p.rtt.value, p.floor.value(now)

@@ -3,11 +3,16 @@ send queue, its reader, and its keepalive and progress signals.
 
 :meth:`LinkConnection.dial` opens the connection, runs the HELLO handshake (fingerprint and
 shared-secret auth, :func:`common.rpc.handshake.client_handshake`) and sizes the socket buffers.
-The link pings each connection (:meth:`LinkConnection.ping`), records when the kernel last saw the
-receiver acknowledge bytes (:meth:`LinkConnection.note_progress`, from ``TCP_INFO``) and asks
-:meth:`LinkConnection.overdue` whether the connection is dead: a pong queued behind megabytes of KV
-on a slow link is late, not lost, so a late pong alone fails a connection only past
-``max(ping_timeout, stall_timeout)``.
+The link pings each connection (:meth:`LinkConnection.ping`), records the signs that its bytes still
+move: the kernel saw the peer acknowledge bytes (:meth:`LinkConnection.note_progress`, from
+``TCP_INFO``) or the receiver said it is reading them (``KV_PROGRESS``, which the HELLO asks for:
+:meth:`LinkConnection.on_peer_progress`), and asks :meth:`LinkConnection.overdue` whether the
+connection is dead. A pong queued behind megabytes of KV on a slow link is late, not lost, also when
+a middlebox (a userspace proxy, a sidecar) has acknowledged those bytes and holds them: a late pong
+fails a connection only when nothing moved either (or past :data:`LATE_PONG_CAP` times the patience).
+A failed connection is closed with a TCP reset, so the kernel drops what it still queued (those
+chunks go again on the other connections; sent here too, they would only take the link's capacity
+and reach a receiver that may have moved on).
 
 KV chunks of :data:`THREAD_WRITE_MIN_BYTES` or more are written by the connection's own thread
 (:meth:`LinkConnection.write_chunk`, :func:`send_all`) on a dup of the socket's descriptor, so the
@@ -28,6 +33,7 @@ import os
 import select
 import socket
 import ssl as ssl_mod
+import struct
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +57,9 @@ WRITE_HIGH_WATER_BYTES = 4 << 20  # transport buffer above which a write waits t
 # through the event loop's transport instead. TLS connections always use the transport.
 SEND_THREADS = os.environ.get("PRFAAS_KV_SEND_THREADS", "1") != "0"
 THREAD_WRITE_MIN_BYTES = 256 << 10  # smaller frames go through the transport (no thread hop for them)
+# A pong later than this many times max(ping_timeout, stall_timeout) fails its connection even while its
+# bytes move (60 s at the defaults): every wait has a bound.
+LATE_PONG_CAP = 12.0
 
 
 class LinkConnection:
@@ -73,6 +82,8 @@ class LinkConnection:
         self.ping_sent: float | None = None
         self.acked = -1  # the kernel's bytes_acked at the last ping-loop tick (-1: not read yet)
         self.last_progress = time.monotonic()  # when bytes_acked last grew
+        self.peer_rx = 0  # bytes the receiver said it has read on this connection (KV_PROGRESS)
+        self.peer_progress = -float("inf")  # when that last grew (never: -inf)
         self.tasks: list[asyncio.Task] = []
         self.current: tuple[Any, tuple[int, int], int] | None = None  # the item the writer is draining
         # the chunk-writing thread's socket: a dup of the transport's descriptor (None: the transport
@@ -85,9 +96,11 @@ class LinkConnection:
 
     @classmethod
     async def dial(cls, cid: int, host: str, port: int, *, name: str, fingerprint: dict[str, Any] | None,
-                   creds: Credentials | None, ssl: ssl_mod.SSLContext | None, timeout: float, peer: str) -> LinkConnection:
+                   creds: Credentials | None, ssl: ssl_mod.SSLContext | None, timeout: float, peer: str,
+                   progress_s: float | None = None) -> LinkConnection:
         """Connect to a KV receiver at ``host:port`` and run the handshake as ``kv-sender`` ``name``
-        (``peer`` names the receiver in errors).
+        (``peer`` names the receiver in errors), asking for a ``KV_PROGRESS`` every ``progress_s``
+        seconds while its bytes arrive (None: none).
 
         Raises ``OSError``/``asyncio.TimeoutError`` (no connection within ``timeout`` seconds),
         :class:`~common.rpc.errors.Unavailable` (closed during the handshake) or
@@ -97,7 +110,8 @@ class LinkConnection:
         set_keepalive(writer.get_extra_info("socket"))
         try:
             await client_handshake(reader, writer, service="kv-sender", name=name, fingerprint=fingerprint,
-                                   creds=creds, timeout=timeout, peer=peer)
+                                   creds=creds, timeout=timeout, peer=peer,
+                                   extra={"kv_progress_s": progress_s} if progress_s is not None else None)
         except BaseException:
             writer.close()
             raise
@@ -216,6 +230,18 @@ class LinkConnection:
                 self.last_progress = now
             self.acked = acked
 
+    def on_peer_progress(self, rx: Any, now: float) -> None:
+        """A ``KV_PROGRESS`` said the receiver has read ``rx`` bytes of this connection; a count that
+        grew is a sign of movement (anything else, e.g. a repeat or a bad value, is ignored)."""
+        if isinstance(rx, int) and not isinstance(rx, bool) and rx > self.peer_rx:
+            self.peer_rx = rx
+            self.peer_progress = now
+
+    def moved_at(self) -> float:
+        """When this connection's bytes last moved: the later of the kernel's last acknowledged bytes
+        and the receiver's last ``KV_PROGRESS`` (monotonic seconds)."""
+        return max(self.last_progress, self.peer_progress)
+
     async def read_loop(self, on_frame: Callable[[LinkConnection, Frame], None],
                         on_fail: Callable[[LinkConnection, str], None]) -> None:
         """Read the receiver's frames and hand each to ``on_frame`` (synchronously); call ``on_fail``
@@ -237,6 +263,8 @@ class LinkConnection:
         calling one). Returns the ``(transfer, (layer, offset), window bytes)`` items it still held,
         queued or being drained, for the link to send on the others."""
         self.alive = False
+        with contextlib.suppress(Exception):  # a reset on close: the kernel drops what it still queued
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.writer.transport.abort()
         self.close_direct()
         for t in self.tasks:
@@ -257,13 +285,20 @@ class LinkConnection:
         """Why this connection should be failed at ``now``, or None if it is alive.
 
         Dead: its pong is later than ``ping_timeout`` while it is stuck (bytes wait in our buffers and
-        the kernel saw none acknowledged for ``ping_timeout``), or later than
-        ``max(ping_timeout, stall_timeout)`` in any case.
+        nothing moved for ``ping_timeout``: :meth:`moved_at`); later than ``patience =
+        max(ping_timeout, stall_timeout)`` while nothing moved for ``patience``; or later than
+        :data:`LATE_PONG_CAP` x ``patience`` in any case. A pong that waits behind bytes which keep
+        moving, however slowly, is late, not lost.
         """
-        late = now - self.ping_sent if self.ping_sent is not None else 0.0
-        stuck = now - self.last_progress > ping_timeout and self.pending()
-        if (late > ping_timeout and stuck) or late > max(ping_timeout, stall_timeout):
-            return f"no pong for {late:.1f}s and no bytes acknowledged for {now - self.last_progress:.1f}s"
+        if self.ping_sent is None:
+            return None
+        late = now - self.ping_sent
+        if late <= ping_timeout:
+            return None
+        quiet = now - self.moved_at()
+        patience = max(ping_timeout, stall_timeout)
+        if (quiet > ping_timeout and self.pending()) or (late > patience and quiet > patience) or late > LATE_PONG_CAP * patience:
+            return f"no pong for {late:.1f}s and no bytes moved for {quiet:.1f}s"
         return None
 
 

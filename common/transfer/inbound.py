@@ -10,6 +10,10 @@ of its payload's size (bounded by ``raw``, which must fit the layer) and decoded
 once whole, straight into the transfer's destination pieces (the request's KV blocks); only then are
 its ``raw`` bytes committed, so a layer is ready exactly when every chunk of it has been decoded.
 
+A sender whose HELLO carries ``kv_progress_s`` gets ``KV_PROGRESS`` frames on that connection while
+bytes arrive, at most one per that interval (:func:`progress_interval`): its evidence that bytes
+queued ahead of a late pong still move.
+
 Ownership: the :class:`~common.transfer.receiver.KvReceiver` owns its connections (its
 ``connections`` set) and the reservations their frames land in; a connection owns only its
 buffers and its handshake timer.
@@ -76,6 +80,23 @@ def check_done(h: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+PROGRESS_INTERVAL_S = (0.01, 60.0)  # the KV_PROGRESS intervals a sender may ask for (seconds)
+
+
+def progress_interval(asked: Any) -> float | None:
+    """The ``KV_PROGRESS`` interval (seconds) a sender's HELLO field ``kv_progress_s`` asks for, clamped
+    to :data:`PROGRESS_INTERVAL_S`; None (send none) when it asks for none or sends no number.
+
+    Why: a ping waits behind every byte queued ahead of it on its connection, also bytes a middlebox
+    (a userspace proxy, a sidecar) has acknowledged to the sender's kernel and holds. On a slow or
+    shared path its pong is then late by seconds while the connection is healthy; these frames tell
+    the sender that its bytes still arrive (``common/transfer/connection.py`` ``overdue``)."""
+    if isinstance(asked, bool) or not isinstance(asked, (int, float)) or not asked == asked or asked <= 0:
+        return None
+    lo, hi = PROGRESS_INTERVAL_S
+    return min(hi, max(lo, float(asked)))
+
+
 _PREFIX, _HEADER, _PAYLOAD, _DISCARD = range(4)
 _HELLO, _AUTH, _READY = range(3)  # handshake state of a connection
 
@@ -107,6 +128,11 @@ class KvConnection(asyncio.BufferedProtocol):
         self.target: tuple[KvAssembly, int, int] | None = None
         self.coded: tuple | None = None  # a coded payload: (codec, span, raw bytes, destination pieces, staging)
         self._hello_timer: asyncio.TimerHandle | None = None
+        # KV_PROGRESS, for a sender whose HELLO asked for it (``kv_progress_s``): at most one every
+        # ``progress_every`` seconds while bytes arrive, with the bytes read so far (``rx_bytes``)
+        self.progress_every: float | None = None
+        self.progress_at = 0.0
+        self.rx_bytes = 0
 
     @property
     def authenticated(self) -> bool:
@@ -163,7 +189,11 @@ class KvConnection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.pos += nbytes
-        self.last_rx = time.monotonic()  # any byte counts: a long payload on a slow link is not idle
+        self.rx_bytes += nbytes
+        self.last_rx = now = time.monotonic()  # any byte counts: a long payload on a slow link is not idle
+        if self.progress_every is not None and now - self.progress_at >= self.progress_every and self.hello_state == _READY:
+            self.progress_at = now
+            self.send(encode_frame(Kind.KV_PROGRESS, {"rx": self.rx_bytes}))
         if self.state == _PAYLOAD:
             self.piece_pos += nbytes
             if self.piece_pos == self.pieces[self.piece_i].nbytes and self.piece_i + 1 < len(self.pieces):
@@ -231,6 +261,7 @@ class KvConnection(asyncio.BufferedProtocol):
             self.peer_name = answer.peer_name
             self.send(answer.reply)
             if answer.accepted:
+                self.progress_every = progress_interval(h.get("kv_progress_s"))
                 self.challenge = answer.challenge
                 self.hello_state = _AUTH if answer.challenge is not None else _READY
                 return True

@@ -24,14 +24,17 @@ Transfer lifecycle on the sender (who frees what):
    connection that died or stalled are re-sent on the others; the receiver ignores duplicates.
 4. :meth:`KvLink.abort` sends ``KV_ABORT``; either way the transfer's chunk views are dropped.
 
-Link health: every connection is pinged each ``ping_interval`` seconds (RTT samples). One is closed and
-re-dialled when its pong is overdue (``ping_timeout``) while it is stuck (bytes wait in our buffers and
-the kernel saw none acknowledged for ``ping_timeout``), or when the pong is later than
-``max(ping_timeout, stall_timeout)`` in any case (a pong queued behind megabytes of KV in a slow
-link's buffers is late, not lost), or when its writes do not drain within ``stall_timeout`` seconds;
-and its unacknowledged chunks move to the remaining connections. Before a transfer starts, a
-connection idle for more than ``idle_check_s`` is probed with a ping first, so a connection that
-went stale while idle never carries the first bytes of a transfer. One connection (dial, keepalive,
+Link health: every connection is pinged each ``ping_interval`` seconds (RTT samples), and asks the
+receiver for a ``KV_PROGRESS`` every half interval while its bytes arrive. One is closed (with a TCP
+reset) and re-dialled when its pong is overdue (``ping_timeout``) while it is stuck (bytes wait in our
+buffers and none moved for ``ping_timeout``: neither acknowledged by the kernel's peer nor reported
+read by the receiver), when the pong is later than ``max(ping_timeout, stall_timeout)`` and nothing
+moved for as long (a pong queued behind megabytes of KV in a slow link's buffers, or a middlebox's,
+is late, not lost), when it is later than ``LATE_PONG_CAP`` times that in any case, or when its writes
+do not drain within ``stall_timeout`` seconds; and its unacknowledged chunks move to the remaining
+connections. Before a transfer starts, a connection idle for more than ``idle_check_s`` (nothing
+written, queued, acknowledged or reported read, no pong) is probed with a ping first, so a
+connection that went stale while idle never carries the first bytes of a transfer. One connection (dial, keepalive,
 progress) is a :class:`~common.transfer.connection.LinkConnection`; one transfer's chunk table a
 :class:`~common.transfer.outbound.Transfer`.
 """
@@ -117,7 +120,7 @@ class KvLink:
     async def _dial(self) -> LinkConnection:
         conn = await LinkConnection.dial(next(self._ids), self.host, self.port, name=self.name, fingerprint=self.fingerprint,
                                          creds=self.creds, ssl=self.ssl, timeout=self.connect_timeout,
-                                         peer=f"KV receiver {self.addr}")
+                                         peer=f"KV receiver {self.addr}", progress_s=self.ping_interval / 2)
         if self._closed:  # closed while dialling
             conn.writer.close()
             raise Unavailable(f"KV link to {self.addr} is closed")
@@ -165,7 +168,7 @@ class KvLink:
     async def _probe_idle(self) -> None:
         """Ping every connection idle for longer than ``idle_check_s`` and drop those that do not answer."""
         now = time.monotonic()
-        idle = [c for c in self._live() if now - max(c.last_io, c.last_pong) > self.idle_check_s]
+        idle = [c for c in self._live() if now - max(c.last_io, c.last_pong, c.moved_at()) > self.idle_check_s and not c.pending()]
         if not idle:
             return
         for c in idle:
@@ -284,6 +287,9 @@ class KvLink:
             rtt = c.on_pong()
             if rtt is not None:
                 self.stats.on_rtt(rtt)
+            return
+        if frame.kind is Kind.KV_PROGRESS:
+            c.on_peer_progress(h["rx"], time.monotonic())
             return
         req_id = h.get("req_id")
         tr = self.transfers.get(req_id) if isinstance(req_id, str) else None

@@ -114,7 +114,7 @@ class BatchLoop:
     def transfer_done(self, r: DecodeRequest) -> None:
         """The transfer is over: drop its reservation (the blocks stay with the request) and offer the
         prompt's full blocks to the prefix cache (it takes its own reference on new ones)."""
-        self.receiver.release(r.req_id)
+        self.receiver.release(r.asm.req_id if r.asm is not None else r.req_id)  # the transfer's key (kv_key_for)
         if self.prefix_cache is not None and r.prompt_hashes:
             hashes = r.prompt_hashes
             self.prefix_cache.insert(hashes, r.seq.blocks[: len(hashes)])

@@ -25,6 +25,19 @@ from proto.frames import ErrorCode
 
 log = logging.getLogger("prfaas.decode")
 
+KV_KEY_MAX_CHARS = 256  # KV_BEGIN.req_id's bound on the wire (proto/PROTOCOL.md)
+
+
+def kv_key_for(req_id: str, n: int) -> str:
+    """The key of a request's ``n``-th prefill leg's KV transfer on this decode worker (``n``: a counter
+    of the worker's, never reused): the receiver's reservation and every KV frame carry it. A request
+    re-placed after its leg failed (its link to this worker failed, say) may come back here while bytes
+    of the earlier leg still cross: they name the earlier key, so the receiver drops them instead of
+    taking them for the new transfer's (``data before KV_BEGIN`` failed the new leg before). At most
+    :data:`KV_KEY_MAX_CHARS` characters; unique per worker whatever ``req_id`` is (the counter ends it)."""
+    tail = f"~{n}"
+    return req_id[: KV_KEY_MAX_CHARS - len(tail)] + tail
+
 
 class PrefillLeg:
     """Prefill calls and stall watches for one decode worker named ``name``.

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import sys
 import time
@@ -88,7 +89,7 @@ from proto.frames import ErrorCode
 from services.decode.batch import BatchLoop
 from services.decode.branches import branch_pages, branches_demand, fork, reserve_branches
 from services.decode.messages import MAX_BRANCHES, GenerateArgs
-from services.decode.prefill_leg import PrefillCall, PrefillLeg
+from services.decode.prefill_leg import PrefillCall, PrefillLeg, kv_key_for
 from services.decode.request import DecodeRequest, StreamError, coalesce, next_items, resume_of
 from services.decode.scheduler import DecodeScheduler, Refuse
 
@@ -133,6 +134,9 @@ class DecodeWorker:
         self.tokenizer = backend.loaded.tokenizer
         self.vocab_size = int(backend.loaded.model.config.vocab_size)
         self.transferring: set[str] = set()
+        # each prefill leg's KV transfer has a key of its own (kv_key_for): bytes still crossing for an
+        # earlier attempt of the same request (re-placed after its link failed) never land in this one
+        self._kv_keys = itertools.count()
         self.batch = BatchLoop(name, backend, self.store, self.sched, receiver, self.prefix_cache, self._pump)
         self.completed = 0
         self.refused = 0
@@ -299,7 +303,7 @@ class DecodeWorker:
             raise RpcError(ErrorCode.BAD_REQUEST, f"malformed generate request: {e}") from None
         if sampling.max_tokens < 1:
             raise RpcError(ErrorCode.BAD_REQUEST, "max_tokens must be at least 1")
-        if req_id in self.receiver.reservations or req_id in self.sched.running or req_id in self.transferring:
+        if req_id in self.sched.running or req_id in self.transferring:
             raise RpcError(ErrorCode.BAD_REQUEST, f"request {req_id} is already running")
         input_ids = validate_prompt(args.input_ids, self.vocab_size, self.backend.loaded.max_model_len)
         prompt_len, generated = resume_of(args.resume, input_ids)
@@ -349,17 +353,18 @@ class DecodeWorker:
             kv_from = req.seq.cached_tokens  # only the suffix crosses the link
             self.prompt_tokens += len(input_ids)
             self.prefix_hit_tokens += kv_from
-            asm = req.asm = PagedAssembly(req_id, self.store, req.seq, self.backend.layer_layouts(len(input_ids) - kv_from),
+            kv_key = kv_key_for(req_id, next(self._kv_keys))
+            asm = req.asm = PagedAssembly(kv_key, self.store, req.seq, self.backend.layer_layouts(len(input_ids) - kv_from),
                                           token_base=kv_from)
             asm.on_change = self.batch.wake
             try:
-                self.receiver.expect(req_id, asm.reserved_bytes, assembly=asm)
+                self.receiver.expect(kv_key, asm.reserved_bytes, assembly=asm)
             except Overloaded as e:
                 raise RpcError(ErrorCode.OVERLOADED, str(e), retry_after=e.retry_after) from None
             except KvError as e:
                 raise RpcError(ErrorCode.BAD_REQUEST, str(e)) from None
             leg = self.prefill.start(req_id, prefill_addr, asm, {  # 2. transfer
-                "req_id": req_id, "input_ids": input_ids, "sampling": prefill_sampling.to_wire(),
+                "req_id": req_id, "kv_key": kv_key, "input_ids": input_ids, "sampling": prefill_sampling.to_wire(),
                 "kv_addr": self.kv_addr_for.get(args.prefill_cluster or "")
                 or (self.kv_addr_remote if args.route == "remote" else self.kv_addr),
                 "kv_from": kv_from, "prefix_source": args.prefix_source, "prompt_len": prompt_len,
@@ -416,7 +421,8 @@ class DecodeWorker:
             if leg is not None:
                 await leg.stop_watch()
             self.transferring.discard(req_id)
-            self.receiver.release(req_id)
+            if asm is not None:
+                self.receiver.release(asm.req_id)
             if not req.in_loop and req.seq is not None and asm is not None and asm.complete and asm.error is None:
                 self.batch.transfer_done(req)  # done at the first token: its prompt blocks still serve the cache
             held = [r.seq for r in reqs if not r.in_loop and r.seq is not None]

@@ -28,7 +28,8 @@ class PrefillArgs(msgspec.Struct):
     ``(priority, arrival)`` order. ``kv_reserved``: the decode worker's KV receiver already holds
     this request's reservation (it reserves before it calls), so the KVCache may follow ``KV_BEGIN``
     without waiting for ``KV_ADMIT`` (a pipelined begin, :meth:`common.transfer.sender.KvLink.begin`;
-    absent, as from an older caller: wait for it)."""
+    absent, as from an older caller: wait for it). ``kv_key``: the key the KV transfer carries (the
+    receiver's reservation; a decode worker gives each leg its own, ``kv_key_for``); absent: ``req_id``."""
 
     req_id: Annotated[str, msgspec.Meta(max_length=256)]
     kv_addr: Annotated[str, msgspec.Meta(min_length=3, max_length=262)]
@@ -39,6 +40,7 @@ class PrefillArgs(msgspec.Struct):
     prompt_len: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] | None = None
     priority: Annotated[int, msgspec.Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
     kv_reserved: bool = False
+    kv_key: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
 
 
 class ExportPrefixArgs(msgspec.Struct):

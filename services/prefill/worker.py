@@ -278,7 +278,7 @@ class PrefillWorker:
         link = await self._link(kv_addr)
         self._link_users[kv_addr] = self._link_users.get(kv_addr, 0) + 1
         try:
-            return await self._prefill_on(link, req_id, input_ids, sampling, kv_from, prompt_len, args.priority,
+            return await self._prefill_on(link, args.kv_key or req_id, input_ids, sampling, kv_from, prompt_len, args.priority,
                                           args.kv_reserved)
         finally:
             self._link_users[kv_addr] -= 1
@@ -286,10 +286,10 @@ class PrefillWorker:
                 del self._link_users[kv_addr]
             await self._forget_dead_link(kv_addr)
 
-    async def _prefill_on(self, link: KvLink, req_id: str, input_ids: list[int], sampling: SamplingParams,
+    async def _prefill_on(self, link: KvLink, kv_key: str, input_ids: list[int], sampling: SamplingParams,
                           kv_from: int, prompt_len: int, priority: int = 0, pipelined: bool = False) -> dict[str, Any]:
         """The rest of :meth:`prefill` once its link is chosen: connect it, wait for the compute slot
-        (requests of a lower ``priority`` value first, then by arrival), run."""
+        (requests of a lower ``priority`` value first, then by arrival), run; ``kv_key`` names the KV transfer."""
         await link.ensure_connected()  # before the slot: a receiver nobody can reach must not cost another request its turn
         self.waiting += 1
         started = [False]
@@ -312,7 +312,7 @@ class PrefillWorker:
                 self._slot.release()
         delivered = [False]  # set once KV_DONE (with the first token) has been written
         try:
-            result = await self._run(req_id, input_ids, sampling, link, kv_from, release_slot, delivered, prompt_len,
+            result = await self._run(kv_key, input_ids, sampling, link, kv_from, release_slot, delivered, prompt_len,
                                      on_start, priority, pipelined)
             self.completed += 1
             self.prompt_tokens += len(input_ids)
@@ -367,11 +367,11 @@ class PrefillWorker:
             self._accelerator.release()
         return fut
 
-    async def _run(self, req_id: str, input_ids: list[int], sampling: SamplingParams, link: KvLink,
+    async def _run(self, kv_key: str, input_ids: list[int], sampling: SamplingParams, link: KvLink,
                    kv_from: int = 0, release_slot=lambda: None, delivered: list[bool] | None = None,
                    prompt_len: int | None = None, on_start=lambda: None, priority: int = 0,
                    pipelined: bool = False) -> dict[str, Any]:
-        """Compute the prefill, streaming each layer's KVCache over ``link``, and sample the first
+        """Compute the prefill, streaming each layer's KVCache over ``link`` as transfer ``kv_key``, and sample the first
         token of each of ``sampling.n`` branches (``input_ids[prompt_len:]`` count as generated
         output for the penalties). With ``sampling.prompt_logprobs`` the same pass computes every
         prompt token's logprob (the prefix cache is then not used: every position's logits are
@@ -424,7 +424,7 @@ class PrefillWorker:
         sent_upto = [kv_from] * len(layouts)  # per attention layer: tokens already sent
         try:
             cap = link.stats.capacity_bytes_per_s()
-            transfer = await link.begin(req_id, layouts, n_in, codec=self.wire.for_link(link.addr, cap * 8 / 1e9 if cap else None),
+            transfer = await link.begin(kv_key, layouts, n_in, codec=self.wire.for_link(link.addr, cap * 8 / 1e9 if cap else None),
                                         priority=priority, pipelined=pipelined)
             mode = self._stream_mode(link, n_in - hit.tokens, chunk_tokens)
             after = mode == "after"
