@@ -98,12 +98,21 @@ async def test_a_middlebox_holding_the_bytes_keeps_the_connections():
     async with _middlebox_path() as (rx, _proxy, link):
         t0 = time.monotonic()
         tr = await _send(link, rx, "mb", 3 << 18)
+        floors: list[float] = []
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(0.1)
+                floors.append(link.stats.snapshot()["rtt_floor_ms"] or 0.0)
+        watcher = asyncio.create_task(watch())
         await asyncio.wait_for(link.finish(tr, {"first_token": 1, "prompt_len": 1}, timeout=30), 40)
+        watcher.cancel()
         took = time.monotonic() - t0
         snap = link.stats.snapshot()
         assert snap["stalls"] == 0 and snap["connections"] == 2, snap
         assert took > 3.0, f"{took:.1f}s: the proxy did not hold the bytes, so this proves nothing"
         assert all(c.peer_rx > 0 for c in link.conns.values())  # the receiver reported its progress
+        assert max(floors) > 1000.0, max(floors)  # the pongs' wait shows as a standing queue while they are out
         assert rx.release("mb")
 
 

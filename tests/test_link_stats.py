@@ -1004,3 +1004,28 @@ def test_a_scaled_capacity_window_forgets_the_old_capacity_sooner():
         s = LinkStats(clock=lambda: 0.0, **windows_from_env({"PRFAAS_LINK_STATS_TIME_SCALE": scale}))
         s._capacity.update(2e9, 0.0)  # a backlogged sample at 2 GB/s at t = 0
         assert (s.capacity_bytes_per_s(20.0) == 2e9) is stale_after_20s
+
+
+def test_pings_still_out_bound_the_rtt_and_the_floor():
+    """A path whose every connection waits for its pong behind queued KV reports at least that wait:
+    before, its RTT and floor stood at the last samples (the floor at None once its window held
+    none), which read as no congestion while the queue stood."""
+    from common.transfer.estimators import rtt_with_pings_out
+
+    assert rtt_with_pings_out(0.002, 0.001, None) == (0.002, 0.001)
+    assert rtt_with_pings_out(0.002, None, 4.0) == (4.0, 4.0)
+    assert rtt_with_pings_out(6.0, 0.5, 4.0) == (6.0, 0.5)  # a low sample in the window stays the floor
+    assert rtt_with_pings_out(None, None, 3.0) == (3.0, 3.0)
+    clk = FakeClock()
+    ls = LinkStats("peer", rtt_floor_window_s=3.0, clock=clk)
+    ls.on_rtt(0.002)
+    clk.t += 5.0  # the floor's window has no sample now
+    assert ls.snapshot()["rtt_floor_ms"] is None and ls.snapshot()["rtt_ms"] == pytest.approx(2.0)
+    ls.note_pings_out(clk.t - 4.0)  # every connection's ping has waited 4 s or more
+    s = ls.snapshot()
+    assert s["rtt_ms"] == pytest.approx(4000.0) and s["rtt_floor_ms"] == pytest.approx(4000.0)
+    clk.t += 1.0
+    assert ls.snapshot()["rtt_floor_ms"] == pytest.approx(5000.0)  # still out: the bound grows
+    ls.on_rtt(5.0)  # a pong: not every connection waits any more
+    s = ls.snapshot()
+    assert s["rtt_floor_ms"] == pytest.approx(5000.0) and s["rtt_ms"] < 5000.0

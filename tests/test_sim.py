@@ -516,3 +516,18 @@ def test_the_script_refuses_to_run_nothing_and_prints_the_acceptance_line_only_f
     last = r.stdout.strip().splitlines()[-1]
     assert last.startswith("plot: ") and "gpus=10000" not in r.stdout, last
     assert (tmp_path / "plan_bandwidth.png").exists()
+
+
+def test_pings_still_out_on_every_connection_bound_the_reported_rtt():
+    """As the real sender's link stats: while every connection of a path waits for its pong, the
+    path's RTT and floor are at least that wait (``rtt_with_pings_out``), not the last samples."""
+    from common.sim.pings import PathPings
+
+    pings = PathPings(interval_s=1.0, connections=2, floor_window_s=3.0)
+    stuck = lambda key: (0.0, 0.0)  # noqa: E731  (nothing delivered: every pong waits)
+    pings.tick(0.0, {"p": (40.0, 40.0)}, stuck, 1.0)
+    first = pings.paths["p"].next
+    rtt, floor = pings.tick(first, {"p": (40.0, 40.0)}, stuck, 1.0)
+    assert (rtt, floor) == (1.0, 1.0)  # just sent: nothing waited yet
+    rtt, floor = pings.tick(first + 4.0, {"p": (40.0, 40.0)}, stuck, 1.0)
+    assert rtt == pytest.approx(4001.0) and floor == pytest.approx(4001.0)

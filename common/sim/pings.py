@@ -40,7 +40,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 
 from common.transfer.connection import LATE_PONG_CAP
-from common.transfer.estimators import Ewma, WindowedMin
+from common.transfer.estimators import Ewma, WindowedMin, rtt_with_pings_out
 
 _GOLDEN = 0.6180339887498949
 
@@ -171,10 +171,12 @@ class PathPings:
             still = now - p.moved[0]  # seconds its bytes have not moved (while a ping was out)
             t0, d0, r0 = p.seen
             d_sent = None
+            youngest = -math.inf  # the latest send time of the pings still out from earlier rounds, if all are
             for c in range(n):
                 o = outs[c]
                 if o is not None:
                     if d_now >= o[1]:  # through: when the delivered bytes passed its mark
+                        youngest = None
                         back = min(now, t0 + max(0.0, o[1] - d0) / r0) if r0 > 0 else now
                         sample = base_ms + 1e3 * max(0.0, back - o[0])
                         p.rtt.update(sample, now)
@@ -188,7 +190,11 @@ class PathPings:
                             # its replacement pings at the next round
                             self.failed.append((key, c))
                             outs[c] = None
+                            youngest = None  # redialled without a ping out
+                        elif youngest is not None:
+                            youngest = max(youngest, o[0])
                         continue
+                youngest = None  # this connection has no ping out
                 if not due:
                     continue
                 if a[c] <= 0:  # nothing ahead of it: back at the base RTT
@@ -201,7 +207,8 @@ class PathPings:
                             p.moved = (now, d_sent)
                     outs[c] = (now, d_sent + a[c])
             p.seen = (now, *progress(key)) if any(outs) else (now, 0.0, 0.0)
-            rtt, floor = p.rtt.value, p.floor.value(now)
+            waited = None if youngest is None or youngest == -math.inf else base_ms + 1e3 * (now - youngest)
+            rtt, floor = rtt_with_pings_out(p.rtt.value, p.floor.value(now), waited)
             if rtt is not None:
                 worst_rtt = max(worst_rtt, rtt)
             if floor is not None:

@@ -188,3 +188,17 @@ class WindowedMin:
 
     def reset(self) -> None:
         self._max.reset()
+
+
+def rtt_with_pings_out(smoothed: float | None, floor: float | None, waited: float | None) -> tuple[float | None, float | None]:
+    """A path's smoothed RTT and RTT floor (any one unit, e.g. seconds) once the pings still out are
+    counted: ``waited`` is how long the youngest of them has waited when *every* connection of the
+    path has one out (None otherwise). Each of those pings takes at least that long, so the smoothed
+    RTT is at least ``waited`` and the floor (the lowest RTT of the last few seconds) at most what it
+    was and, without a sample in its window, ``waited``. Without this, a path whose pongs all wait
+    behind seconds of queued KV reports no RTT at all while the queue stands, and a pong-sampled
+    floor reads as no congestion (the planner's short loop, ``services/planner/short_loop.py``).
+    Returns ``(smoothed, floor)``; both unchanged when ``waited`` is None."""
+    if waited is None:
+        return smoothed, floor
+    return (waited if smoothed is None else max(smoothed, waited)), (waited if floor is None else min(floor, waited))

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.transfer.estimators import Clock, Ewma, WindowedMax, WindowedMin, check_finite
+from common.transfer.estimators import Clock, Ewma, WindowedMax, WindowedMin, check_finite, rtt_with_pings_out
 from common.transfer.tcp_info import TcpInfo, as_socket, read_tcp_info
 
 __all__ = ["LinkStats"]
@@ -179,6 +179,7 @@ class LinkStats:
         self._rtt_last_s: float | None = None
         self._rtt_min_s: float | None = None
         self._rtt_floor = WindowedMin(rtt_floor_window_s)  # seconds: the lowest ping of the last few seconds
+        self._pings_out_since: float | None = None  # when the youngest ping went out, while every connection has one out
         self._win_start: float | None = None
         self._win_bytes = 0
         self._last_window_rate: float | None = None  # bytes/s of the latest complete window
@@ -252,6 +253,13 @@ class LinkStats:
         self._rtt_last_s = s
         self._rtt_min_s = s if self._rtt_min_s is None else min(self._rtt_min_s, s)
         self._rtt_floor.update(s, self._now(now))
+        self._pings_out_since = None  # a pong: not every connection waits any more (the next ping round says)
+
+    def note_pings_out(self, youngest_sent: float | None) -> None:
+        """When the youngest ping awaiting a pong went out (this clock's seconds), given while every
+        live connection has one out; None when some connection has none. The snapshot's ``rtt_ms`` and
+        ``rtt_floor_ms`` then count those pings as taking at least that long (``rtt_with_pings_out``)."""
+        self._pings_out_since = youngest_sent
 
     def on_stall(self, conn_id: Any) -> None:
         """Count one stall (a connection that made no progress within the engine's deadline)."""
@@ -403,7 +411,8 @@ class LinkStats:
         ``backlogged_s`` (seconds the engine's queue has stayed non-empty without a break, 0.0 when
         empty), ``rtt_floor_ms`` (the lowest application RTT of the last ``rtt_floor_window_s``, ms, None
         without a sample there: a floor above ``rtt_min_ms`` is a queue that did not drain once in
-        that window, where our own bursts of KV only raise the smoothed and the last RTT),
+        that window, where our own bursts of KV only raise the smoothed and the last RTT; both count
+        the pings still out when every connection has one, :meth:`note_pings_out`),
         ``tcp_srtt_ms`` / ``tcp_srtt_max_ms`` (ms, None when no socket was read),
         ``tcp_lost`` / ``tcp_unacked`` / ``tcp_snd_cwnd`` (segments, summed over connections),
         ``tcp_notsent_bytes`` (bytes or None), ``retransmits`` (segments, cumulative),
@@ -414,7 +423,8 @@ class LinkStats:
         t = self._now(now)
         self._advance(t)
         tcp_gp = self._tcp_goodput.value
-        rtt = self._rtt.value
+        since = self._pings_out_since
+        rtt, floor = rtt_with_pings_out(self._rtt.value, self._rtt_floor.value(t), None if since is None else max(0.0, t - since))
         cap = self.capacity_bytes_per_s(t)
         return {
             "peer": self.peer,
@@ -428,7 +438,7 @@ class LinkStats:
             "rtt_ms": None if rtt is None else rtt * 1000.0,
             "rtt_last_ms": None if self._rtt_last_s is None else self._rtt_last_s * 1000.0,
             "rtt_min_ms": None if self._rtt_min_s is None else self._rtt_min_s * 1000.0,
-            "rtt_floor_ms": None if (floor := self._rtt_floor.value(t)) is None else floor * 1000.0,
+            "rtt_floor_ms": None if floor is None else floor * 1000.0,
             "tcp_srtt_ms": self._tcp_srtt_ms,
             "tcp_srtt_max_ms": self._tcp_srtt_max_ms,
             "tcp_lost": int(self._tcp_lost),

@@ -186,6 +186,8 @@ class KvLink:
             await asyncio.sleep(self.ping_interval)
             now = time.monotonic()
             infos = {c.cid: read_tcp_info(c.sock) for c in self._live()}  # read once: progress and link stats
+            out = [c.ping_sent for c in self._live()]  # before this round's pings: those of earlier rounds still out
+            self.stats.note_pings_out(max(out) if out and None not in out else None)
             for c in self._live():
                 c.note_progress(infos[c.cid], now)
                 why = c.overdue(now, self.ping_timeout, self.stall_timeout)
