@@ -246,6 +246,66 @@ def _note(row, pattern: str) -> None:
     assert any(re.search(pattern, n) for n in row.notes), f"fault did not happen as planned: {row.notes}"
 
 
+@pytest.mark.timeout(30)
+async def test_an_unshaped_path_takes_the_links_faults_but_not_its_cap():
+    """Control traffic (shaped=False) is not held to the KVCache's cap: 1.5 MB cross in well under the
+    0.3 s the 5 MB/s cap would take, while a shaped path takes about that; a stall holds both."""
+    got: dict[str, int] = {}
+    done = {k: asyncio.Event() for k in ("kv", "ctl")}
+
+    def sink_for(key):
+        async def sink(reader, writer):
+            n = 0
+            while data := await reader.read(1 << 16):
+                n += len(data)
+            got[key] = n
+            done[key].set()
+            writer.close()
+        return sink
+
+    servers = {k: await asyncio.start_server(sink_for(k), "127.0.0.1", 0) for k in done}
+    link = WanLink()
+    addrs = {k: link.add(k, "127.0.0.1", f"127.0.0.1:{srv.sockets[0].getsockname()[1]}", client_side="prfaas", shaped=k == "kv")
+             for k, srv in servers.items()}
+    await link.start()
+    loop = asyncio.get_running_loop()
+    try:
+        link.configure(rate_bps=40e6)  # 5 MB/s toward local, with a 256 KiB burst
+        size = 1_500_000
+
+        async def push(key) -> float:
+            host, port = addrs[key].split(":")
+            t0 = loop.time()
+            _, w = await asyncio.open_connection(host, int(port))
+            w.write(b"x" * size)
+            await w.drain()
+            w.close()
+            await w.wait_closed()
+            await asyncio.wait_for(done[key].wait(), 10)
+            return loop.time() - t0
+
+        assert await push("ctl") < 0.15
+        assert await push("kv") > 0.2
+        assert got == {"ctl": size, "kv": size}
+        link.stall()
+        host, port = addrs["ctl"].split(":")
+        done["ctl"].clear()
+        _, w = await asyncio.open_connection(host, int(port))
+        w.write(b"y" * 1000)
+        await w.drain()
+        w.close()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(done["ctl"].wait(), 0.5)
+        link.clear()
+        await asyncio.wait_for(done["ctl"].wait(), 5)
+        assert got["ctl"] == 1000
+    finally:
+        await link.close()
+        for srv in servers.values():
+            srv.close()
+            await srv.wait_closed()
+
+
 def test_delay(harness):
     row = harness("rtt50")
     _check(row)

@@ -217,13 +217,13 @@ class EmulatedCluster:
         for k in range(self.shape.n_prfaas):
             n = f"prfaas-{k}"
             a[n] = f"{LOCAL}:{free_port()}"
-            a[f"rpc:{n}"] = self.link.add(f"rpc:{n}", LOCAL, a[n], client_side="local")
+            a[f"rpc:{n}"] = self.link.add(f"rpc:{n}", LOCAL, a[n], client_side="local", shaped=False)
         for k in range(self.shape.n_p + self.shape.n_d):
             n = f"pd-{k}"
             a[n], a[f"{n}:kv"] = f"{LOCAL}:{free_port()}", f"{LOCAL}:{free_port()}"
             a[f"kv:{n}"] = self.link.add(f"kv:{n}", LOCAL, a[f"{n}:kv"], client_side="prfaas")
-        a["planner:remote"] = self.link.add("planner", LOCAL, a["planner"], client_side="prfaas")
-        a["router:remote"] = self.link.add("router", LOCAL, a["router"], client_side="prfaas")
+        a["planner:remote"] = self.link.add("planner", LOCAL, a["planner"], client_side="prfaas", shaped=False)
+        a["router:remote"] = self.link.add("router", LOCAL, a["router"], client_side="prfaas", shaped=False)
         self.set_link(self.link_gbps)
         await self.link.start()
         return await self._launch(timeout)

@@ -128,11 +128,11 @@ class MultiCluster(EmulatedCluster):
             link = self.links[s.name] = WanLink(max_buffer_bytes=4 << 20)
             for n in self._workers(s):
                 a[n] = f"{LOCAL}:{free_port()}"
-                a[f"rpc:{n}"] = link.add(f"rpc:{n}", LOCAL, a[n], client_side="local")
+                a[f"rpc:{n}"] = link.add(f"rpc:{n}", LOCAL, a[n], client_side="local", shaped=False)
             for n in pds:
                 a[f"kv:{s.name}:{n}"] = link.add(f"kv:{n}", LOCAL, a[f"{n}:kv"], client_side="prfaas")
-            a[f"planner:{s.name}"] = link.add("planner", LOCAL, a["planner"], client_side="prfaas")
-            a[f"router:{s.name}"] = link.add("router", LOCAL, a["router"], client_side="prfaas")
+            a[f"planner:{s.name}"] = link.add("planner", LOCAL, a["planner"], client_side="prfaas", shaped=False)
+            a[f"router:{s.name}"] = link.add("router", LOCAL, a["router"], client_side="prfaas", shaped=False)
             link.configure(rate_bps=self.wire_rate_bps(s.link_gbps))
             await link.start()
         await self._launch(timeout)

@@ -75,20 +75,26 @@ class WanLink:
 
     Each path is added with the side its clients are on; the bandwidth cap is one token bucket per
     direction of the link (``to_local``: PrfaaS -> local, which carries the KVCache; ``to_prfaas``),
-    shared by every path, so the cap is the link's, not each connection's. ``max_buffer_bytes`` per
-    connection and direction bounds the bandwidth-delay product a path can carry (16 MiB: 1 Gbit/s
-    at up to ~130 ms one-way delay).
+    shared by every path, so the cap is the link's, not each connection's. A path added with
+    ``shaped=False`` takes the link's delay and faults but not its cap: for control traffic (RPC,
+    planner reports, router events) next to a KVCache whose bytes an emulation scales down (the
+    emulated cluster's ``byte_scale``): its bytes are not scaled, so on the capped link they took 9 %
+    of a 4 Gbit/s phase's capacity where at real scale they are a few millionths of it.
+    ``max_buffer_bytes`` per connection and direction bounds the bandwidth-delay product a path can
+    carry (16 MiB: 1 Gbit/s at up to ~130 ms one-way delay).
     """
 
     def __init__(self, max_buffer_bytes: int = 16 << 20, seed: int = 7):
         self.max_buffer_bytes = max_buffer_bytes
         self.seed = seed
         self.buckets = {TOWARD_LOCAL: TokenBucket(None, 256 << 10), TOWARD_PRFAAS: TokenBucket(None, 256 << 10)}
+        self.uncapped = {TOWARD_LOCAL: TokenBucket(None), TOWARD_PRFAAS: TokenBucket(None)}  # never given a rate
         self.proxies: dict[str, LinkProxy] = {}
 
-    def add(self, name: str, listen_host: str, target: str, client_side: str) -> str:
+    def add(self, name: str, listen_host: str, target: str, client_side: str, shaped: bool = True) -> str:
         """Add a path ``name`` listening on ``listen_host`` (a fresh port) and forwarding to ``target``
-        (``host:port``); ``client_side`` is ``"prfaas"`` or ``"local"``: where the dialling side runs.
+        (``host:port``); ``client_side`` is ``"prfaas"`` or ``"local"``: where the dialling side runs;
+        ``shaped``: whether the link's bandwidth cap applies to it (see the class docstring).
         Returns the address clients must dial. Start it with :meth:`start`."""
         if client_side not in netlab.SIDES:
             raise ValueError(f"client_side must be one of {netlab.SIDES}, got {client_side!r}")
@@ -96,8 +102,9 @@ class WanLink:
         thost, tport = parse_addr(target)
         up, down = (TOWARD_LOCAL, TOWARD_PRFAAS) if client_side == "prfaas" else (TOWARD_PRFAAS, TOWARD_LOCAL)
         # One bucket per link direction, shared by every path (LinkProxy keeps one per proxy by default).
+        buckets = self.buckets if shaped else self.uncapped
         proxy = LinkProxy(listen_host, port, thost, tport, max_buffer_bytes=self.max_buffer_bytes,
-                          seed=self.seed + len(self.proxies), buckets=(self.buckets[up], self.buckets[down]))
+                          seed=self.seed + len(self.proxies), buckets=(buckets[up], buckets[down]))
         self.proxies[name] = proxy
         return f"{listen_host}:{port}"
 
