@@ -252,6 +252,6 @@ async def test_kv_links_to_unreachable_receivers_are_dropped(dense):
                 await w.prefill(PrefillArgs(req_id=f"r{k}", kv_addr=f"127.0.0.1:{free_port()}",
                                             sampling={"max_tokens": 1}, input_ids=[1, 2, 3]))
             assert ei.value.code is ErrorCode.UNAVAILABLE
-        assert w._links == {} and w.links_dropped == 3 and w.running == 0 and w.waiting == 0
+        assert w.links.by_addr == {} and w.links.dropped == 3 and w.running == 0 and w.waiting == 0
     finally:
         await w.close()

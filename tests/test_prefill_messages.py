@@ -106,7 +106,7 @@ async def test_the_planners_kv_grants_reach_the_links_gate_and_a_share_groups_wo
     a = PrefillWorker(BACKEND, "ga", prefix_cache_bytes=0, block_size=16, kv_share_group="test-grants")
     b = PrefillWorker(BACKEND, "gb", prefix_cache_bytes=0, block_size=16, kv_share_group="test-grants")
     try:
-        la, lb = await a._link("127.0.0.1:9"), await b._link("127.0.0.1:9")
+        la, lb = await a.links.get("127.0.0.1:9"), await b.links.get("127.0.0.1:9")
         assert la.gate is lb.gate and la.gate.auto  # one gate per group, paced at the measured capacity
         a.on_planner_reply({"ok": True, "kv_grants": {"127.0.0.1:9": {"high": 8e6, "normal": 8e5, "low": 8e5}},
                             "kv_grant_ttl_s": 5.0})

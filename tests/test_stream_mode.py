@@ -128,14 +128,14 @@ async def test_auto_sends_after_the_prefill_over_loopback_only_for_cpu_compute(c
         assert worker.kv_sent_after == 0
         assert min(asm.layer_done_at) < out["timings"]["last_computed_at"]  # the first layers landed during the compute
         await asyncio.sleep(0.3)  # pings answered: the link's RTT is known (loopback, well under 1 ms)
-        link = worker._links[f"127.0.0.1:{port}"]
+        link = worker.links.by_addr[f"127.0.0.1:{port}"]
         assert link.stats.rtt_min_s < 1e-3
         runs = [await one() for _ in range(2)]  # the first counted as the layer trial: after, then the cheaper
         if cpu:
             assert worker.kv_sent_after in (1, 2)
             for out, asm in runs[:1]:
                 assert min(asm.layer_done_at) >= out["timings"]["last_computed_at"]  # nothing landed before the compute ended
-            choice = worker._choice(link)
+            choice = worker.links.choice(link)
             assert choice.cost(256, "after") > 0 and choice.cost(256, "layer") > 0
         else:  # an accelerator's prefill does not share the cores with the sends: the overlap is free
             assert worker.kv_sent_after == 0

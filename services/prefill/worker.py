@@ -56,10 +56,11 @@ from common.runtime.priority import PriorityGate
 from common.transfer.ranges import tensor_ranges
 from common.transfer.sender import KvLink
 from common.transfer.share import group_gate
-from common.transfer.stream_mode import KV_STREAM_MODES, StreamChoice
+from common.transfer.stream_mode import KV_STREAM_MODES
 from proto.frames import ErrorCode
 from services.prefill.batcher import Accelerator, Job
 from services.prefill.faults import Faults, FaultsDisabled
+from services.prefill.links import KvLinks
 from services.prefill.messages import ExportPrefixArgs, InjectFaultArgs, PrefillArgs
 from services.prefill.prefix import Hit, PrefillPrefix
 from services.prefill.wire_codec import WireCodec
@@ -67,17 +68,11 @@ from services.prefill.wire_codec import WireCodec
 log = logging.getLogger("prfaas.prefill")
 
 
-MAX_LINKS = 64  # KV links (decode peers) held at once; past it the least recently used idle one is closed
-LINK_IDLE_S = 300.0  # a link that carried no transfer this long is closed (its decode worker may be gone)
-
-
 class PrefillWorker:
     """Serves ``prefill`` over RPC and streams KVCache to decode workers; ``chunk_bytes`` per KV frame.
 
-    KV links (one per decode worker's KV address, named by the caller) are bounded: at most
-    :data:`MAX_LINKS`; one whose receiver could not be reached is dropped when its transfer fails,
-    one idle for :data:`LINK_IDLE_S` is closed, so an address nobody listens on never keeps a link
-    (and its dialling) alive.
+    KV links (one per decode worker's KV address, named by the caller) are bounded and closed when
+    idle or unreachable: :class:`~services.prefill.links.KvLinks`.
     """
 
     def __init__(self, backend: Backend, name: str, *, prefill_chunk_tokens: int = 0, kv_stream: str = "layer",
@@ -94,7 +89,6 @@ class PrefillWorker:
         self.hist = process_histograms(PrefillHistograms)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.kv_stream = kv_stream
-        self._stream_choice: dict[str, StreamChoice] = {}  # by KV address (kv_stream auto)
         self.kv_sent_after = 0  # transfers sent once their prefill ended (kv_stream after, or auto's choice)
         specs = getattr(backend, "state_specs", None) or [] if kv_wire_codec != "none" else []
         kv = next((spec["k"] for spec in specs if "k" in spec), ("float32", [1, 1, -1, 64]))
@@ -111,10 +105,7 @@ class PrefillWorker:
         # stage permits, by (priority, arrival): one computing (or draining) and one staged, or, where
         # prompts run batched, as many staged as one batch holds
         self._slot = PriorityGate(1 + (self._accelerator.max_prompts if self._accelerator.batching else 1))
-        self._links: dict[str, KvLink] = {}  # by KV address, least recently used first
-        self._link_used: dict[str, float] = {}
-        self._link_users: dict[str, int] = {}  # prefill calls holding each link (never closed under them)
-        self.links_dropped = 0
+        self.links = KvLinks(name, self.fingerprint, self.link_options)
         self.waiting = 0
         self.running = 0
         self.kv_bytes_inflight = 0
@@ -130,13 +121,6 @@ class PrefillWorker:
             self.prefix = PrefillPrefix(backend.state_specs, prefix_cache_bytes, block_size, checkpoint_every, name)
         self.prefix_cache: PrefixCache | None = self.prefix.cache if self.prefix is not None else None
 
-    def _choice(self, link: KvLink) -> StreamChoice:
-        choice = self._stream_choice.get(link.addr)
-        if choice is None:
-            # bounded by the links this worker keeps: dropped with them (_drop_link)
-            choice = self._stream_choice[link.addr] = StreamChoice()
-        return choice
-
     def _stream_mode(self, link: KvLink, tokens: int, chunk_tokens: int) -> str | None:
         """``"after"`` when this transfer's KVCache leaves once the prefill ends, ``"layer"`` when each
         layer leaves as it is computed (``kv_stream``; for ``auto`` see
@@ -146,7 +130,7 @@ class PrefillWorker:
             return self.kv_stream
         if chunk_tokens or not self.backend.computes_on_host_cpu:
             return None
-        return self._choice(link).mode(tokens, link.stats.rtt_min_s)
+        return self.links.choice(link).mode(tokens, link.stats.rtt_min_s)
 
     def stats(self) -> dict[str, Any]:
         """Load report for the planner (counts; bytes)."""
@@ -154,8 +138,8 @@ class PrefillWorker:
             "waiting": self.waiting, "running": self.running, "kv_bytes_inflight": self.kv_bytes_inflight,
             "completed": self.completed, "cancelled": self.cancelled, "prompt_tokens": self.prompt_tokens,
             "kv_sent_after": self.kv_sent_after,
-            "links": self.link_stats(), "kv_codec": self.wire.stats(), "request_tasks": service.live_call_tasks("prefill"),
-            "kv_links_dropped": self.links_dropped, "batched_prefills": self._accelerator.batches,
+            "links": self.links.stats(), "kv_codec": self.wire.stats(), "request_tasks": service.live_call_tasks("prefill"),
+            "kv_links_dropped": self.links.dropped, "batched_prefills": self._accelerator.batches,
             "batched_prompts": self._accelerator.batched_prompts,
             "prefix_pool_pages_used": self.prefix.store.pool.stats()["pages_used"] if self.prefix is not None else 0,
             "prefix_hit_tokens": self.prefix_hit_tokens,
@@ -163,75 +147,17 @@ class PrefillWorker:
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache is not None else None,
         }
 
-    async def _link(self, kv_addr: str) -> KvLink:
-        """The link to ``kv_addr``, made on first use; first closes links idle past :data:`LINK_IDLE_S`
-        and, at :data:`MAX_LINKS`, the least recently used idle one. Raises :class:`RpcError`
-        ``overloaded`` when every link carries a transfer, ``bad_request`` for a malformed address."""
-        now = time.monotonic()
-        for addr in list(self._links):
-            if addr != kv_addr and self._idle(addr) and now - self._link_used.get(addr, now) > LINK_IDLE_S:
-                await self._drop_link(addr, "idle")
-        link = self._links.pop(kv_addr, None)
-        if link is None:
-            if len(self._links) >= MAX_LINKS:
-                idle = next((a for a in self._links if self._idle(a)), None)
-                if idle is None:
-                    raise RpcError(ErrorCode.OVERLOADED, f"{self.name} streams to {len(self._links)} decode workers, its "
-                                   "limit", retry_after=1)
-                await self._drop_link(idle, "least recently used")
-            try:
-                link = KvLink(kv_addr, name=self.name, fingerprint=self.fingerprint, **self.link_options)
-            except ValueError as e:
-                raise RpcError(ErrorCode.BAD_REQUEST, f"kv_addr: {e}") from None
-        self._links[kv_addr] = link  # re-inserted: most recently used last
-        self._link_used[kv_addr] = now
-        return link
-
-    def _idle(self, addr: str) -> bool:
-        """No transfer on the link and no prefill call holding it."""
-        return not self._links[addr].transfers and not self._link_users.get(addr)
-
-    async def _drop_link(self, addr: str, why: str) -> None:
-        link = self._links.pop(addr, None)
-        self._link_used.pop(addr, None)
-        self._stream_choice.pop(addr, None)
-        if link is not None:
-            self.links_dropped += 1
-            log.info("closing the KV link to %s (%s)", addr, why)
-            await link.close()
-
-    async def _forget_dead_link(self, kv_addr: str) -> None:
-        """After a failed transfer: drop the link if it has no live connection and carries nothing."""
-        link = self._links.get(kv_addr)
-        if link is not None and not link._live() and self._idle(kv_addr):
-            await self._drop_link(kv_addr, "its receiver could not be reached")
-
     def on_planner_reply(self, reply: Any) -> None:
         """A load report's answer: the wire codec's ``kv_codecs``, and ``kv_grants`` (receiver
         address -> class -> bits/s, live for ``kv_grant_ttl_s``) set on each named link's gate
         (:meth:`~common.transfer.share.ShareGate.set_grant`, keyed by this worker and the address so
         grants of a share group's workers add up). Malformed entries are ignored; never raises."""
         self.wire.on_planner_reply(reply)
-        grants = reply.get("kv_grants") if isinstance(reply, dict) else None
-        if not isinstance(grants, dict):
-            return
-        ttl = reply.get("kv_grant_ttl_s")
-        for addr, rates in list(grants.items())[:MAX_LINKS]:
-            link = self._links.get(addr) if isinstance(addr, str) else None
-            if link is None or not isinstance(rates, dict) or not isinstance(ttl, (int, float)):
-                continue
-            try:
-                link.gate.set_grant(f"{self.name}|{addr}", {c: float(r) / 8 for c, r in rates.items()}, float(ttl))
-            except (TypeError, ValueError) as e:
-                log.warning("ignoring the planner's KV grant for %s: %s", addr, e)
-
-    def link_stats(self) -> dict[str, Any]:
-        """Congestion signals of every KV link, keyed by the receiver's address."""
-        return {addr: link.snapshot() for addr, link in self._links.items()}
+        if isinstance(reply, dict):
+            self.links.set_grants(reply.get("kv_grants"), reply.get("kv_grant_ttl_s"))
 
     async def close(self) -> None:
-        for addr in list(self._links):
-            await self._drop_link(addr, "shutting down")
+        await self.links.close()
         await self._peers.close()
 
     @takes(InjectFaultArgs)
@@ -275,16 +201,9 @@ class PrefillWorker:
         if args.prefix_source and self.prefix is not None:
             self.prefix_pulled_tokens += await self.prefix.pull(self._peers.get(args.prefix_source), args.prefix_source,
                                                                 input_ids)
-        link = await self._link(kv_addr)
-        self._link_users[kv_addr] = self._link_users.get(kv_addr, 0) + 1
-        try:
+        async with self.links.held(kv_addr) as link:
             return await self._prefill_on(link, args.kv_key or req_id, input_ids, sampling, kv_from, prompt_len, args.priority,
                                           args.kv_reserved)
-        finally:
-            self._link_users[kv_addr] -= 1
-            if not self._link_users[kv_addr]:
-                del self._link_users[kv_addr]
-            await self._forget_dead_link(kv_addr)
 
     async def _prefill_on(self, link: KvLink, kv_key: str, input_ids: list[int], sampling: SamplingParams,
                           kv_from: int, prompt_len: int, priority: int = 0, pipelined: bool = False) -> dict[str, Any]:
@@ -488,7 +407,7 @@ class PrefillWorker:
             try:
                 await link.finish(transfer, done)
                 if self.kv_stream == "auto" and mode is not None:  # acked: what this mode cost, compute included
-                    self._choice(link).observe(mode, n_in - hit.tokens, time.monotonic() - t0)
+                    self.links.choice(link).observe(mode, n_in - hit.tokens, time.monotonic() - t0)
             finally:
                 if delivered is not None:
                     delivered[0] = transfer.done_sent
