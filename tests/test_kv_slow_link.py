@@ -238,3 +238,31 @@ async def test_bytes_of_an_earlier_leg_never_land_in_the_next():
         await proxy.close()
         await rx.close()
     assert kv_key_for("x" * 1000, 123456).endswith("~123456") and len(kv_key_for("x" * 1000, 123456)) == 256
+
+
+async def test_an_idle_connection_closed_by_its_receiver_is_news_not_a_warning(caplog):
+    """A receiver that stops (a decode worker shutting down with the system) closes the link's idle
+    connections: logged at INFO. With a transfer on the link the same failure is a WARNING."""
+    import logging
+
+    fp = {"model": "close-test"}
+    for busy in (False, True):
+        rx = KvReceiver("rx", fp, 4)
+        port = await rx.start("127.0.0.1", 0)
+        link = KvLink(f"127.0.0.1:{port}", name="tx", fingerprint=fp, connections=2, connect_timeout=0.5)
+        try:
+            await link.ensure_connected()
+            if busy:
+                await _send(link, rx, "b", 1 << 16)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="prfaas.kv.send"):
+                await rx.close()
+                for _ in range(100):
+                    if any("failed" in r.getMessage() for r in caplog.records):
+                        break
+                    await asyncio.sleep(0.02)
+            levels = {r.levelno for r in caplog.records if "failed" in r.getMessage()}
+            assert levels == ({logging.WARNING} if busy else {logging.INFO}), (busy, [r.getMessage() for r in caplog.records])
+        finally:
+            await link.close()
+            await rx.close()

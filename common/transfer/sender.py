@@ -205,7 +205,9 @@ class KvLink:
         """Close a connection and move its unacknowledged chunks to the others."""
         if not c.alive:
             return
-        log.warning("KV link %s connection %d failed: %s", self.addr, c.cid, why)
+        # a warning while transfers use the link; an idle connection closed (the receiver stopped or
+        # restarted, e.g. the whole system shutting down) is only news
+        log.log(logging.WARNING if self.transfers else logging.INFO, "KV link %s connection %d failed: %s", self.addr, c.cid, why)
         self.stats.on_stall(str(c.cid))
         requeue = c.abandon()
         for tr in self.transfers.values():
