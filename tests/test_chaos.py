@@ -247,6 +247,47 @@ def _note(row, pattern: str) -> None:
 
 
 @pytest.mark.timeout(30)
+async def test_after_an_idle_spell_the_link_bursts_only_a_moment_of_its_rate():
+    """A real link never carries more than its rate; the shared bucket lets 50 ms of it (at least
+    16 KiB) pass at once, no more: 256 KiB after an idle second at 1 Mbit/s take about 2 s. (With
+    the old fixed 256 KiB burst they crossed at once.)"""
+    from common.lab.topology import burst_bytes_for
+
+    assert burst_bytes_for(1e6) == 16 << 10 and burst_bytes_for(40e6) == 250_000 and burst_bytes_for(None) == 256 << 10
+    got = asyncio.Event()
+    total = [0]
+
+    async def sink(reader, writer):
+        while data := await reader.read(1 << 16):
+            total[0] += len(data)
+            if total[0] >= 256 << 10:
+                got.set()
+        writer.close()
+
+    srv = await asyncio.start_server(sink, "127.0.0.1", 0)
+    link = WanLink()
+    addr = link.add("kv:x", "127.0.0.1", f"127.0.0.1:{srv.sockets[0].getsockname()[1]}", client_side="prfaas")
+    await link.start()
+    loop = asyncio.get_running_loop()
+    try:
+        link.configure(rate_bps=1e6)
+        host, port = addr.split(":")
+        _, w = await asyncio.open_connection(host, int(port))
+        await asyncio.sleep(1.0)  # idle: a bucket that banked credit would let the next bytes through at once
+        t0 = loop.time()
+        w.write(b"x" * (256 << 10))
+        await w.drain()
+        await asyncio.wait_for(got.wait(), 10)
+        took = loop.time() - t0
+        assert took > 1.6, f"256 KiB at 1 Mbit/s in {took:.2f}s"  # (256 - 16) KiB at 125 kB/s: 1.97 s
+        w.close()
+    finally:
+        await link.close()
+        srv.close()
+        await srv.wait_closed()
+
+
+@pytest.mark.timeout(30)
 async def test_an_unshaped_path_takes_the_links_faults_but_not_its_cap():
     """Control traffic (shaped=False) is not held to the KVCache's cap: 1.5 MB cross in well under the
     0.3 s the 5 MB/s cap would take, while a shaped path takes about that; a stall holds both."""

@@ -70,6 +70,21 @@ TOWARD_LOCAL, TOWARD_PRFAAS = "to_local", "to_prfaas"
 KV_ADVERTISE_FLAG = "--kv-advertise-remote"
 
 
+WAN_BURST_S = 0.05  # the link's bucket lets this much of its rate pass at once (s)
+
+
+def burst_bytes_for(rate_bps: float | None) -> int:
+    """The token bucket's burst (bytes) for a link capped at ``rate_bps`` (bit/s; None: no cap):
+    :data:`WAN_BURST_S` of the rate, at least 16 KiB. Enough for the proxies' writers to catch up
+    after a late wake-up (the shared bucket serves every connection in turn), small against the
+    rate. A fixed 256 KiB was 0.68 s of the emulated swing's 4 Gbit/s phase (375 KB/s of real wire
+    rate, 3.4 emulated seconds): after each idle spell the link carried up to 1.8 times its rate for
+    seconds, so its queue built up later than on a real link of that rate."""
+    if rate_bps is None:
+        return 256 << 10
+    return max(16 << 10, int(rate_bps / 8 * WAN_BURST_S))
+
+
 class WanLink:
     """The cross-datacenter link: a set of :class:`LinkProxy` paths whose faults are set together.
 
@@ -125,6 +140,7 @@ class WanLink:
             p.delay_s, p.jitter_s = delay_s, jitter_s
         for b in self.buckets.values():
             b.rate_bps = rate_bps
+            b.burst_bytes = burst_bytes_for(rate_bps)
 
     def stall(self) -> None:
         """Blackhole: nothing crosses in either direction; connections stay open."""
