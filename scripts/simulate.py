@@ -58,6 +58,12 @@ from services.planner import throughput as tm  # noqa: E402
 # holds the prefill worker (it is added to its service time), the remote extra only delays the first token.
 EMULATED_HOST_OVERHEAD_S = 0.06
 EMULATED_REMOTE_OVERHEAD_S = 0.03
+# Bytes a KV transfer of the emulated cluster carries on the link beside its KVCache (frame headers,
+# KV_BEGIN's layouts, pings), in real bytes: they are not scaled down with the KVCache. Measured: one
+# remote request at a time through a 1/1/1 emulated cluster, 20K / 40K / 100K tokens: 2,716 / 3,046 /
+# 4,448 bytes up the KV path beyond the model's wire bytes; a line through them.
+EMULATED_KV_OVERHEAD_BYTES = 2285.0
+EMULATED_KV_OVERHEAD_PER_CARRIED_TOKEN = 0.69
 KV_CONNECTIONS = 2  # the emulated cluster's --kv-connections: each with its own 4 MiB link-proxy buffer
 PING_INTERVAL_S = 1.0  # real seconds between the KV sender's pings on each connection (KvLink's ping_interval)
 NAMES = {"prfaas": "PrfaaS-PD", "homog": "Homogeneous PD", "naive": "Naive heterogeneous"}
@@ -67,7 +73,8 @@ def emulated_base(scales: dict, host_overhead_s: float = EMULATED_HOST_OVERHEAD_
     """The emulated cluster's settings in unscaled units: decode ``(16 - 1) x 64`` steps after the first
     token (output x64), the link proxies' 4 MiB buffer and each worker's 32 MiB prefix cache and
     64 MiB KV pool (``common/lab/emulated_cluster.py``) divided by the effective byte scale, and its
-    per-request host overheads (seconds, see :data:`EMULATED_HOST_OVERHEAD_S`), and the clock of its
+    per-request host overheads (seconds, see :data:`EMULATED_HOST_OVERHEAD_S`), its KV transfers'
+    protocol bytes (:data:`EMULATED_KV_OVERHEAD_BYTES`, scaled up like the buffers), and the clock of its
     senders' RTT signals (real seconds: ``rtt_clock_scale``, ``rtt_floor_window_s``)."""
     s = Scales(**scales)
     b = EmulatedModel(EmulatedProfile.from_file("h20_table6_fit"), s).byte_scale
@@ -81,7 +88,9 @@ def emulated_base(scales: dict, host_overhead_s: float = EMULATED_HOST_OVERHEAD_
                      # and the planner's RTT thresholds are not scaled (its --short-* intervals are)
                      rtt_clock_scale=s.time_scale, rtt_floor_window_s=3.0 * s.time_scale,
                      prefix_cache_bytes=(32 << 20) / b, decode_pool_bytes=(64 << 20) / b,
-                     host_overhead_s=host_overhead_s, remote_overhead_s=remote_overhead_s)
+                     host_overhead_s=host_overhead_s, remote_overhead_s=remote_overhead_s,
+                     kv_wire_overhead_bytes=EMULATED_KV_OVERHEAD_BYTES / b,
+                     kv_wire_overhead_per_token=EMULATED_KV_OVERHEAD_PER_CARRIED_TOKEN / s.token_scale / b)
 
 
 def emulated_send_chunks(model: EmulatedModel) -> tuple[int, int]:

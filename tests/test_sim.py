@@ -531,3 +531,18 @@ def test_pings_still_out_on_every_connection_bound_the_reported_rtt():
     assert (rtt, floor) == (1.0, 1.0)  # just sent: nothing waited yet
     rtt, floor = pings.tick(first + 4.0, {"p": (40.0, 40.0)}, stuck, 1.0)
     assert rtt == pytest.approx(4001.0) and floor == pytest.approx(4001.0)
+
+
+def test_each_kv_transfer_carries_the_protocols_own_bytes_on_the_link():
+    """The link carries a remote transfer's KVCache plus ``kv_wire_overhead_bytes`` and
+    ``kv_wire_overhead_per_token`` per prompt token (frame headers, KV_BEGIN's layouts)."""
+    from common.sim.engine import SimConfig, Simulation
+
+    moved = []
+    for fixed, per_token in ((0.0, 0.0), (1e6, 10.0)):
+        sim = Simulation(SimConfig(1, 0, 1, threshold=0.0, kv_wire_overhead_bytes=fixed, kv_wire_overhead_per_token=per_token))
+        sim.run([0.0, 1.0], [50_000, 80_000])
+        moved.append(sim.link.done_bytes)
+    kv = sum(Simulation(SimConfig(1, 0, 1)).prfaas_hw.s_kv(x) for x in (50_000, 80_000))
+    assert moved[0] == pytest.approx(kv)
+    assert moved[1] - moved[0] == pytest.approx(2 * 1e6 + 10.0 * (50_000 + 80_000))

@@ -83,7 +83,11 @@ class SimConfig:
     ``common/sim/pings.py``), ``rtt_floor_window_s`` the senders' RTT floor window (s) and ``rtt_clock_scale``
     the seconds of simulated time per second of the senders' clock for the RTTs they report (1 for a real
     deployment; the emulated cluster's ``time_scale``: its senders time pings on the real clock, a fifth of
-    the emulated seconds, and its planner compares those milliseconds with its thresholds)."""
+    the emulated seconds, and its planner compares those milliseconds with its thresholds). Each KV
+    transfer also carries ``kv_wire_overhead_bytes`` plus ``kv_wire_overhead_per_token`` per prompt
+    token of the protocol's own on the link (frame headers, ``KV_BEGIN``'s layouts, pings: about 2.3 KB
+    on the real engine, nothing beside a real KVCache; the emulated cluster's are not scaled down
+    with its KVCache, so ``--validate`` scales them up by its ``byte_scale``)."""
 
     n_prfaas: int
     n_p: int
@@ -113,6 +117,8 @@ class SimConfig:
     kv_fixed_chunks: int = 0
     rtt_clock_scale: float = 1.0
     rtt_floor_window_s: float = 3.0
+    kv_wire_overhead_bytes: float = 2300.0
+    kv_wire_overhead_per_token: float = 0.0
     mu: float = 9.90
     sigma: float = 1.00
     lo: float = 128.0
@@ -269,7 +275,8 @@ class Simulation:
     def _prefill_started(self, req: SimRequest, seconds: float) -> None:
         self.dirty.add(req.prefill.name)
         if req.prefill.cluster == "prfaas":
-            nbytes, key = req.kv_prfaas, (req.prefill.name, req.decode.name)  # the sender's path to that decode worker
+            key = (req.prefill.name, req.decode.name)  # the sender's path to that decode worker
+            nbytes = req.kv_prfaas + self.cfg.kv_wire_overhead_bytes + self.cfg.kv_wire_overhead_per_token * req.length
             admit_s = self._admission_s(key)
             req.flow = self.link.start(nbytes, lambda: self._kv_done(req), nbytes / seconds if seconds > 0 else math.inf, queue=key)
             if admit_s > 0:
