@@ -102,8 +102,7 @@ class WanLink:
     def __init__(self, max_buffer_bytes: int = 16 << 20, seed: int = 7):
         self.max_buffer_bytes = max_buffer_bytes
         self.seed = seed
-        self.buckets = {TOWARD_LOCAL: TokenBucket(None, 256 << 10), TOWARD_PRFAAS: TokenBucket(None, 256 << 10)}
-        self.uncapped = {TOWARD_LOCAL: TokenBucket(None), TOWARD_PRFAAS: TokenBucket(None)}  # never given a rate
+        self.buckets = {TOWARD_LOCAL: TokenBucket(None, burst_bytes_for(None)), TOWARD_PRFAAS: TokenBucket(None, burst_bytes_for(None))}
         self.proxies: dict[str, LinkProxy] = {}
 
     def add(self, name: str, listen_host: str, target: str, client_side: str, shaped: bool = True) -> str:
@@ -116,10 +115,10 @@ class WanLink:
         port = free_port()
         thost, tport = parse_addr(target)
         up, down = (TOWARD_LOCAL, TOWARD_PRFAAS) if client_side == "prfaas" else (TOWARD_PRFAAS, TOWARD_LOCAL)
-        # One bucket per link direction, shared by every path (LinkProxy keeps one per proxy by default).
-        buckets = self.buckets if shaped else self.uncapped
+        # One bucket per link direction, shared by every shaped path; an unshaped one keeps the proxy's
+        # own, which configure() never gives a rate.
         proxy = LinkProxy(listen_host, port, thost, tport, max_buffer_bytes=self.max_buffer_bytes,
-                          seed=self.seed + len(self.proxies), buckets=(buckets[up], buckets[down]))
+                          seed=self.seed + len(self.proxies), buckets=(self.buckets[up], self.buckets[down]) if shaped else None)
         self.proxies[name] = proxy
         return f"{listen_host}:{port}"
 

@@ -171,7 +171,8 @@ class PathPings:
             still = now - p.moved[0]  # seconds its bytes have not moved (while a ping was out)
             t0, d0, r0 = p.seen
             d_sent = None
-            youngest = -math.inf  # the latest send time of the pings still out from earlier rounds, if all are
+            # the latest send time of the pings still out from earlier rounds; None once a connection has none
+            youngest: float | None = -math.inf
             for c in range(n):
                 o = outs[c]
                 if o is not None:
@@ -207,7 +208,7 @@ class PathPings:
                             p.moved = (now, d_sent)
                     outs[c] = (now, d_sent + a[c])
             p.seen = (now, *progress(key)) if any(outs) else (now, 0.0, 0.0)
-            waited = None if youngest is None or youngest == -math.inf else base_ms + 1e3 * (now - youngest)
+            waited = None if youngest is None else base_ms + 1e3 * (now - youngest)
             rtt, floor = rtt_with_pings_out(p.rtt.value, p.floor.value(now), waited)
             if rtt is not None:
                 worst_rtt = max(worst_rtt, rtt)
