@@ -103,7 +103,9 @@ async def blocked_write(env, rx, link, timeout: float = 20):
     await link.ensure_connected()
     c = link.conns[max(link.conns)]
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
-    rx_peer(rx, c).transport.pause_reading()
+    peer = rx_peer(rx, c)
+    peer.threaded = False  # its payloads are read by the event loop, whose reading stops here
+    peer.transport.pause_reading()
     payload = bytes(8 << 20)  # far more than the socket buffers on both sides hold
     task = asyncio.create_task(c.write_chunk([b"", payload], timeout=timeout))
     await eventually(lambda: c.direct_busy, 3, "the thread to take the chunk")

@@ -430,12 +430,14 @@ def stall(rx: KvReceiver, c) -> None:
     :data:`SMALL_RX`), or its large receive buffer would swallow the whole test transfer."""
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
     c.writer.transport.set_write_buffer_limits(high=64 << 10)
-    rx_peer(rx, c).transport.pause_reading()
+    peer = rx_peer(rx, c)
+    peer.threaded = False  # its payloads are read by the event loop, whose reading stops here
+    peer.transport.pause_reading()
 
 
 async def stuck(c, quiet_s: float = 0.3) -> None:
     """Wait until connection ``c``'s writer is stuck: bytes wait in its transport or its chunk thread and the kernel has
-    taken none for ``quiet_s`` seconds, with more chunks queued behind."""
+    taken none for ``quiet_s`` seconds, with more chunks behind (queued, or later in the same write)."""
     last, since = None, time.monotonic()
     end = since + 5
     while True:
@@ -444,7 +446,8 @@ async def stuck(c, quiet_s: float = 0.3) -> None:
         now = (c.writer.transport.get_write_buffer_size() or int(c.direct_busy), info.bytes_acked if info else None)
         if now != last:
             last, since = now, time.monotonic()
-        elif now[0] > 0 and c.queue.qsize() > 0 and time.monotonic() - since > quiet_s:
+        # more chunks behind: queued, or in the same write (a batch of several chunks, sender.py)
+        elif now[0] > 0 and (c.queue.qsize() > 0 or len(c.current or ()) > 1) and time.monotonic() - since > quiet_s:
             return
         assert time.monotonic() < end, "the connection never got stuck"
         await asyncio.sleep(0.02)

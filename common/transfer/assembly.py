@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import threading
 from typing import Any
 
 import torch
@@ -97,6 +98,8 @@ class KvAssembly:
         self.sizes: list[int] = []  # bytes per layer, from the layouts
         self.coverage: list[_Coverage] = []
         self.closed = False  # released by its owner: no byte may land in its memory any more
+        # the locks of connection threads reading a payload into this memory now (payload_reader.py)
+        self.readers: set[threading.Lock] = set()
         self.layer_ready = [asyncio.Event() for _ in range(num_layers)]
         self.done = asyncio.Event()
         self.final: dict[str, Any] | None = None
@@ -178,10 +181,20 @@ class KvAssembly:
         self._maybe_done()
 
     def abort(self, reason: str) -> None:
-        """Mark the transfer failed; waiters on :attr:`done` wake up and read :attr:`error`."""
+        """Mark the transfer failed; waiters on :attr:`done` wake up and read :attr:`error`. No byte
+        lands in its memory after this returns (:meth:`fence`)."""
         if self.error is None:
             self.error = reason
+        self.fence()
         self.done.set()
+
+    def fence(self) -> None:
+        """Wait for the connection threads reading into this memory to finish their current read (each
+        re-checks :attr:`closed` and :attr:`error` before its next one: ``common/transfer/payload_reader.py``).
+        Call after setting either; blocks at most one non-blocking socket read per thread."""
+        for lock in list(self.readers):
+            with lock:
+                pass
 
     @property
     def complete(self) -> bool:

@@ -57,6 +57,7 @@ WRITE_HIGH_WATER_BYTES = 4 << 20  # transport buffer above which a write waits t
 # through the event loop's transport instead. TLS connections always use the transport.
 SEND_THREADS = os.environ.get("PRFAAS_KV_SEND_THREADS", "1") != "0"
 THREAD_WRITE_MIN_BYTES = 256 << 10  # smaller frames go through the transport (no thread hop for them)
+WRITE_BATCH_BYTES = 16 << 20  # queued chunk bytes one write may carry (several frames, one thread hop)
 # A pong later than this many times max(ping_timeout, stall_timeout) fails its connection even while its
 # bytes move (60 s at the defaults): every wait has a bound.
 LATE_PONG_CAP = 12.0
@@ -85,7 +86,7 @@ class LinkConnection:
         self.peer_rx = 0  # bytes the receiver said it has read on this connection (KV_PROGRESS)
         self.peer_progress = -float("inf")  # when that last grew (never: -inf)
         self.tasks: list[asyncio.Task] = []
-        self.current: tuple[Any, tuple[int, int], int] | None = None  # the item the writer is draining
+        self.current: list[tuple[Any, tuple[int, int], int]] | None = None  # the items the writer is draining
         # the chunk-writing thread's socket: a dup of the transport's descriptor (None: the transport
         # writes chunks), whether a chunk is being written by it, and the control frames written
         # meanwhile (sent after that chunk, so no frame lands inside another on the stream)
@@ -275,8 +276,11 @@ class LinkConnection:
             item = self.queue.get_nowait()
             if item is not None:
                 items.append(item[:3])
-        if self.current is not None:  # written but not drained when the writer was cancelled
-            items.append(self.current)
+        if self.current is not None:  # handed to the socket but not drained: they go again elsewhere
+            for tr, _key, _window in self.current:
+                if not tr.over:
+                    tr.resent_chunks += 1
+            items += self.current
             self.current = None
         self.queued_bytes = 0
         return items

@@ -34,6 +34,7 @@ from common.rpc.limits import set_keepalive
 from common.transfer import codecs
 from common.transfer.assembly import KvAssembly
 from common.transfer.coded import span_for
+from common.transfer.payload_reader import RECV_THREADS, PayloadReader, ThreadedPayloads
 from proto.frames import (
     MAGIC,
     PRE_AUTH_MAX_HEADER,
@@ -101,7 +102,7 @@ _PREFIX, _HEADER, _PAYLOAD, _DISCARD = range(4)
 _HELLO, _AUTH, _READY = range(3)  # handshake state of a connection
 
 
-class KvConnection(asyncio.BufferedProtocol):
+class KvConnection(ThreadedPayloads, asyncio.BufferedProtocol):
     """One sender connection. A small state machine: prefix -> header -> payload (into the layer
     buffer, or discarded) -> prefix ... ``get_buffer`` never offers more than the current part, so a
     read never crosses a frame boundary."""
@@ -133,6 +134,9 @@ class KvConnection(asyncio.BufferedProtocol):
         self.progress_every: float | None = None
         self.progress_at = 0.0
         self.rx_bytes = 0
+        self.reader: PayloadReader | None = None  # this connection's reading thread, made at its first large payload
+        self.reading = False  # the thread reads (the transport's reading is paused meanwhile)
+        self.threaded = RECV_THREADS  # large payloads may be read in that thread (False: all on the event loop)
 
     @property
     def authenticated(self) -> bool:
@@ -166,6 +170,9 @@ class KvConnection(asyncio.BufferedProtocol):
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         self.rx.connections.discard(self)
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
 
     def send(self, data: bytes) -> None:
         """Write a frame; a peer that does not read (over ``max_write_buffer`` bytes queued) is cut off."""
@@ -178,9 +185,10 @@ class KvConnection(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.state == _PAYLOAD:
-            if not self.target[0].closed:
+            asm = self.target[0]
+            if not asm.closed and asm.error is None:
                 return self.pieces[self.piece_i][self.piece_pos :]
-            # Its owner released the transfer mid-frame: the memory may belong to someone else now.
+            # Its owner released (or failed) the transfer mid-frame: the memory may belong to someone else now.
             self.state, self.target, self.pieces, self.coded = _DISCARD, None, [], None
             self.rx.counters["dropped_frames"] += 1
         if self.state == _DISCARD:
@@ -192,8 +200,7 @@ class KvConnection(asyncio.BufferedProtocol):
         self.rx_bytes += nbytes
         self.last_rx = now = time.monotonic()  # any byte counts: a long payload on a slow link is not idle
         if self.progress_every is not None and now - self.progress_at >= self.progress_every and self.hello_state == _READY:
-            self.progress_at = now
-            self.send(encode_frame(Kind.KV_PROGRESS, {"rx": self.rx_bytes}))
+            self._progress(now)
         if self.state == _PAYLOAD:
             self.piece_pos += nbytes
             if self.piece_pos == self.pieces[self.piece_i].nbytes and self.piece_i + 1 < len(self.pieces):
@@ -210,9 +217,17 @@ class KvConnection(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         return False
 
+    def _progress(self, now: float) -> None:
+        self.progress_at = now
+        self.send(encode_frame(Kind.KV_PROGRESS, {"rx": self.rx_bytes}))
+
     # state machine --------------------------------------------------------------------------
     def _expect(self, state: int, need: int) -> None:
         self.state, self.pos, self.need = state, 0, need
+
+    def _expect_frame(self) -> None:
+        """Read the next frame from its first byte (after the reading thread handed back)."""
+        self._expect(_PREFIX, PREFIX_SIZE)
 
     def _advance(self) -> None:
         if self.state == _PREFIX:
@@ -372,6 +387,7 @@ class KvConnection(asyncio.BufferedProtocol):
             self._bad(asm, f"bad KV_LAYER: {e}")
         if self.target is not None and self.payload_len > 0:
             self._expect(_PAYLOAD, self.payload_len)
+            self._read_in_thread()
             return True
         self.target = self.coded = None  # an empty range
         if self.payload_len > 0:

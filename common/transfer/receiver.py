@@ -131,6 +131,7 @@ class KvReceiver:
         if not res.asm.done.is_set():
             res.asm.abort(reason)
         res.asm.closed = True  # a frame landing in it now switches to discarding (see get_buffer)
+        res.asm.fence()  # and a connection thread reading into it has finished its current read
         if recycle and res.asm.complete:
             res.asm.recycle()
         return True
