@@ -56,8 +56,9 @@ from common.rpc.handshake import parse_addr
 from common.runtime.backoff import Backoff
 from common.runtime.priority import CLASSES, class_of
 from common.transfer import codecs
+from common.transfer.chunk_writer import ChunkWriting
 from common.transfer.coded import CodecMeter, encode_chunk
-from common.transfer.connection import WRITE_BATCH_BYTES, LinkConnection, wait_cleared, wait_set_or_dead
+from common.transfer.connection import LinkConnection, wait_cleared, wait_set_or_dead
 from common.transfer.link_stats import LinkStats, windows_from_env
 from common.transfer.outbound import Transfer, TransferRefused
 from common.transfer.ranges import DEFAULT_CHUNK_BYTES, Range, split_ranges
@@ -69,14 +70,13 @@ from proto.frames import (
     Kind,
     ProtocolError,
     encode_frame,
-    encode_frame_parts,
 )
 from proto.values import BadValue, wire_float
 
 log = logging.getLogger("prfaas.kv.send")
 
 
-class KvLink:
+class KvLink(ChunkWriting):
     """N connections to one KV receiver. Sizes in bytes, times in seconds."""
 
     def __init__(self, addr: str, *, name: str, fingerprint: dict[str, Any] | None, connections: int = 4,
@@ -239,62 +239,6 @@ class KvLink:
         while a pipelined transfer is not yet admitted, else the least queued live connection."""
         conn = self.conns.get(tr.pinned) if tr.pinned is not None and not tr.admitted.is_set() else None
         return conn if conn is not None and conn.alive else self._least_queued()
-
-    def _enqueue(self, item: tuple[Transfer, tuple[int, int], int]) -> None:
-        tr, key, window = item
-        entry = tr.chunks.get(key)
-        if entry is None or tr.over:  # finished or aborted meanwhile: drop it
-            self._release(window)
-            return
-        conn = self._conn_for(tr)
-        entry[1] = conn.cid
-        conn.queued_bytes += entry[0].nbytes
-        conn.queue.put_nowait((tr, key, window, entry[0].nbytes))
-
-    # -- the per-connection loops ------------------------------------------------------------
-    async def _write_loop(self, c: LinkConnection) -> None:
-        # Queue items are (transfer, (layer, offset), window bytes to return once written, chunk bytes).
-        # A bulk transfer keeps several chunks queued: up to WRITE_BATCH_BYTES of them go in one write
-        # (still one KV_LAYER frame each), so the connection's thread hands back to the loop once per
-        # batch rather than once per chunk.
-        while True:
-            items = [await c.queue.get()]
-            size = items[0][3]
-            while size < WRITE_BATCH_BYTES and not c.queue.empty():
-                items.append(c.queue.get_nowait())
-                size += items[-1][3]
-            batch, parts = [], []
-            for tr, key, window, nbytes in items:
-                entry = tr.chunks.get(key)
-                if entry is None or tr.over:
-                    c.queued_bytes -= nbytes
-                    self._release(window)
-                    continue
-                batch.append((tr, key, window, nbytes, entry[0]))
-                parts += encode_frame_parts(Kind.KV_LAYER, {"req_id": tr.req_id, "layer": key[0], "offset": key[1],
-                                                            **entry[3]}, [entry[0]])
-            if not batch:
-                continue
-            c.current = [item[:3] for item in batch]  # if _fail cancels us while draining, it resends these chunks
-            try:
-                await c.write_chunk(parts, self.stall_timeout)
-            except (TimeoutError, ConnectionError, OSError) as e:
-                if not c.alive:  # already failed (wait_for can swallow _fail's cancel): the chunks moved
-                    return
-                # _fail moves the chunks being written (c.current, with their windows) and the rest of the queue
-                self._fail(c, f"write did not drain within {self.stall_timeout}s" if isinstance(e, TimeoutError) and not str(e) else str(e))
-                return
-            if not c.alive:  # failed while draining: _fail moved these chunks (and their windows) already
-                return
-            c.current = None
-            c.last_io = time.monotonic()
-            for tr, key, window, nbytes, view in batch:
-                c.queued_bytes -= nbytes
-                if key in tr.chunks:  # not when the transfer ended (failed, aborted) while this chunk drained
-                    tr.mark_written(key)
-                self.stats.on_bytes_sent(view.nbytes, c.last_io)
-                self.mix.add(tr.priority, view.nbytes, c.last_io)
-                self._release(window)
 
     def _on_frame(self, c: LinkConnection, frame: Frame) -> None:
         h = frame.header
