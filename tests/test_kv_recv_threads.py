@@ -49,13 +49,21 @@ def loops() -> list:
     return out
 
 
-def run(factory, scenario, num_layers: int) -> None:
+@pytest.fixture(autouse=True)
+def eager_threads(monkeypatch):
+    """Hand every large payload to the thread, however few of its bytes the kernel holds yet (in these
+    tests the writer races the reader); ``test_slow_bytes_stay_on_the_loop`` turns this off."""
+    monkeypatch.setattr(payload_reader, "QUEUED_MIN_BYTES", 0)
+
+
+def run(factory, scenario, num_layers: int, socket_buffer_bytes: int = 0) -> None:
     """Run ``await scenario(rx, connect)`` on a fresh event loop from ``factory`` (None: asyncio's own)
     against a receiver of ``num_layers`` layers on a loopback port; ``connect()`` opens a
-    :class:`Peer` to it. The peers and the receiver are closed afterwards, whatever happened."""
+    :class:`Peer` to it; ``socket_buffer_bytes`` is its SO_RCVBUF (0: the kernel's autotuning). The
+    peers and the receiver are closed afterwards, whatever happened."""
 
     async def main():
-        rx = KvReceiver("rx", FP, num_layers, socket_buffer_bytes=0)
+        rx = KvReceiver("rx", FP, num_layers, socket_buffer_bytes=socket_buffer_bytes)
         port = await rx.start("127.0.0.1", 0)
         peers: list[Peer] = []
 
@@ -181,7 +189,7 @@ def test_chunks_land_bitwise_with_other_frames_between(factory):
             assert bytes(a.buffers[i]) == layer_bytes(layers[i])
             assert bytes(b.buffers[i]) == layer_bytes(other[i])
         conn = next(iter(rx.connections))
-        assert conn.reader is not None, "no payload was read in the connection's thread"
+        assert rx.counters["thread_frames"] > 0, "no payload was read in the connection's thread"
         await until(lambda: peer.kinds().count(Kind.KV_ACK) == 2, "both acks")
         await until(lambda: peer.kinds().count(Kind.PONG) == n_pings, "every PONG")
         pongs = [f.header["t"] for f in peer.frames if f.kind is Kind.PONG]
@@ -291,3 +299,41 @@ def test_threads_switch():
         assert asm.error is None and conn.reader is None
 
     run(None, scenario, 1)
+
+
+@pytest.mark.parametrize("factory", loops())
+def test_slow_bytes_stay_on_the_loop(factory, monkeypatch):
+    """With the rule in force (a payload goes to the thread only when the kernel already holds
+    ``QUEUED_MIN_BYTES`` of the connection's bytes), a chunk whose bytes trickle in is read by the event
+    loop (no thread is made), and one whose bytes are all there when its header is read goes to the
+    thread."""
+    monkeypatch.setattr(payload_reader, "QUEUED_MIN_BYTES", payload_reader.THREAD_READ_MIN_BYTES)
+
+    async def scenario(rx, connect):
+        layers, layouts = layers_of(seq=4096, n=1)
+        data = layer_bytes(layers[0])
+        asm = rx.expect("a", layouts[0]["total"])
+        peer = connect()
+        await peer.send(hello(), begin("a", layouts))
+        await until(lambda: asm.allocated, "the admission")
+        conn = next(iter(rx.connections))
+        frame = chunk_frame("a", 0, 0, data[:BIG])
+        head = len(frame) - BIG
+        await peer.send(frame[:head])
+        await until(lambda: conn.rx_bytes >= len(hello()) + len(begin("a", layouts)) + head, "the header")
+        for at in range(head, len(frame), 64 << 10):  # the payload trickles in
+            await peer.send(frame[at : at + (64 << 10)])
+            await asyncio.sleep(0.005)
+        await until(lambda: asm.coverage[0].covered == BIG, "the trickled chunk")
+        assert rx.counters["thread_frames"] == 0, "a trickling payload went to the thread"
+        conn.transport.pause_reading()  # the next chunk fills the kernel's buffers before its header is read
+        sending = asyncio.ensure_future(peer.send(chunk_frame("a", 0, BIG, data[BIG:])))
+        await asyncio.sleep(0.3)
+        conn.transport.resume_reading()
+        await asyncio.wait_for(sending, 20)
+        await peer.send(encode_frame(Kind.KV_DONE, {"req_id": "a", "first_token": 1, "prompt_len": 1}))
+        await asyncio.wait_for(asm.done.wait(), 20)
+        assert asm.error is None and bytes(asm.buffers[0]) == data
+        assert rx.counters["thread_frames"] == 1, "a payload already in the kernel was not read in the thread"
+
+    run(factory, scenario, 1, socket_buffer_bytes=2 << 20)  # (autotuning starts at 128 KiB: too few bytes queue)

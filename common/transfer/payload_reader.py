@@ -4,8 +4,10 @@ receiving twin of the sender's chunk threads, ``common/transfer/connection.py``)
 
 How a receiving connection (:class:`common.transfer.inbound.KvConnection`, through
 :class:`ThreadedPayloads`) uses it: once the event loop has read a ``KV_LAYER`` header announcing a
-plain payload of at least :data:`THREAD_READ_MIN_BYTES`, it pauses its transport's reading and hands
-the payload's destination views to the thread. The thread reads the payload with ``recvmsg_into``
+plain payload of at least :data:`THREAD_READ_MIN_BYTES` while the kernel already holds that much of
+the connection's bytes (they arrive faster than a trickle: on a slow link the event loop keeps up
+and no thread is woken), it pauses its transport's reading and hands the payload's destination views
+to the thread. The thread reads the payload with ``recvmsg_into``
 straight into the destination (a layer buffer, or a request's KV blocks: up to :data:`IOV_MAX` of them
 in one call) on a duplicate of the socket's descriptor, posts the chunk's commit to the event loop,
 and reads the next frame's prefix and header. While that is a plain ``KV_LAYER`` chunk of the same
@@ -29,12 +31,15 @@ owner may hand the memory to someone else. The lock is held only around one non-
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import select
 import socket
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -52,9 +57,9 @@ log = logging.getLogger("prfaas.kv.recv")
 
 RECV_THREADS = os.environ.get("PRFAAS_KV_RECV_THREADS", "1") != "0"
 THREAD_READ_MIN_BYTES = 256 << 10  # smaller payloads are read by the event loop (no thread hop for them)
+QUEUED_MIN_BYTES = THREAD_READ_MIN_BYTES  # unread bytes the kernel must hold for a payload to go to the thread
 FOLLOW_WAIT_S = 0.005  # how long the thread waits for the next frame's prefix or header before handing back
 IOV_MAX = 512  # destination views per recvmsg_into (Linux allows 1024)
-LOWAT_BYTES = 512 << 10  # SO_RCVLOWAT while a payload is read: poll wakes once this much has arrived
 POLL_S = 0.5  # the thread's longest wait in poll before it looks at its stop flag again (seconds)
 _SCRATCH_BYTES = 1 << 20  # what a discarded payload is read into, per call
 
@@ -100,6 +105,15 @@ class PayloadReader:
         :meth:`read_into` and :meth:`read_some`)."""
         return self.pool.submit(fn, *args)
 
+    def queued(self) -> int:
+        """Bytes the kernel holds unread for this connection now (``FIONREAD``; 0 if it cannot tell)."""
+        buf = array.array("i", [0])
+        try:
+            fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, buf, True)
+        except OSError:
+            return 0
+        return buf[0]
+
     def _wait(self, poller: select.poll, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for bytes (or the end of the connection); True when there may be
         some. Raises ``ConnectionError`` once :meth:`close` was called."""
@@ -122,20 +136,8 @@ class PayloadReader:
         whole = True
         poller = select.poll()
         poller.register(self.sock.fileno(), select.POLLIN)
-        lowat = 1
-        try:
-            while left:
-                if min(left, LOWAT_BYTES) != lowat:  # wake for a good share of the payload, not for every segment
-                    lowat = min(left, LOWAT_BYTES)
-                    try:
-                        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
-                    except OSError as e:
-                        raise ConnectionResetError(f"connection failed while reading a KV payload: {e}") from None
-                left, whole = self._read_step(poller, views, left, whole, asm, on_bytes)
-        finally:
-            if lowat != 1:
-                with contextlib.suppress(OSError):
-                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        while left:
+            left, whole = self._read_step(poller, views, left, whole, asm, on_bytes)
         return whole
 
     def _read_step(self, poller: select.poll, views: list[memoryview], left: int, whole: bool, asm: Any,
@@ -229,6 +231,8 @@ class ThreadedPayloads:
             self.reader = PayloadReader.open(t.get_extra_info("socket"), "kv-recv")
             if self.reader is None:
                 return
+        if self.reader.queued() < QUEUED_MIN_BYTES:
+            return  # the bytes trickle in (a slow link): the event loop keeps up, no thread hop
         asm, layer, offset = self.target
         t.pause_reading()
         self.reading = True
@@ -302,6 +306,7 @@ class ThreadedPayloads:
         its header too."""
         layer, offset, n = chunk
         counters = self.rx.counters
+        counters["thread_frames"] += 1
         if whole and not asm.closed:
             asm.commit(layer, offset, n, time.monotonic())
             counters["bytes_received"] += n

@@ -102,7 +102,7 @@ class KvReceiver:
         self._lease_task: asyncio.Task | None = None
         self.counters = {"admitted": 0, "refused": 0, "acked": 0, "bytes_received": 0, "frames": 0,
                          "dropped_frames": 0, "expired_leases": 0, "refused_peers": 0, "refused_connections": 0,
-                         "bad_values": 0, "idle_closed": 0, "raw_bytes_received": 0, "coded_frames": 0,
+                         "bad_values": 0, "idle_closed": 0, "raw_bytes_received": 0, "coded_frames": 0, "thread_frames": 0,
                          "decode_s": 0.0}
 
     # -- owner API ---------------------------------------------------------------------------
