@@ -188,7 +188,6 @@ def test_chunks_land_bitwise_with_other_frames_between(factory):
         for i in range(2):
             assert bytes(a.buffers[i]) == layer_bytes(layers[i])
             assert bytes(b.buffers[i]) == layer_bytes(other[i])
-        conn = next(iter(rx.connections))
         assert rx.counters["thread_frames"] > 0, "no payload was read in the connection's thread"
         await until(lambda: peer.kinds().count(Kind.KV_ACK) == 2, "both acks")
         await until(lambda: peer.kinds().count(Kind.PONG) == n_pings, "every PONG")
