@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import socket
 import struct
@@ -918,3 +919,34 @@ async def test_close_leaves_no_tasks():
     await rx.close()
     assert not rx.connections and not link.conns and not rx.reservations
     assert not await leftover_tasks(baseline)
+
+
+async def test_link_log_lines_do_not_carry_the_request_that_dialled_it(env):
+    """A link dialled while a request is in context (the first request to a peer opens its link) keeps
+    its connections after that request: their log lines carry no request id (they used to carry the
+    first request's id for the life of the process)."""
+    from common.obs.logctx import REQUEST_ID, TextFormatter
+
+    rx, port = await env.receiver()
+    link = env.link(port, connections=2)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(TextFormatter().format(record))
+    logger = logging.getLogger("prfaas.kv.send")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        async def first_request():
+            REQUEST_ID.set("cmpl-first")
+            await link.ensure_connected()
+            logger.info("inside the request")
+
+        await asyncio.create_task(first_request())
+        await rx.close()  # every connection's read loop logs its failure
+        await eventually(lambda: sum("connection" in ln and "failed" in ln for ln in lines) >= 2, 5, "the failures logged")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert any("[cmpl-first] inside the request" in ln for ln in lines)  # the formatter does show ids
+    assert not [ln for ln in lines if "failed" in ln and "cmpl-first" in ln], lines

@@ -33,6 +33,15 @@ def valid_request_id(value: object) -> bool:
     return isinstance(value, str) and REQUEST_ID_RE.fullmatch(value) is not None
 
 
+def detached() -> contextvars.Context:
+    """A copy of the current context without a request id: for a task that outlives the request that
+    happens to start it (a KV link's connection loops), so that its log lines do not carry that
+    request's id for the rest of the process's life. Pass it as ``asyncio.create_task(..., context=)``."""
+    ctx = contextvars.copy_context()
+    ctx.run(REQUEST_ID.set, None)
+    return ctx
+
+
 def bind_request_id(value: object) -> None:
     """Set :data:`REQUEST_ID` for the current context when ``value`` is a valid request id (else leave it)."""
     if valid_request_id(value):

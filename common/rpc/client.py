@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from common.obs.logctx import detached
 from common.rpc.auth import ENV_SECRET, ENV_TLS, resolve_credentials, resolve_tls
 from common.rpc.errors import RpcError, Unavailable
 from common.rpc.handshake import client_handshake, parse_addr
@@ -135,7 +136,9 @@ class RpcClient:
             raise
         self.peer_name = ok.get("name")
         self._writer = writer
-        self._reader_task = asyncio.create_task(self._read_loop(reader, writer), name=f"rpc-client:{self.addr}")
+        # the connection outlives the request that may have opened it: its tasks carry no request id
+        self._reader_task = asyncio.create_task(self._read_loop(reader, writer), name=f"rpc-client:{self.addr}",
+                                                context=detached())
 
     async def _keepalive(self, writer: asyncio.StreamWriter) -> None:
         """Ping the server every ``keepalive_s`` while this connection lives (its PONG is ignored)."""
@@ -146,7 +149,7 @@ class RpcClient:
 
     async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         reason = "connection closed"
-        pinger = asyncio.create_task(self._keepalive(writer), name=f"rpc-client:{self.addr}:keepalive")
+        pinger = asyncio.create_task(self._keepalive(writer), name=f"rpc-client:{self.addr}:keepalive", context=detached())
         try:
             while True:
                 frame = await read_frame(reader)

@@ -50,6 +50,7 @@ import time
 from typing import Any
 
 from common.kv.layout import Layout
+from common.obs.logctx import detached
 from common.rpc.auth import resolve_credentials
 from common.rpc.errors import RpcError, Unavailable
 from common.rpc.handshake import parse_addr
@@ -125,9 +126,11 @@ class KvLink(ChunkWriting):
             conn.writer.close()
             raise Unavailable(f"KV link to {self.addr} is closed")
         conn.tune()
+        ctx = detached()  # the connection outlives the request that may have dialled it
         conn.tasks = [
-            asyncio.create_task(self._write_loop(conn), name=f"kv-link:{self.addr}:w{conn.cid}"),
-            asyncio.create_task(conn.read_loop(self._on_frame, self._fail), name=f"kv-link:{self.addr}:r{conn.cid}"),
+            asyncio.create_task(self._write_loop(conn), name=f"kv-link:{self.addr}:w{conn.cid}", context=ctx),
+            asyncio.create_task(conn.read_loop(self._on_frame, self._fail), name=f"kv-link:{self.addr}:r{conn.cid}",
+                                context=ctx),
         ]
         self.conns[conn.cid] = conn
         return conn
@@ -137,7 +140,8 @@ class KvLink(ChunkWriting):
         or :class:`RpcError` (fingerprint or auth refusal) at once."""
         async with self._dial_lock:
             if self._ping_task is None and not self._closed:
-                self._ping_task = asyncio.create_task(self._ping_loop(), name=f"kv-link:{self.addr}:ping")
+                self._ping_task = asyncio.create_task(self._ping_loop(), name=f"kv-link:{self.addr}:ping",
+                                                      context=detached())
             backoff = Backoff(0.05, 1.0, deadline=time.monotonic() + self.connect_timeout)
             last = None
             while len(self._live()) < self.n_conns:
