@@ -14,14 +14,13 @@ Formats (``PRFAAS_LOG_FORMAT``): ``text`` (default), ``<time> <level> <logger>: 
 
 from __future__ import annotations
 
-import contextvars
 import datetime
 import logging
 import re
 
 import orjson
 
-REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("prfaas_request_id", default=None)
+from common.obs.reqctx import REQUEST_ID, detached  # noqa: F401 - re-exported: where log lines read the id
 
 # What an X-Request-Id (or a wire req_id logged) may be: printable, no spaces, bounded.
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/@+=-]{1,128}")
@@ -31,15 +30,6 @@ LOG_FORMATS = ("text", "json")
 def valid_request_id(value: object) -> bool:
     """True when ``value`` is a str of 1-128 characters from ``[A-Za-z0-9._:/@+=-]``."""
     return isinstance(value, str) and REQUEST_ID_RE.fullmatch(value) is not None
-
-
-def detached() -> contextvars.Context:
-    """A copy of the current context without a request id: for a task that outlives the request that
-    happens to start it (a KV link's connection loops), so that its log lines do not carry that
-    request's id for the rest of the process's life. Pass it as ``asyncio.create_task(..., context=)``."""
-    ctx = contextvars.copy_context()
-    ctx.run(REQUEST_ID.set, None)
-    return ctx
 
 
 def bind_request_id(value: object) -> None:

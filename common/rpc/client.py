@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from common.obs.logctx import detached
+from common.obs.reqctx import detached
 from common.rpc.auth import ENV_SECRET, ENV_TLS, resolve_credentials, resolve_tls
 from common.rpc.errors import RpcError, Unavailable
 from common.rpc.handshake import client_handshake, parse_addr

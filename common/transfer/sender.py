@@ -50,7 +50,7 @@ import time
 from typing import Any
 
 from common.kv.layout import Layout
-from common.obs.logctx import detached
+from common.obs.reqctx import detached
 from common.rpc.auth import resolve_credentials
 from common.rpc.errors import RpcError, Unavailable
 from common.rpc.handshake import parse_addr
