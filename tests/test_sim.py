@@ -222,6 +222,14 @@ def test_engine_planner_loop_sets_the_model_threshold():
     assert sim.threshold == pytest.approx(sim.controller.loop.t, rel=0, abs=1)
     assert 10000 < sim.threshold < 40000  # the model's optimum for 4/3/5 at 100 Gbps (x 0.8): ~19.8K
     assert 0.3 < sim.decisions["remote"] / len(outs) < 0.7
+    # the timeline keeps the short loop's signals of each tick, as bench_cluster.py's swing samples them
+    from common.sim.engine import TIMELINE_SIGNALS
+    rows = [r for r in sim.timeline if r["t"] > 5.0]
+    assert rows and all(set(TIMELINE_SIGNALS) <= r.keys() for r in rows)
+    assert rows[-1]["egress_util"] == sim.controller.last_signals["egress_util"]
+    assert max(r["egress_util"] for r in rows) > 0  # remote transfers used the link
+    off, _ = _paper_run(SimConfig(4, 3, 5, threshold=20000), n=20, rate=1.5)
+    assert all("egress_util" not in r for r in off.timeline)  # no planner loop, no signals
 
 
 def test_engine_prefix_cache_hits_and_index_routing():
@@ -546,3 +554,20 @@ def test_each_kv_transfer_carries_the_protocols_own_bytes_on_the_link():
     kv = sum(Simulation(SimConfig(1, 0, 1)).prfaas_hw.s_kv(x) for x in (50_000, 80_000))
     assert moved[0] == pytest.approx(kv)
     assert moved[1] - moved[0] == pytest.approx(2 * 1e6 + 10.0 * (50_000 + 80_000))
+
+
+def test_swing_timeline_marks_the_first_raise_and_the_first_standing_queue():
+    """``simulate.py``'s side-by-side line: the first threshold 20 % above the run's first (the 30 s
+    re-learning's few-% moves are not a raise) and the first RTT floor excess above 500 ms; NaN when
+    there is none (an emulated timeline from before the signals were sampled)."""
+    import math
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from simulate import first_above, first_raise
+
+    tl = [{"t": 0.0, "threshold": 100.0, "rtt_standing_ms": 1.0}, {"t": 30.0, "threshold": 110.0, "rtt_standing_ms": 499.0},
+          {"t": 60.0, "threshold": 130.0, "rtt_standing_ms": 501.0}, {"t": 90.0, "threshold": 90.0, "rtt_standing_ms": None}]
+    assert first_raise(tl) == 60.0 and first_above(tl) == 60.0
+    assert math.isnan(first_raise(tl[:2])) and math.isnan(first_above(tl[:2])) and math.isnan(first_raise([]))
+    assert math.isnan(first_above([{"t": 5.0, "threshold": 1.0}]))

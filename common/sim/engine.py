@@ -126,6 +126,11 @@ class SimConfig:
     long_config: LongConfig = field(default_factory=lambda: LongConfig(period_s=60.0, hold_s=120.0, cooldown_s=300.0))
 
 
+# the planner's short-loop signals kept in the timeline with the planner loop on (the fields of
+# services/planner/short_loop.py ShortSignals that scripts/bench_cluster.py's swing samples too)
+TIMELINE_SIGNALS = ("egress_util", "rtt_standing_ms", "rtt_excess_ms", "backlog_s", "q_prfaas", "q_pdp")
+
+
 def planner_profile(p: EmulatedProfile) -> dict[str, Any]:
     """A hardware profile as the planner's throughput model reads it (unscaled; the KV table itself)."""
     return {"name": p.name, "lengths": list(p.lengths), "prefill_s": [p.t_prefill(x) for x in p.lengths],
@@ -366,8 +371,10 @@ class Simulation:
                 self.controller.relearn(list(self.recent_lengths)[-400:])
         if self.mover is not None:
             self._long_tick(now)
-        self.timeline.append({"t": now, "threshold": float(self.threshold), "egress_gbps": self._egress / 1e9,
-                              "n_p": self.n_p})
+        row = {"t": now, "threshold": float(self.threshold), "egress_gbps": self._egress / 1e9, "n_p": self.n_p}
+        if self.controller is not None and self.cfg.planner_loop:  # the short loop's view, as bench_cluster's swing keeps it
+            row.update({k: self.controller.last_signals.get(k) for k in TIMELINE_SIGNALS})
+        self.timeline.append(row)
         if self.open or self.q.now < self._arrivals_end:
             self.q.after(rs, self._report)
 
