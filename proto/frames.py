@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import struct
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,6 +205,30 @@ def encode_error(code: ErrorCode | str, message: str, **extra: Any) -> bytes:
     return encode_frame(Kind.ERROR, {"code": ErrorCode(code).value, "message": message, **extra})
 
 
+def parse_prefix(prefix: bytes | bytearray | memoryview, *, max_header: int, max_payload: int,
+                 payload_kinds: Container[Kind] | None = None) -> tuple[Kind, int, int]:
+    """A frame's kind, header length and payload length (bytes), from the first :data:`PREFIX_SIZE`
+    bytes of ``prefix``, checked before anything of the frame is read: the header at most
+    ``max_header`` bytes, the payload at most ``max_payload`` (0 for a kind not in ``payload_kinds``;
+    None: any kind may carry one). Raises :class:`BadMagic`, :class:`UnsupportedVersion`,
+    :class:`UnknownKind` or :class:`FrameTooLarge` (all :class:`ProtocolError`)."""
+    magic, version, kind_no, header_len, payload_len = PREFIX.unpack_from(prefix, 0)
+    if magic != MAGIC:
+        raise BadMagic(bytes(magic))
+    if version != VERSION:
+        raise UnsupportedVersion(version)
+    try:
+        kind = Kind(kind_no)
+    except ValueError:
+        raise UnknownKind(kind_no) from None
+    if header_len > max_header:
+        raise FrameTooLarge("header", header_len, max_header)
+    limit = max_payload if payload_kinds is None or kind in payload_kinds else 0
+    if payload_len > limit:
+        raise FrameTooLarge("payload", payload_len, limit)
+    return kind, header_len, payload_len
+
+
 async def read_frame(
     reader: asyncio.StreamReader,
     *,
@@ -226,19 +251,7 @@ async def read_frame(
         if not e.partial:
             return None
         raise TruncatedFrame(PREFIX_SIZE, len(e.partial)) from None
-    magic, version, kind_no, header_len, payload_len = PREFIX.unpack(prefix)
-    if magic != MAGIC:
-        raise BadMagic(magic)
-    if version != VERSION:
-        raise UnsupportedVersion(version)
-    try:
-        kind = Kind(kind_no)
-    except ValueError:
-        raise UnknownKind(kind_no) from None
-    if header_len > max_header:
-        raise FrameTooLarge("header", header_len, max_header)
-    if payload_len > max_payload:
-        raise FrameTooLarge("payload", payload_len, max_payload)
+    kind, header_len, payload_len = parse_prefix(prefix, max_header=max_header, max_payload=max_payload)
     header_bytes = await _read_exactly(reader, header_len)
     header = parse_header(kind, header_bytes, max_header)
     if payload_len == 0:

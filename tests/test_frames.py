@@ -40,6 +40,7 @@ from proto.frames import (
     encode_frame_parts,
     encode_prefix,
     parse_header,
+    parse_prefix,
     read_frame,
     tensor_desc,
 )
@@ -434,6 +435,27 @@ def test_prefix_checks_come_before_length_checks() -> None:
     # A bad magic with an absurd length is reported as bad magic, without waiting for the body.
     with pytest.raises(BadMagic):
         read_all(PREFIX.pack(b"XX", VERSION, int(Kind.PING), 2**32 - 1, 2**32 - 1), eof=False)
+
+
+def test_parse_prefix_limits_payloads_to_the_kinds_that_carry_one() -> None:
+    """The one prefix check (read_frame, the KV receiver's state machine and its reading thread): with
+    ``payload_kinds``, any other kind's payload is over a limit of 0; without, every kind may carry
+    up to ``max_payload``; a prefix longer than PREFIX_SIZE is read from its start."""
+    ping = PREFIX.pack(MAGIC, VERSION, int(Kind.PING), 3, 10)
+    kv = PREFIX.pack(MAGIC, VERSION, int(Kind.KV_LAYER), 3, 10) + b"header bytes follow"
+    assert parse_prefix(ping, max_header=8, max_payload=10) == (Kind.PING, 3, 10)
+    assert parse_prefix(memoryview(kv), max_header=8, max_payload=10, payload_kinds=(Kind.KV_LAYER,)) == (Kind.KV_LAYER, 3, 10)
+    with pytest.raises(FrameTooLarge) as ei:
+        parse_prefix(ping, max_header=8, max_payload=10, payload_kinds=(Kind.KV_LAYER,))
+    assert (ei.value.part, ei.value.size, ei.value.limit) == ("payload", 10, 0)
+    with pytest.raises(FrameTooLarge) as ei:
+        parse_prefix(kv, max_header=8, max_payload=9, payload_kinds=(Kind.KV_LAYER,))
+    assert (ei.value.part, ei.value.limit) == ("payload", 9)
+    with pytest.raises(FrameTooLarge) as ei:
+        parse_prefix(kv, max_header=2, max_payload=10, payload_kinds=())  # the header is checked first
+    assert ei.value.part == "header"
+    with pytest.raises(BadMagic):
+        parse_prefix(PREFIX.pack(b"XX", VERSION, int(Kind.PING), 0, 0), max_header=8, max_payload=0)
 
 
 # ----------------------------------------------------------------------------------------- header

@@ -36,12 +36,12 @@ import ssl as ssl_mod
 import struct
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from common.rpc.credentials import Credentials
 from common.rpc.handshake import client_handshake
 from common.rpc.limits import set_keepalive
+from common.transfer.socket_thread import SocketThread
 from common.transfer.tcp_info import TcpInfo
 from proto.frames import Frame, Kind, ProtocolError, encode_frame, read_frame
 
@@ -87,11 +87,10 @@ class LinkConnection:
         self.peer_progress = -float("inf")  # when that last grew (never: -inf)
         self.tasks: list[asyncio.Task] = []
         self.current: list[tuple[Any, tuple[int, int], int]] | None = None  # the items the writer is draining
-        # the chunk-writing thread's socket: a dup of the transport's descriptor (None: the transport
-        # writes chunks), whether a chunk is being written by it, and the control frames written
-        # meanwhile (sent after that chunk, so no frame lands inside another on the stream)
-        self.direct: socket.socket | None = None
-        self.pool: ThreadPoolExecutor | None = None  # the one thread that writes on ``direct``
+        # the chunk-writing thread and its dup of the transport's descriptor (None: the transport writes
+        # chunks), whether a chunk is being written by it, and the control frames written meanwhile
+        # (sent after that chunk, so no frame lands inside another on the stream)
+        self.direct: SocketThread | None = None
         self.direct_busy = False
         self.deferred: list[bytes] = []
 
@@ -127,16 +126,8 @@ class LinkConnection:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self.writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
         if SEND_THREADS and sock is not None and self.writer.get_extra_info("sslcontext") is None:
-            try:
-                fd = os.dup(sock.fileno())
-            except OSError:
-                return  # no descriptor to spare: the transport writes the chunks
-            try:
-                self.direct = socket.socket(fileno=fd)
-            except OSError:
-                os.close(fd)
-                return
-            self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"kv-send-{self.cid}")
+            # None when no descriptor is left to spare: the transport writes the chunks
+            self.direct = SocketThread.open(sock, f"kv-send-{self.cid}")
 
     def write(self, data: bytes) -> None:
         """Write one control frame (``KV_BEGIN``, ``KV_DONE``, ``KV_ABORT``, ``PING``): now, or right
@@ -168,7 +159,7 @@ class LinkConnection:
         if not self.alive:
             raise ConnectionError("connection closed")
         self.direct_busy = True
-        job = self.pool.submit(send_all, self.direct, parts, timeout)
+        job = self.direct.submit(send_all, self.direct.sock, parts, timeout)
         try:
             await asyncio.wrap_future(job)
         except BaseException:
@@ -186,16 +177,11 @@ class LinkConnection:
             self.writer.writelines(frames)
 
     def close_direct(self) -> None:
-        """Shut the chunk thread's socket down (which wakes a write in progress), then close it from
-        that thread once its write has returned (never under a running write, whose descriptor could
-        otherwise be reused by another socket), and let the thread end."""
-        d, pool, self.direct, self.pool = self.direct, self.pool, None, None
-        if d is None:
-            return
-        with contextlib.suppress(OSError):
-            d.shutdown(socket.SHUT_RDWR)
-        pool.submit(d.close)
-        pool.shutdown(wait=False)
+        """Stop the chunk thread (:meth:`SocketThread.close`: a write in progress fails, the dup is
+        closed from the thread once it returned) and let it end."""
+        d, self.direct = self.direct, None
+        if d is not None:
+            d.close()
 
     @property
     def sock(self):

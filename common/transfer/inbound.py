@@ -36,21 +36,15 @@ from common.transfer.assembly import KvAssembly
 from common.transfer.coded import span_for
 from common.transfer.payload_reader import RECV_THREADS, PayloadReader, ThreadedPayloads
 from proto.frames import (
-    MAGIC,
     PRE_AUTH_MAX_HEADER,
-    PREFIX,
     PREFIX_SIZE,
-    VERSION,
-    BadMagic,
     ErrorCode,
-    FrameTooLarge,
     Kind,
     ProtocolError,
-    UnknownKind,
-    UnsupportedVersion,
     encode_error,
     encode_frame,
     parse_header,
+    parse_prefix,
 )
 from proto.values import BadValue, wire_int
 
@@ -231,22 +225,10 @@ class KvConnection(ThreadedPayloads, asyncio.BufferedProtocol):
 
     def _advance(self) -> None:
         if self.state == _PREFIX:
-            magic, version, kind_no, self.header_len, self.payload_len = PREFIX.unpack_from(self.small, 0)
-            if magic != MAGIC:
-                raise BadMagic(bytes(magic))
-            if version != VERSION:
-                raise UnsupportedVersion(version)
-            try:
-                self.kind = Kind(kind_no)
-            except ValueError:
-                raise UnknownKind(kind_no) from None
-            max_header = min(self.rx.max_header, len(self.small)) if self.hello_state == _READY else PRE_AUTH_MAX_HEADER
-            if self.header_len > max_header:
-                raise FrameTooLarge("header", self.header_len, max_header)
-            if (self.kind is not Kind.KV_LAYER or self.hello_state != _READY) and self.payload_len > 0:
-                raise FrameTooLarge("payload", self.payload_len, 0)
-            if self.payload_len > self.rx.max_payload:
-                raise FrameTooLarge("payload", self.payload_len, self.rx.max_payload)
+            ready = self.hello_state == _READY  # only a KV_LAYER after the handshake carries a payload
+            self.kind, self.header_len, self.payload_len = parse_prefix(
+                self.small, max_header=min(self.rx.max_header, len(self.small)) if ready else PRE_AUTH_MAX_HEADER,
+                max_payload=self.rx.max_payload, payload_kinds=(Kind.KV_LAYER,) if ready else ())
             self._expect(_HEADER, self.header_len)
             if self.header_len == 0:
                 self._advance()

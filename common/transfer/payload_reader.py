@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import contextlib
 import fcntl
 import logging
 import os
@@ -43,11 +42,11 @@ import termios
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from common.kv.layout import KvError
-from proto.frames import MAGIC, PREFIX, PREFIX_SIZE, VERSION, Kind, ProtocolError, parse_header
+from common.transfer.socket_thread import SocketThread
+from proto.frames import PREFIX_SIZE, Kind, ProtocolError, parse_header, parse_prefix
 from proto.values import BadValue, wire_int
 
 if TYPE_CHECKING:
@@ -66,8 +65,8 @@ _SCRATCH_BYTES = 1 << 20  # what a discarded payload is read into, per call
 _BAD_EVENTS = select.POLLERR | select.POLLNVAL
 
 
-class PayloadReader:
-    """One connection's reading thread: a duplicate of the socket's descriptor and a one-thread pool.
+class PayloadReader(SocketThread):
+    """One connection's reading thread (a :class:`~common.transfer.socket_thread.SocketThread`).
 
     Build it with :meth:`open` (None when the descriptor cannot be duplicated). :meth:`submit` runs
     the connection's reading loop in the thread, which reads with :meth:`read_into` (a payload, into
@@ -79,31 +78,10 @@ class PayloadReader:
     ``loop.call_soon_threadsafe``."""
 
     def __init__(self, sock: socket.socket, name: str):
-        self.sock = sock
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        super().__init__(sock, name)
         self.lock = threading.Lock()
         self.stopping = False
         self.scratch = bytearray(_SCRATCH_BYTES)
-
-    @classmethod
-    def open(cls, transport_sock: Any, name: str) -> PayloadReader | None:
-        """A reader on a duplicate of ``transport_sock``'s descriptor (the transport's socket, left to
-        the transport), or None when there is no descriptor to duplicate."""
-        try:
-            fd = os.dup(transport_sock.fileno())
-        except (OSError, AttributeError, ValueError):
-            return None
-        try:
-            sock = socket.socket(fileno=fd)
-        except OSError:
-            os.close(fd)
-            return None
-        return cls(sock, name)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` in this connection's thread (the caller's protocol loop, which reads with
-        :meth:`read_into` and :meth:`read_some`)."""
-        return self.pool.submit(fn, *args)
 
     def queued(self) -> int:
         """Bytes the kernel holds unread for this connection now (``FIONREAD``; 0 if it cannot tell)."""
@@ -195,14 +173,10 @@ class PayloadReader:
         return bytes(out)
 
     def close(self) -> None:
-        """Stop a read in progress (shutting the socket down wakes its ``poll``), then close the
-        duplicate descriptor from the thread once the read has returned (never under a running read,
-        whose descriptor could otherwise be reused by another socket), and let the thread end."""
+        """Stop a read in progress (its next wait fails, and shutting the socket down wakes its
+        ``poll``), then free the descriptor and the thread (:meth:`SocketThread.close`)."""
         self.stopping = True
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.pool.submit(self.sock.close)
-        self.pool.shutdown(wait=False)
+        super().close()
 
 
 class ThreadedPayloads:
@@ -277,10 +251,13 @@ class ThreadedPayloads:
         bytes read (the prefix and the header, or part of it)."""
         if len(head) < PREFIX_SIZE:
             return None
-        magic, version, kind_no, header_len, payload_len = PREFIX.unpack_from(head, 0)
         rx = self.rx
-        if (magic != MAGIC or version != VERSION or kind_no != Kind.KV_LAYER or not 0 < header_len <= min(rx.max_header, len(self.small))
-                or not THREAD_READ_MIN_BYTES <= payload_len <= rx.max_payload):
+        try:  # the event loop's own checks (KvConnection._advance), then the thread's rule
+            kind, header_len, payload_len = parse_prefix(head, max_header=min(rx.max_header, len(self.small)),
+                                                         max_payload=rx.max_payload, payload_kinds=(Kind.KV_LAYER,))
+        except ProtocolError:
+            return None
+        if kind is not Kind.KV_LAYER or header_len == 0 or payload_len < THREAD_READ_MIN_BYTES:
             return None
         data = head + self.reader.read_some(header_len, FOLLOW_WAIT_S)
         if len(data) < PREFIX_SIZE + header_len:
