@@ -51,7 +51,7 @@ from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any
 
-from common.lab.chaos.harness import run_matrix
+from common.lab.chaos.harness import NOT_EXERCISED, run_matrix
 from common.lab.chaos.report import summary_line, table
 from common.lab.chaos.scenarios import BY_NAME, QUICK, Options
 from common.lab.netlab import NetlabError
@@ -113,8 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"threshold {opts.threshold}, {opts.requests} requests/scenario, concurrency {opts.concurrency}, "
           f"wall {time.monotonic() - t0:.0f}s")
     print(table(rows, baseline))
+    idle = [r.name for r in rows if any(n.startswith(NOT_EXERCISED) for n in r.notes)]
+    if idle:  # a link scenario whose requests all stayed local tested nothing: the run fails
+        print(f"{NOT_EXERCISED}: {', '.join(idle)} (no request crossed the link)", flush=True)
     print(summary_line(rows), flush=True)
-    bad = any(r.counts["lost"] or r.counts["hang"] or r.counts["wrong"] or r.leaked for r in rows)
+    bad = idle or any(r.counts["lost"] or r.counts["hang"] or r.counts["wrong"] or r.leaked for r in rows)
     return 1 if bad else 0
 
 

@@ -27,10 +27,10 @@ import pytest
 from aiohttp import web
 
 from common.lab import netlab
-from common.lab.chaos.harness import Harness
+from common.lab.chaos.harness import NOT_EXERCISED, Harness
 from common.lab.chaos.report import table
 from common.lab.chaos.requests import PromptPool, Spec, run_request
-from common.lab.chaos.scenarios import BY_NAME, Options
+from common.lab.chaos.scenarios import BY_NAME, MATRIX, Options
 from common.lab.topology import WanLink
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,6 +240,7 @@ def _check(row) -> None:
     assert c["wrong"] == 0, report
     assert row.leaked == 0 and not row.residual, report
     assert row.unexposed_ok == row.unexposed, report
+    assert not any(n.startswith(NOT_EXERCISED) for n in row.notes), report  # a link scenario that stayed local tests nothing
 
 
 def _note(row, pattern: str) -> None:
@@ -352,6 +353,24 @@ def test_delay(harness):
     _check(row)
     assert row.unexposed == REQUESTS and row.counts["ok"] == REQUESTS
     assert re.search(r"placements remote=[1-9]", " ".join(row.notes)), row.notes  # long prompts crossed the link
+
+
+def test_resets_then_the_next_link_scenario_still_crosses_the_link(harness):
+    """Resets fail requests placed on the PrfaaS cluster, which opens the router's breaker on its
+    worker. The next scenario starts only once its breaker closed again (the harness sends long
+    prompts as probes); before, the blackhole after it placed every request locally and its fault
+    crossed nothing (a fresh user's --quick run: remote=0 local=100)."""
+    row = harness("resets")
+    assert row.counts["lost"] == 0 and row.counts["hang"] == 0 and row.counts["wrong"] == 0, table([row], None)
+    _note(row, r"^reset \d+ connections")
+    nxt = harness("bw100m")
+    _check(nxt)
+    _note(nxt, r"placements remote=[1-9]")
+
+
+def test_scenarios_on_the_link_are_the_ones_that_need_remote_placements():
+    assert {s.name for s in MATRIX if s.on_link} == {"rtt20", "rtt50", "rtt100", "bw1g", "bw100m", "resets", "blackhole",
+                                                     "prefill_kill"}
 
 
 def test_blackhole(harness):

@@ -27,6 +27,9 @@ from common.lab.chaos.requests import (
 from common.lab.chaos.scenarios import BY_NAME, Options, Scenario
 from common.lab.topology import WanSystem
 
+SETTLE_S = 90.0  # the longest wait for the router's breakers to close before a scenario (their cooldown tops at 60 s)
+NOT_EXERCISED = "NOT EXERCISED"  # the note of a link scenario whose requests all stayed local
+
 
 class Harness:
     """Starts the system once, then runs scenarios on it one after another (:meth:`run`)."""
@@ -66,11 +69,14 @@ class Harness:
         system, opts = self.system, self.opts
         before = await system.drain(opts.drain_s)
         base_held = before.held_blocks
+        settled = await self._settle_breakers()
         where = system.set_link(sc.delay_s, sc.jitter_s, sc.rate_bps)
         marks = system.log_marks()
         routes0, kv0 = await self._routes(), system.link.delivered_bytes("kv:")
         specs = make_workload(sc, self.pool, opts)
         ctx = FaultCtx(system, opts, len(specs))
+        if settled:
+            ctx.notes.append(settled)
         fault = asyncio.create_task(FAULTS[sc.fault](ctx)) if sc.fault else None
         t0 = time.monotonic()
         if sc.load_factor:
@@ -91,6 +97,8 @@ class Harness:
                   for k in ("remote", "local")}  # a restarted router counts from zero
         ctx.notes.append(f"placements remote={routes['remote']} local={routes['local']}; "
                          f"{(system.link.delivered_bytes('kv:') - kv0) / 2**20:.1f} MiB of KVCache over the link")
+        if sc.on_link and not routes["remote"]:
+            ctx.notes.append(f"{NOT_EXERCISED}: no request was placed on the PrfaaS cluster, so nothing crossed the link")
         stages = Counter(r.spec.disconnect for r in results if r.outcome == "abandoned")
         if stages:
             ctx.notes.append("clients left at: " + ", ".join(f"{k}={v}" for k, v in sorted(stages.items())))
@@ -102,6 +110,29 @@ class Harness:
         if sc.name == "baseline":
             self.baseline = row
         return row
+
+    async def _settle_breakers(self) -> str | None:
+        """Start each scenario on a recovered system: while the router holds a worker's breaker open
+        or half-open (an earlier scenario's failures), send it long prompts one at a time (each a
+        probe a half-open breaker lets through) until every breaker is closed, for at most
+        :data:`SETTLE_S` seconds. Returns a note saying how long that took, or that it did not
+        happen (None when every breaker was closed already)."""
+        t0 = time.monotonic()
+        probes = 0
+        while True:
+            try:
+                open_ = sorted(n for n, b in (await self.system.stats("router")).get("breakers", {}).items()
+                               if b["state"] != "closed")
+            except Exception:  # noqa: BLE001 - a router that does not answer: _revive already waited for health
+                open_ = []
+            if not open_:
+                return f"breakers closed after {time.monotonic() - t0:.1f}s and {probes} probe requests" if probes else None
+            if time.monotonic() - t0 > SETTLE_S:
+                return f"breakers still open after {SETTLE_S:.0f}s: {', '.join(open_)}"
+            spec = Spec(-1, self.pool.long[probes % len(self.pool.long)], True, False, 1)
+            await run_request(self.session, self.system.url, self.model_id, spec, self.pool, self.opts.deadline_s)
+            probes += 1
+            await asyncio.sleep(0.5)
 
     async def _routes(self) -> dict[str, int]:
         """The router's placement counts by route (empty if it does not answer)."""

@@ -24,6 +24,12 @@ class Scenario:
     disconnect_frac: float = 0.0
     load_factor: float | None = None
 
+    @property
+    def on_link(self) -> bool:
+        """Its shaping or fault acts on the link between the datacenters, so it tests something only
+        when requests are placed on the PrfaaS cluster (their KVCache crosses the link)."""
+        return bool(self.delay_s or self.rate_bps or self.fault in ("resets", "blackhole", "prefill_kill"))
+
 
 def _rtt(ms: float) -> dict[str, float]:
     return {"delay_s": ms / 2e3, "jitter_s": ms / 2e3 * 0.2}
