@@ -78,8 +78,16 @@ def setup_logging(name: str) -> logging.Logger:
     return logging.getLogger(f"prfaas.{name}")
 
 
-def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run ``main(stop_event)`` on uvloop (when installed); SIGINT/SIGTERM set the event for a clean close."""
+def run(main: Callable[[asyncio.Event], Awaitable[None]], *, fast_exit: bool = False) -> None:
+    """Run ``main(stop_event)`` on uvloop (when installed); SIGINT/SIGTERM set the event for a clean close.
+
+    ``fast_exit``: once ``main`` has returned (the service closed its listeners, connections and
+    tasks), flush the logs and end the process with ``os._exit(0)``, skipping the interpreter's own
+    teardown: for a model worker that is a full collection of the model's object graph, torch's
+    destructors and the joining of idle pool threads, 0.6-0.9 s of CPU on a quiet 2-core host and past
+    honcho's 5 s grace on a loaded one (honcho then SIGKILLs it). Only for processes with nothing to do
+    at exit (no ``atexit`` work of their own or of a library they use, such as child processes to stop).
+    An exception from ``main`` propagates as usual."""
     try:
         import uvloop
 
@@ -95,6 +103,11 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         await main(stop)
 
     runner(wrapper())
+    if fast_exit:
+        logging.shutdown()  # flushes every handler
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def live_call_tasks(method: str) -> int:
