@@ -1,5 +1,6 @@
 """Measure the main job end to end: TTFT and decode tokens/s for a short and a long prompt through the
 whole system (HTTP to the gateway), and how much the layer-by-layer KV send overlaps the prefill compute.
+Every run sends a prompt of its own, so no figure is a prefix-cache hit (medians over ``--runs``).
 
 Usage: python scripts/measure_e2e.py [--model tiny-hybrid] [--long 6000] [--runs 3] [--short-runs 40]
 
@@ -103,9 +104,11 @@ def pct(xs: list[float], q: float) -> float:
 
 async def run(args: argparse.Namespace) -> None:
     rng = random.Random(0)
-    short = [rng.randrange(256) for _ in range(args.short)]
-    long = [rng.randrange(256) for _ in range(args.long)]
-    shorts = [[rng.randrange(256) for _ in range(args.short)] for _ in range(args.short_runs)]
+
+    def fresh(n: int, k: int) -> list[list[int]]:  # k prompts of n tokens: each run is a cold prefill, no cache hit
+        return [[rng.randrange(256) for _ in range(n)] for _ in range(k)]
+    short, long, overlap_prompts = fresh(args.short, args.runs), fresh(args.long, args.runs), fresh(args.long, args.runs)
+    shorts = fresh(args.short, args.short_runs)
     base = await asyncio.to_thread(in_process_s, args.model, shorts)  # before and after the system ran
     with tempfile.TemporaryDirectory() as logs:
         cluster = Cluster(model=args.model, log_dir=Path(logs)).start()
@@ -113,19 +116,19 @@ async def run(args: argparse.Namespace) -> None:
             async with aiohttp.ClientSession() as s:
                 async with s.get(cluster.url + "/v1/models") as r:
                     model = (await r.json())["data"][0]["id"]
-                await stream_once(s, cluster.url, model, short, 4)  # warm-up
+                await stream_once(s, cluster.url, model, fresh(args.short, 1)[0], 4)  # warm-up
                 with progress(len(shorts), "short prompts", unit="req") as bar:
                     short_ttft = []
                     for p in shorts:
                         short_ttft.append((await stream_once(s, cluster.url, model, p, 2))[0])
                         bar.update()
                 rows = []
-                for name, prompt in (("short", short), ("long", long)):
-                    res = [await stream_once(s, cluster.url, model, prompt, args.max_tokens) for _ in range(args.runs)]
+                for name, prompts in (("short", short), ("long", long)):
+                    res = [await stream_once(s, cluster.url, model, prompt, args.max_tokens) for prompt in prompts]
                     ttft = statistics.median(r[0] for r in res)
                     tps = statistics.median((r[2] - 1) / (r[1] - r[0]) for r in res)
-                    rows.append((name, len(prompt), ttft, tps))
-            ov = [await overlap_once(cluster, long) for _ in range(args.runs)]
+                    rows.append((name, args.short if name == "short" else args.long, ttft, tps))
+            ov = [await overlap_once(cluster, prompt) for prompt in overlap_prompts]
             dstats = await decode_stats(cluster)
         finally:
             cluster.stop()
@@ -136,7 +139,7 @@ async def run(args: argparse.Namespace) -> None:
         print(f"{name:<8}{n:>8}{'remote' if n > 1024 else 'local':>8}{ttft:>10.3f}{tps:>14.1f}")
     tail = statistics.median(o["tail_s"] for o in ov)
     layer = statistics.median(o["mean_layer_s"] for o in ov)
-    print(f"overlap (remote prefill of {len(long)} tokens): prefill {statistics.median(o['prefill_s'] for o in ov):.3f} s, "
+    print(f"overlap (remote prefill of {args.long} tokens): prefill {statistics.median(o['prefill_s'] for o in ov):.3f} s, "
           f"last layer computed -> last layer received {tail * 1000:.1f} ms, one layer's compute {layer * 1000:.1f} ms "
           f"(tail/layer = {tail / layer:.2f})")
     after, step = dstats["first_step_after_kv_s"], dstats["step_time_s"]
