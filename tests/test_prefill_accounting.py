@@ -16,6 +16,7 @@ its ``KV_ACK``, and the worker's ``prefill`` handler run as a task and cancelled
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import time
 
@@ -119,6 +120,12 @@ async def test_a_staged_request_cancelled_leaves_at_once(rig):
     assert not a.done()
     await a
     assert (worker.completed, worker.running) == (1, 0)
+    # nothing of b is left waiting: its compute stopped before its first layer, so the task that
+    # waited for that layer must have gone with b (left pending, it was destroyed with its queue:
+    # "Task was destroyed but it is pending!", in the chaos matrix's logs when clients left)
+    await asyncio.sleep(0.05)
+    left = [o for o in gc.get_objects() if type(o) is asyncio.Task and not o.done() and "Queue.get" in repr(o.get_coro())]
+    assert not left, left  # (asyncio.all_tasks() cannot see it: it holds tasks weakly)
 
 
 async def test_a_prefill_shorter_than_a_thread_hop_runs_on_the_loop_with_the_same_answer():

@@ -360,9 +360,13 @@ class PrefillWorker:
                     i, state, seq_from = ready.get_nowait()
                 else:
                     getter = asyncio.ensure_future(ready.get())
-                    await asyncio.wait({getter, compute}, return_when=asyncio.FIRST_COMPLETED)
-                    if not getter.done():
-                        getter.cancel()
+                    try:
+                        await asyncio.wait({getter, compute}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:  # also when we are cancelled: a compute stopped early may queue nothing more
+                        got = getter.done()
+                        if not got:
+                            getter.cancel()
+                    if not got:
                         continue  # the compute ended: re-raise its failure, or drain what it queued
                     i, state, seq_from = getter.result()
                 state = self.faults.on_layer(i, state)
