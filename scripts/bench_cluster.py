@@ -67,6 +67,7 @@ from common.lab.emulated_cluster import PAPER_SHAPES, EmulatedCluster, Shape, Wo
 from common.lab.emulated_load import Slo, capacity, drive, on_off_arrivals, poisson_arrivals, prompt_tokens, sample_lengths, summarize
 from common.model.emulated_profile import Scales
 from services.planner import throughput as tm
+from services.planner.short_loop import TIMELINE_SIGNALS
 
 SLO = Slo(decode_tokens_per_s=40.0, ttft_base_s=5.0, ttft_factor=2.0)
 WORKLOAD = Workload()
@@ -207,14 +208,9 @@ async def swing(args, scales: Scales, out: Path) -> dict:
     return {"rate": rate, "t_full": t_full, "t_low": t_low, "phases": phases, "runs": results}
 
 
-# the planner's short-loop signals kept in the swing's timeline (services/planner/short_loop.py ShortSignals),
-# beside the simulator's (common/sim/engine.py), so the two runs' views of the link can be compared tick by tick
-SIGNALS = ("egress_util", "rtt_standing_ms", "rtt_excess_ms", "backlog_s", "q_prfaas", "q_pdp")
-
-
 async def _sample(c: EmulatedCluster, t0: float, timeline: list[dict], stop: asyncio.Event) -> None:
     """Every 0.5 s real: the router's threshold, the link's KV egress since the last sample and, with
-    the planner's loop on, the signals of its latest tick (:data:`SIGNALS`; None when not finite)."""
+    the planner's loop on, the signals of its latest tick (``TIMELINE_SIGNALS``; None when not finite)."""
     sc = c.scales
     b_prev, t_prev = c.kv_wire_bytes(), time.monotonic()
     while not stop.is_set():
@@ -225,7 +221,7 @@ async def _sample(c: EmulatedCluster, t0: float, timeline: list[dict], stop: asy
         row = {"t": (now - t0) * sc.time_scale, "threshold": st["threshold_tokens"] * sc.token_scale,
                "egress_gbps": c.unscaled_gbps(b - b_prev, now - t_prev)}
         if loop:
-            row.update({k: loop["signals"].get(k) for k in SIGNALS})
+            row.update({k: loop["signals"].get(k) for k in TIMELINE_SIGNALS})
         timeline.append(row)
         b_prev, t_prev = b, now
 

@@ -25,7 +25,8 @@ from bench_cluster import model_lambdas  # noqa: E402  (the model's capacity the
 
 from common.lab.emulated_load import poisson_arrivals, sample_lengths  # noqa: E402
 from common.sim import scenarios as sc  # noqa: E402
-from common.sim.engine import SimConfig, Simulation  # noqa: E402
+from common.sim.config import SimConfig  # noqa: E402
+from common.sim.engine import Simulation  # noqa: E402
 
 
 def main() -> int:

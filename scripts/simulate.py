@@ -46,7 +46,8 @@ from bench_cluster import SLO, capacity, model_lambdas  # noqa: E402  (the emula
 from common.lab.plots import progress, pyplot, run_dir, save  # noqa: E402
 from common.model.emulated_profile import EmulatedModel, EmulatedProfile, Scales  # noqa: E402
 from common.sim import scenarios as sc  # noqa: E402
-from common.sim.engine import SimConfig, planner_profile  # noqa: E402
+from common.sim.config import SimConfig  # noqa: E402
+from common.sim.engine import planner_profile  # noqa: E402
 from services.planner import throughput as tm  # noqa: E402
 
 # The emulated cluster's per-request host overheads, unscaled seconds, fitted once on the lightest-load

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from common.model.emulated_profile import EmulatedProfile
-from common.sim.engine import SimConfig, Simulation
+from common.sim.config import SimConfig
+from common.sim.engine import Simulation
 from common.sim.events import EventQueue
 from common.sim.instances import DecodeInstance, SimRequest
 from common.sim.link import SharedLink
@@ -223,7 +224,7 @@ def test_engine_planner_loop_sets_the_model_threshold():
     assert 10000 < sim.threshold < 40000  # the model's optimum for 4/3/5 at 100 Gbps (x 0.8): ~19.8K
     assert 0.3 < sim.decisions["remote"] / len(outs) < 0.7
     # the timeline keeps the short loop's signals of each tick, as bench_cluster.py's swing samples them
-    from common.sim.engine import TIMELINE_SIGNALS
+    from services.planner.short_loop import TIMELINE_SIGNALS
     rows = [r for r in sim.timeline if r["t"] > 5.0]
     assert rows and all(set(TIMELINE_SIGNALS) <= r.keys() for r in rows)
     assert rows[-1]["egress_util"] == sim.controller.last_signals["egress_util"]
@@ -544,7 +545,8 @@ def test_pings_still_out_on_every_connection_bound_the_reported_rtt():
 def test_each_kv_transfer_carries_the_protocols_own_bytes_on_the_link():
     """The link carries a remote transfer's KVCache plus ``kv_wire_overhead_bytes`` and
     ``kv_wire_overhead_per_token`` per prompt token (frame headers, KV_BEGIN's layouts)."""
-    from common.sim.engine import SimConfig, Simulation
+    from common.sim.config import SimConfig
+    from common.sim.engine import Simulation
 
     moved = []
     for fixed, per_token in ((0.0, 0.0), (1e6, 10.0)):

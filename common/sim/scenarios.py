@@ -16,7 +16,8 @@ from dataclasses import replace
 from typing import Any
 
 from common.lab.emulated_load import Slo, poisson_arrivals, sample_lengths, summarize
-from common.sim.engine import SimConfig, Simulation
+from common.sim.config import SimConfig
+from common.sim.engine import Simulation
 
 SHAPES = {"prfaas": (4, 3, 5), "homog": (0, 9, 3), "naive": (4, 0, 8)}  # N_prfaas, N_p, N_d (paper Table 6)
 

@@ -114,6 +114,12 @@ class ShortSignals:
     q_decode: int = 0
 
 
+# The ShortSignals fields a swing's timeline keeps at every tick, in the emulated cluster's
+# (scripts/bench_cluster.py, from the planner's status) and in the simulator's (common/sim/engine.py),
+# so the two runs' views of the link can be compared tick by tick.
+TIMELINE_SIGNALS = ("egress_util", "rtt_standing_ms", "rtt_excess_ms", "backlog_s", "q_prfaas", "q_pdp")
+
+
 @dataclass(frozen=True)
 class ShortConfig:
     """Short-loop knobs. Utilisations are fractions of link capacity, times seconds, t tokens."""
