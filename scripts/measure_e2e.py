@@ -127,7 +127,7 @@ async def run(args: argparse.Namespace) -> None:
                     res = [await stream_once(s, cluster.url, model, prompt, args.max_tokens) for prompt in prompts]
                     ttft = statistics.median(r[0] for r in res)
                     tps = statistics.median((r[2] - 1) / (r[1] - r[0]) for r in res)
-                    rows.append((name, args.short if name == "short" else args.long, ttft, tps))
+                    rows.append((name, len(prompts[0]), ttft, tps))
             ov = [await overlap_once(cluster, prompt) for prompt in overlap_prompts]
             dstats = await decode_stats(cluster)
         finally:
