@@ -417,6 +417,31 @@ def test_every_loaded_connections_ping_waits_behind_its_own_bytes_sent_in_turn()
     assert floor_after([0.7, 0.3]) == pytest.approx(61.0)
 
 
+def test_connections_served_in_turn_run_dry_smallest_first_and_its_ping_comes_back_at_once():
+    from common.sim.pings import ConnQueues, ahead_of, connection_ahead, drain_in_turn
+
+    held = [6.0, 2.0, 0.0]
+    drain_in_turn(held, 3.0)  # 1.5 B each from the two loaded ones, then the 2 B one is dry: the rest from the first
+    assert held == [pytest.approx(4.5), pytest.approx(0.5), 0.0]
+    drain_in_turn(held, 100.0)  # no more than they hold
+    assert held == [0.0, 0.0, 0.0]
+
+    q = ConnQueues(2)
+    assert q.update("p", 100.0, 0.0, [0.75, 0.25]) == [75.0, 25.0]  # a transfer enters by its shares
+    # 50 B delivered, none entered: 25 B from each; the smaller connection is dry while the path still
+    # holds 50 B, so a ping on it is through at once (the old split-by-shares view kept 12.5 B ahead of it)
+    held = q.update("p", 50.0, 50.0, [0.75, 0.25])
+    assert held == [pytest.approx(50.0), pytest.approx(0.0)]
+    assert ahead_of(held) == [pytest.approx(50.0), 0.0]
+    assert connection_ahead(50.0, [0.75, 0.25])[1] == pytest.approx(25.0)
+    # 20 B more delivered (all from the loaded one) while 40 B of a new transfer entered: 30 + 30, 0 + 10
+    assert q.update("p", 70.0, 70.0, [0.75, 0.25]) == [pytest.approx(60.0), pytest.approx(10.0)]
+    q.keep(set())  # the path's buffers emptied: forgotten, and it starts again from its shares
+    assert q.held("p") is None
+    capped = ConnQueues(2, conn_bytes=60.0)
+    assert capped.update("p", 100.0, 0.0, [1.0, 0.0]) == [60.0, 40.0]  # the first is full: the rest spills over
+
+
 def test_engine_rtt_sample_arrives_after_the_queue_it_measured():
     # 1 B/s link, 10 B buffered on one path, one connection: its ping waits 10 s behind them
     sim = Simulation(SimConfig(1, 1, 1, threshold=0, link_gbps=8e-9, link_buffer_bytes=1e9, ping_interval_s=5.0,

@@ -48,7 +48,7 @@ from common.sim.config import SimConfig
 from common.sim.events import EventQueue
 from common.sim.instances import DecodeInstance, PrefillInstance, SimRequest
 from common.sim.link import SharedLink
-from common.sim.pings import PathPings, connection_ahead, transfer_shares
+from common.sim.pings import ConnQueues, PathPings, ahead_of, connection_ahead, transfer_shares
 from common.transfer.estimators import Ewma, WindowedMax
 from services.planner import throughput as tm
 from services.planner.control import Controller
@@ -140,6 +140,7 @@ class Simulation:
                                 fail_after_s=max(cfg.ping_timeout_s, cfg.stall_timeout_s))
         self._kv_fixed = self.prfaas_hw.kv_affine()[0]  # bytes of a transfer sent as fixed-size state
         self._conn_bytes = cfg.link_buffer_bytes / cfg.kv_connections  # one connection's share of a path's buffers
+        self._held = ConnQueues(cfg.kv_connections, self._conn_bytes)  # each path's bytes per connection
         self._pinned: dict[int, float] = {}  # flow -> the fraction of its bytes produced before its KV_ADMIT came back
         self._goodput = Ewma(half_life_s=5.0)
         self._capacity = WindowedMax(30.0)
@@ -246,7 +247,12 @@ class Simulation:
         if q is None:
             return link.rtt
         nbytes, rate, fid = q
-        ahead = connection_ahead(nbytes, self._shares(fid), self._conn_bytes)[0]
+        held = self._held.held(key)
+        total = sum(held) if held is not None else 0.0
+        if total > 0:  # as split at the last report, scaled to what the path holds now
+            ahead = ahead_of([x * nbytes / total for x in held])[0]
+        else:
+            ahead = connection_ahead(nbytes, self._shares(fid), self._conn_bytes)[0]
         return link.rtt + (ahead / rate if rate > 0 else math.inf)
 
     def _kv_done(self, req: SimRequest) -> None:
@@ -320,11 +326,14 @@ class Simulation:
         counts a byte as sent once the buffers take it, only what exceeds their room stays queued in
         the sender (backlogged), and a ping waits behind the bytes buffered on its own connection of
         the path (a transfer's chunks spread over the connections as ``KvLink.send`` places them,
-        :meth:`_shares`), so the RTT and, once every connection of a path is loaded, its floor grow
-        by the worst path's queueing delay."""
+        :meth:`_shares`, and leave them in turn, ``pings.ConnQueues``), so the RTT and, once every
+        connection of a path stays loaded, its floor grow by the worst path's queueing delay."""
         link = self.link
         b, queued, queues = link.sender_view(link.buffer_bytes)
-        ahead = {key: connection_ahead(nbytes, self._shares(fid), self._conn_bytes) for key, (nbytes, _rate, fid) in queues.items()}
+        held, progress = self._held, link.path_progress
+        ahead = {key: ahead_of(held.update(key, nbytes, progress(key)[0], self._shares(fid)))
+                 for key, (nbytes, _rate, fid) in queues.items()}
+        held.keep(queues)
         t = now
         b0, t0 = self._link_prev
         self._link_prev = (b, t)

@@ -14,6 +14,8 @@ the path carries bytes), a one-chunk send goes to the first connection, and each
 from empty queues (the writers drain into buffers with room between layers). A connection whose
 buffers are full keeps its count above zero (its writer waits in ``drain``), so the chunks go on to
 the others: :func:`connection_ahead` fills no connection past its share of the path's buffers.
+Between reports :class:`ConnQueues` keeps what each connection holds: new bytes enter by those shares
+and the delivered ones leave the connections in turn, so the one given fewer bytes runs dry first.
 The link's token bucket serves the connections in turn, so a ping behind ``B_k`` bytes comes back
 once its connection sent them, while every other connection sent as much of its own, up to ``B_k``:
 the ping is through when the path has delivered that many more bytes, at whatever rates the link
@@ -90,7 +92,19 @@ def connection_ahead(nbytes: float, shares: Sequence[float], conn_bytes: float =
     ``conn_bytes`` (the excess goes to the next connections with room, in order), and its ping waits
     until it sent its ``B_k`` while every other connection sent as much of its own, up to ``B_k`` (the
     link serves them in turn): ``sum_j min(B_j, B_k)``. 0 for an empty connection. One float per share."""
-    held = [nbytes * s for s in shares]
+    return ahead_of(_capped([nbytes * s for s in shares], conn_bytes))
+
+
+def ahead_of(held: Sequence[float]) -> list[float]:
+    """Bytes to deliver before a ping entering each connection now is through, when connection ``k``
+    holds ``held[k]`` bytes (>= 0) and the link serves the connections in turn:
+    ``sum_j min(held[j], held[k])``; 0 for an empty connection."""
+    return [sum(min(x, b) for x in held) if b > 0 else 0.0 for b in held]
+
+
+def _capped(held: list[float], conn_bytes: float) -> list[float]:
+    """``held`` (bytes per connection, changed in place and returned) with none above ``conn_bytes``:
+    the excess goes to the next connections with room, in order, and what none has room for to the last."""
     spill = 0.0
     for k, b in enumerate(held):
         if b > conn_bytes:
@@ -105,7 +119,72 @@ def connection_ahead(nbytes: float, shares: Sequence[float], conn_bytes: float =
             spill -= room
     if spill > 0:
         held[-1] += spill
-    return [sum(min(x, b) for x in held) if b > 0 else 0.0 for b in held]
+    return held
+
+
+def drain_in_turn(held: list[float], nbytes: float) -> None:
+    """Take ``nbytes`` (>= 0) out of connections holding ``held`` bytes (changed in place), serving them in
+    turn: equal amounts from each connection that is not empty (water-filling, so the emptiest runs dry
+    first), at most what they hold in all."""
+    left = nbytes
+    while left > 1e-9:
+        live = [k for k, b in enumerate(held) if b > 0]
+        if not live:
+            return
+        step = min(left / len(live), min(held[k] for k in live))
+        for k in live:
+            held[k] = max(0.0, held[k] - step)
+        left -= step * len(live)
+
+
+class ConnQueues:
+    """Bytes each connection of each path holds in its buffers (socket and middlebox), kept from one tick
+    to the next. The bytes a path took into its buffers since the last tick enter its connections by the
+    transfer's shares (:func:`transfer_shares`; none above ``conn_bytes``), and the bytes it delivered
+    leave them served in turn (:func:`drain_in_turn`: the link's token bucket meters every connection's
+    writer piece by piece, ``common/lab/link_proxy.py``). So a connection given fewer of the bytes runs
+    dry first, and a ping on it is through at once while the path's other connection is still loaded:
+    the RTT floor (the lowest ping of a few seconds) then stays near the base on a saturated link until
+    every connection stays loaded. ``connections`` >= 1, ``conn_bytes`` > 0 (bytes)."""
+
+    def __init__(self, connections: int, conn_bytes: float = math.inf):
+        self.connections, self.conn_bytes = connections, conn_bytes
+        self.paths: dict[Hashable, tuple[list[float], float]] = {}  # key -> (bytes per connection, delivered then)
+
+    def update(self, key: Hashable, nbytes: float, delivered: float, shares: Sequence[float]) -> list[float]:
+        """Path ``key`` now holds ``nbytes`` (>= 0) in its buffers and has delivered ``delivered`` bytes in
+        all (never decreasing); ``shares``: its head transfer's fraction per connection. Returns the bytes
+        per connection (summing to ``nbytes``; the list is the state, do not change it)."""
+        got = self.paths.get(key)
+        if got is None:
+            held = _capped([nbytes * s for s in shares], self.conn_bytes)
+        else:
+            held, was = got
+            before = sum(held)
+            gone = max(0.0, delivered - was)
+            drain_in_turn(held, gone)
+            entered = nbytes - before + gone
+            if entered > 0:
+                for k, s in enumerate(shares):
+                    held[k] += entered * s
+                _capped(held, self.conn_bytes)
+            total = sum(held)
+            if total > 0 and abs(total - nbytes) > 1e-9 * max(1.0, nbytes):  # rounding, or a resend: keep the split
+                f = nbytes / total
+                for k in range(len(held)):
+                    held[k] *= f
+        self.paths[key] = (held, delivered)
+        return held
+
+    def held(self, key: Hashable) -> list[float] | None:
+        """Path ``key``'s bytes per connection at its last update (None when not tracked)."""
+        got = self.paths.get(key)
+        return None if got is None else got[0]
+
+    def keep(self, keys: set[Hashable] | dict) -> None:
+        """Forget every path not in ``keys`` (its buffers are empty)."""
+        for key in [k for k in self.paths if k not in keys]:
+            del self.paths[key]
 
 
 class _Path:
