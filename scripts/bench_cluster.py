@@ -534,9 +534,10 @@ async def amain(args) -> int:
     model = model_lambdas()
     t0 = time.monotonic()
     if args.scenario == "swing":
-        sw = await swing(args, scales, out)
+        sws = [await swing(args, scales, out) for _ in range(args.repeats)]
+        sw = {**sws[0], "repeats": sws} if len(sws) > 1 else sws[0]
         (out / "swing.json").write_text(json.dumps(sw))
-        lines = render_swing(sw, {})
+        lines = render_swing(sw, {}) + repeat_lines([{"swing": x} for x in sws])
         print("\n".join(lines))
         return 0
     if args.scenario == "multi":
@@ -554,11 +555,38 @@ async def amain(args) -> int:
         print(json.dumps(res.get("runs", res), indent=1))
         print(f"{args.scenario}: {time.monotonic() - t0:.0f} s; {out / (args.scenario + '.json')}")
         return 0
-    t6 = await table6(args, scales, model, out)
-    sw = None if args.no_swing else await swing(args, scales, out)
+    runs = []
+    for _ in range(args.repeats):  # each repeat on fresh clusters, the same requests
+        t6 = await table6(args, scales, model, out)
+        runs.append({"table6": t6, "swing": None if args.no_swing else await swing(args, scales, out)})
+    t6, sw = runs[0]["table6"], runs[0]["swing"]
     lines, fig = render(t6, sw)
-    report(out, {"table6": t6, "swing": sw, "figures": fig, "scales": asdict(scales)}, lines, time.monotonic() - t0)
+    results = {"table6": t6, "swing": sw, "figures": fig, "scales": asdict(scales)}
+    if len(runs) > 1:
+        results["repeats"] = runs
+        lines += repeat_lines(runs)
+    report(out, results, lines, time.monotonic() - t0)
     return 0
+
+
+def repeat_lines(runs: list[dict]) -> list[str]:
+    """One line per repeat (``runs``: dicts with ``table6`` and/or ``swing``, either None or absent):
+    each configuration's Lambda and TTFT P90 at the common rate, and the swing's low-phase goodput and
+    P90 per run, so the run-to-run spread shows beside the first repeat's tables."""
+    if len(runs) < 2:
+        return []
+    lines = ["", f"{len(runs)} repeats (the tables above are the first; scripts/simulate.py --validate compares medians):"]
+    for i, r in enumerate(runs, 1):
+        parts = []
+        if r.get("table6"):
+            t6 = r["table6"]
+            parts += [f"{k} Lambda {t6[k]['capacity']:.2f} P90 {t6[k]['at_common']['ttft_p90']:.2f} s"
+                      for k in ("prfaas", "homog", "naive")]
+        if r.get("swing"):
+            parts += [f"swing {m} low {run['phases']['low']['goodput']:.3f} req/s P90 {run['phases']['low']['ttft_p90']:.1f} s"
+                      for m, run in r["swing"]["runs"].items()]
+        lines.append(f"  {i}: " + "; ".join(parts))
+    return lines
 
 
 def report(out: Path, results: dict, lines: list[str], took_s: float) -> None:
@@ -588,8 +616,14 @@ def main() -> int:
     p.add_argument("--shift-rate-after", type=float, default=3.5, help="req/s of the short mix after it")
     p.add_argument("--trace-requests", type=int, default=None,
                    help="first N requests of the trace, native timestamps (default 900 with --quick, else 3000)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="table6 and swing: run the scenario this many times on fresh clusters, the same requests each "
+                        "time; results.json (swing.json) keeps every repeat under 'repeats', and simulate.py --validate "
+                        "compares with their medians")
     p.add_argument("--out", default="runs/bench_cluster")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     if args.window is None:
         args.window = 100.0 if args.quick else 300.0
     Path(args.out).mkdir(parents=True, exist_ok=True)

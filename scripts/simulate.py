@@ -12,8 +12,9 @@ emulated cluster's measurement (``scripts/bench_cluster.py``'s ``results.json``)
 each measured point with the same rate, window and seeds (hence the same arrivals and lengths) and
 derives Lambda (90 % SLO attainment, interpolated) the same way. The results file is read from
 ``--emulated`` (default ``runs/bench_cluster/results.json``; a newer ``swing.json`` beside it, from
-``bench_cluster.py --scenario swing``, replaces its swing); when absent, ``bench_cluster.py --quick``
-is run first to write it (about 10 minutes on 2 cores) and the output says which happened.
+``bench_cluster.py --scenario swing``, replaces its swing); when absent, ``bench_cluster.py --quick
+--repeats 3`` is run first to write it (about 30 minutes on 2 cores) and the output says which
+happened. With several emulated repeats, each is replayed and the medians are compared.
 
 ``--scale-test``: 100, 1,000 and 10,000 GPUs (8-GPU instances, PrfaaS-PD split 4/3/5, 25 Gbit/s of
 link per PrfaaS instance) over one hour of Poisson arrivals of the paper's mix at 0.9 x the scaled
@@ -65,6 +66,7 @@ EMULATED_REMOTE_OVERHEAD_S = 0.03
 # 4,448 bytes up the KV path beyond the model's wire bytes; a line through them.
 EMULATED_KV_OVERHEAD_BYTES = 2285.0
 EMULATED_KV_OVERHEAD_PER_CARRIED_TOKEN = 0.69
+EMULATED_REPEATS = 3  # bench_cluster.py --repeats when --validate finds no emulated results
 KV_CONNECTIONS = 2  # the emulated cluster's --kv-connections: each with its own 4 MiB link-proxy buffer
 PING_INTERVAL_S = 1.0  # real seconds between the KV sender's pings on each connection (KvLink's ping_interval)
 NAMES = {"prfaas": "PrfaaS-PD", "homog": "Homogeneous PD", "naive": "Naive heterogeneous"}
@@ -112,16 +114,19 @@ def emulated_results(path: Path) -> tuple[dict, str]:
         emu, where = json.loads(path.read_text()), f"emulated results read from {path} (written {age:.0f} min ago)"
         swing = path.with_name("swing.json")  # bench_cluster.py --scenario swing --out <same folder>: a newer swing
         if swing.exists() and swing.stat().st_mtime > path.stat().st_mtime:
-            emu["swing"] = json.loads(swing.read_text())
+            emu["swing"], emu["swing_replaced"] = json.loads(swing.read_text()), True
             where += f"; swing from {swing} (newer, written {(time.time() - swing.stat().st_mtime) / 60:.0f} min ago)"
         return emu, where
     out = path.parent
-    cmd = [sys.executable, str(Path(__file__).with_name("bench_cluster.py")), "--quick", "--out", str(out)]
-    print(f"no emulated results at {path}: running {' '.join(cmd)} (about 10 minutes)", file=sys.stderr)
+    # three repeats: one emulated run of the dynamic swing moves by +-16 % in its low-phase P90 (see validate)
+    cmd = [sys.executable, str(Path(__file__).with_name("bench_cluster.py")), "--quick", "--repeats", str(EMULATED_REPEATS),
+           "--out", str(out)]
+    print(f"no emulated results at {path}: running {' '.join(cmd)} (about {10 * EMULATED_REPEATS} minutes)", file=sys.stderr)
     t0 = time.monotonic()
     subprocess.run(cmd, check=True, stdout=sys.stderr)
     took = time.monotonic() - t0
-    return json.loads(path.read_text()), f"emulated results measured now by bench_cluster.py --quick ({took:.0f} s), {path}"
+    return json.loads(path.read_text()), (f"emulated results measured now by bench_cluster.py --quick --repeats {EMULATED_REPEATS} "
+                                           f"({took:.0f} s), {path}")
 
 
 def rel(a: float, b: float) -> float:
@@ -143,56 +148,121 @@ def first_above(timeline: list[dict], key: str = "rtt_standing_ms", limit: float
     return next((r["t"] for r in timeline if (r.get(key) or 0.0) > limit), math.nan)
 
 
+def emulated_runs(emu: dict) -> tuple[list[dict], list[dict]]:
+    """The emulated repeats in ``emu`` (``bench_cluster.py`` results, ``--repeats`` or not): each
+    repeat's Table 6 and each repeat's swing (a swing.json read beside it replaces every repeat's swing
+    with its own repeats, :func:`emulated_results`). Each list has one entry per repeat (the swing's
+    may be empty)."""
+    reps = emu.get("repeats") or [{"table6": emu["table6"], "swing": emu.get("swing")}]
+    sw = emu.get("swing")
+    if emu.get("swing_replaced"):
+        swings = (sw.get("repeats") or [sw]) if sw else []
+    else:
+        swings = [r["swing"] for r in reps if r.get("swing")]
+    return [r["table6"] for r in reps], swings
+
+
+def median(xs: list[float]) -> float:
+    """The median of ``xs`` (at least one number)."""
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
+
+
+def spread(xs: list[float], fmt: str) -> str:
+    """`` [lo-hi]`` of several numbers in format ``fmt``; empty for one."""
+    return f" [{min(xs):{fmt}}-{max(xs):{fmt}}]" if len(xs) > 1 else ""
+
+
 def validate(emu: dict, out: Path, host_overhead_s: float = EMULATED_HOST_OVERHEAD_S,
              remote_overhead_s: float = EMULATED_REMOTE_OVERHEAD_S) -> tuple[list[str], float, float, dict]:
-    """Replay every emulated point; the side-by-side table and the largest Lambda and P90 errors."""
-    t6, sw = emu["table6"], emu.get("swing")
+    """Replay every emulated point; the side-by-side table and the largest Lambda and P90 errors.
+
+    With several emulated repeats (``bench_cluster.py --repeats``) every repeat's points are replayed
+    (the same requests; Table 6's common rate is measured, so it differs from repeat to repeat) and
+    each figure is compared as the median of the repeats, emulated against simulated, with the
+    emulated range beside it: one emulated run of the dynamic swing moves by +-16 % in its low-phase
+    P90 from run to run, as much as the bound it is held to."""
+    t6_runs, sw_runs = emulated_runs(emu)
     base = emulated_base(emu.get("scales") or {"time_scale": 5.0, "token_scale": 32, "byte_scale": 1.5e-4, "output_scale": 64},
                          host_overhead_s, remote_overhead_s)
-    res: dict = {"table6": {}, "swing": {}}
+    res: dict = {"table6": {}, "swing": {}, "repeats": {"table6": len(t6_runs), "swing": len(sw_runs)}}
     lam_err, p90_err, ref_err, ref_p90 = [], [], [], []
-    lines = ["Table 6: emulated cluster (measured) vs simulator, same rates, windows and seeds",
+    many = len(t6_runs) > 1
+    lines = ["Table 6: emulated cluster (measured) vs simulator, same rates, windows and seeds"
+             + (f"; medians of {len(t6_runs)} emulated repeats, each replayed, [emulated range]" if many else ""),
              f"{'configuration':22}{'Lambda emu':>11}{'sim':>8}{'err':>7}{'TTFT mean emu':>15}{'sim':>7}"
              f"{'P90 emu':>9}{'sim':>7}{'err':>7}"]
-    n_pts = sum(len(t6[k]["points"]) for k in sc.SHAPES) + (3 if sw else 0)
-    with progress(n_pts, "simulating the emulated points") as bar:
+    sim_points: dict[tuple, dict] = {}  # (configuration, rate, window, seed) -> the simulated point
+    todo = {(key, ep["rate"], ep["window_s"], 11 + k) for t6 in t6_runs for key in sc.SHAPES for k, ep in enumerate(t6[key]["points"])}
+    sw0 = sw_runs[0] if sw_runs else None
+    with progress(len(todo) + (len(sw0["runs"]) if sw0 else 0), "simulating the emulated points") as bar:
         for key in sc.SHAPES:
             cfg = sc.config_for(key, base)
-            pts = []
-            for k, ep in enumerate(t6[key]["points"]):
-                pts.append(sc.point(cfg, ep["rate"], ep["window_s"], 11 + k, SLO))
-                bar.update()
-            cap, note = capacity(pts)
-            common = min(pts, key=lambda p: abs(p["rate"] - t6["common_rate"]))
-            e_cap, e_c = t6[key]["capacity"], t6[key]["at_common"]
-            res["table6"][key] = {"capacity": cap, "note": note, "points": pts, "at_common": common}
-            lam_err.append(rel(cap, e_cap))
-            p90_err.append(rel(common["ttft_p90"], e_c["ttft_p90"]))
-            lines.append(f"{NAMES[key]:22}{t6[key]['capacity_note'] + format(e_cap, '.2f'):>11}{note + format(cap, '.2f'):>8}"
-                         f"{lam_err[-1]:>7.1%}{e_c['ttft_mean']:>13.2f} s{common['ttft_mean']:>6.2f}s"
-                         f"{e_c['ttft_p90']:>8.2f}s{common['ttft_p90']:>6.2f}s{p90_err[-1]:>7.1%}")
-        lines.append(f"(TTFT at the common rate {t6['common_rate']:.2f} req/s; Lambda: 90 % of requests meet the SLO)")
-        if sw:
-            lines += ["", f"Bandwidth swing at {sw['rate']:.2f} req/s: goodput (req/s) and TTFT P90 (s) per phase, emu / sim",
-                      f"{'run':9}" + "".join(f"{n + ' goodput':>22}{'P90':>23}" for n, _g, _d in sw["phases"])]
-            for mode, run in sw["runs"].items():
-                s = sc.swing(replace(base, n_prfaas=4, n_p=3, n_d=5), mode, sw["rate"], sw["phases"], sw["t_full"], sw["t_low"], SLO)
+            per = {"e_cap": [], "s_cap": [], "e_mean": [], "s_mean": [], "e_p90": [], "s_p90": []}
+            notes = ("", "")
+            for t6 in t6_runs:
+                pts = []
+                for k, ep in enumerate(t6[key]["points"]):
+                    at = (key, ep["rate"], ep["window_s"], 11 + k)
+                    if at not in sim_points:
+                        sim_points[at] = sc.point(cfg, ep["rate"], ep["window_s"], 11 + k, SLO)
+                        bar.update()
+                    pts.append(sim_points[at])
+                cap, note = capacity(pts)
+                common = min(pts, key=lambda p, c=t6["common_rate"]: abs(p["rate"] - c))
+                e_c = t6[key]["at_common"]
+                notes = (t6[key]["capacity_note"], note)
+                for name, v in (("e_cap", t6[key]["capacity"]), ("s_cap", cap), ("e_mean", e_c["ttft_mean"]),
+                                ("s_mean", common["ttft_mean"]), ("e_p90", e_c["ttft_p90"]), ("s_p90", common["ttft_p90"])):
+                    per[name].append(v)
+                res["table6"].setdefault(key, {"runs": []})["runs"].append({"capacity": cap, "note": note, "points": pts,
+                                                                             "at_common": common})
+            m = {k: median(v) for k, v in per.items()}
+            res["table6"][key].update({"median": m, "emulated": per})
+            lam_err.append(rel(m["s_cap"], m["e_cap"]))
+            p90_err.append(rel(m["s_p90"], m["e_p90"]))
+            lines.append(f"{NAMES[key]:22}{notes[0] + format(m['e_cap'], '.2f'):>11}{notes[1] + format(m['s_cap'], '.2f'):>8}"
+                         f"{lam_err[-1]:>7.1%}{m['e_mean']:>13.2f} s{m['s_mean']:>6.2f}s"
+                         f"{m['e_p90']:>8.2f}s{m['s_p90']:>6.2f}s{p90_err[-1]:>7.1%}"
+                         + (f"  emu Lambda{spread(per['e_cap'], '.2f')} P90{spread(per['e_p90'], '.2f')}" if many else ""))
+        rates = sorted({t6["common_rate"] for t6 in t6_runs})
+        lines.append(f"(TTFT at the common rate {', '.join(f'{r:.2f}' for r in rates)} req/s; Lambda: 90 % of requests meet the SLO)")
+        if sw0:
+            if any((x["rate"], x["phases"], x["t_full"], x["t_low"]) != (sw0["rate"], sw0["phases"], sw0["t_full"], sw0["t_low"])
+                   for x in sw_runs):
+                raise ValueError("the emulated swing repeats differ in rate, phases or thresholds: compare them one at a time")
+            lines += ["", f"Bandwidth swing at {sw0['rate']:.2f} req/s: goodput (req/s) and TTFT P90 (s) per phase, emu / sim"
+                      + (f" (emulated: median of {len(sw_runs)} repeats, range below)" if len(sw_runs) > 1 else ""),
+                      f"{'run':9}" + "".join(f"{n + ' goodput':>22}{'P90':>23}" for n, _g, _d in sw0["phases"])]
+            ranges = []
+            for mode in sw0["runs"]:
+                s = sc.swing(replace(base, n_prfaas=4, n_p=3, n_d=5), mode, sw0["rate"], sw0["phases"], sw0["t_full"], sw0["t_low"], SLO)
                 bar.update()
                 res["swing"][mode] = s
-                row = f"{mode:9}"
-                for name, _g, _d in sw["phases"]:
-                    e, m = run["phases"][name], s["phases"][name]
+                row, rng = f"{mode:9}", f"{mode:9}"
+                for name, _g, _d in sw0["phases"]:
+                    eg = [x["runs"][mode]["phases"][name]["goodput"] for x in sw_runs]
+                    ep = [x["runs"][mode]["phases"][name]["ttft_p90"] for x in sw_runs]
+                    e, m = {"goodput": median(eg), "ttft_p90": median(ep)}, s["phases"][name]
                     le, pe = rel(m["goodput"], e["goodput"]), rel(m["ttft_p90"], e["ttft_p90"])
                     (ref_err if mode == "oracle" else lam_err).append(le)
                     (ref_p90 if mode == "oracle" else p90_err).append(pe)
                     row += (f"{e['goodput']:>9.3f} /{m['goodput']:>6.3f} ({le:>4.0%})"
                             f"{e['ttft_p90']:>7.1f} /{m['ttft_p90']:>5.1f} ({pe:>4.0%})")
+                    rng += f"{spread(eg, '.3f'):>22}{spread(ep, '.1f'):>23}"
+                    res["swing"][mode].setdefault("emulated", {})[name] = {"goodput": eg, "ttft_p90": ep}
                 lines.append(row)
-            if "dynamic" in sw["runs"] and "dynamic" in res["swing"]:
-                tls = (sw["runs"]["dynamic"].get("timeline") or [], res["swing"]["dynamic"]["timeline"])
-                (e_at, s_at), (e_q, s_q) = (first_raise(tl) for tl in tls), (first_above(tl) for tl in tls)
-                lines.append(f"dynamic run: the planner first raised t at {e_at:.0f} s (emulated) / {s_at:.0f} s (simulated); "
-                             f"the RTT floor's excess first passed 500 ms at {e_q:.0f} s / {s_q:.0f} s")
+                ranges.append(rng)
+            if len(sw_runs) > 1:
+                lines += ["emulated range:"] + ranges
+            if "dynamic" in sw0["runs"] and "dynamic" in res["swing"]:
+                s_tl = res["swing"]["dynamic"]["timeline"]
+                e_tls = [x["runs"]["dynamic"].get("timeline") or [] for x in sw_runs]
+                e_at = ", ".join(f"{first_raise(tl):.0f}" for tl in e_tls)
+                e_q = ", ".join(f"{first_above(tl):.0f}" for tl in e_tls)
+                lines.append(f"dynamic run: the planner first raised t at {e_at} s (emulated) / {first_raise(s_tl):.0f} s (simulated); "
+                             f"the RTT floor's excess first passed 500 ms at {e_q} s / {first_above(s_tl):.0f} s")
             lines.append("The swing's Lambda is each phase's goodput; the errors taken are the dynamic and static runs (the scenario's "
                          "comparison). The oracle run is a reference: its t = t_low puts PD-P at 93 % of its modelled capacity "
                          "in the 16 Gbit/s phases, where a few % of host overhead decides whether its queue grows without bound")

@@ -598,3 +598,24 @@ def test_swing_timeline_marks_the_first_raise_and_the_first_standing_queue():
     assert first_raise(tl) == 60.0 and first_above(tl) == 60.0
     assert math.isnan(first_raise(tl[:2])) and math.isnan(first_above(tl[:2])) and math.isnan(first_raise([]))
     assert math.isnan(first_above([{"t": 5.0, "threshold": 1.0}]))
+
+
+def test_validation_takes_every_emulated_repeat_and_a_newer_swing_replaces_theirs():
+    """``simulate.py --validate`` over ``bench_cluster.py --repeats``: each repeat's Table 6 and swing;
+    a swing.json read beside the results (``swing_replaced``) stands for every repeat with its own
+    repeats; figures are compared as medians."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from simulate import emulated_runs, median, spread
+
+    one = {"table6": "A", "swing": "a"}
+    assert emulated_runs(one) == (["A"], ["a"])
+    assert emulated_runs({"table6": "A", "swing": None}) == (["A"], [])
+    reps = {"table6": "A", "swing": "a", "repeats": [{"table6": "A", "swing": "a"}, {"table6": "B", "swing": "b"}]}
+    assert emulated_runs(reps) == (["A", "B"], ["a", "b"])
+    newer = {"rate": 1.0, "repeats": [{"rate": 1.0, "n": 1}, {"rate": 1.0, "n": 2}]}
+    assert emulated_runs({**reps, "swing": newer, "swing_replaced": True}) == (["A", "B"], newer["repeats"])
+    assert emulated_runs({**one, "swing": {"rate": 2.0}, "swing_replaced": True}) == (["A"], [{"rate": 2.0}])
+    assert median([3.0, 1.0, 2.0]) == 2.0 and median([4.0, 1.0]) == 2.5 and median([7.0]) == 7.0
+    assert spread([1.0], ".1f") == "" and spread([2.0, 1.0, 1.5], ".1f") == " [1.0-2.0]"
