@@ -240,7 +240,8 @@ def _check(row) -> None:
     assert c["wrong"] == 0, report
     assert row.leaked == 0 and not row.residual, report
     assert row.unexposed_ok == row.unexposed, report
-    assert not any(n.startswith(NOT_EXERCISED) for n in row.notes), report  # a link scenario that stayed local tests nothing
+    assert row.exercised, report  # a link scenario that stayed local tests nothing
+    assert not any(n.startswith(NOT_EXERCISED) for n in row.notes), report  # ... and says so in its notes
 
 
 def _note(row, pattern: str) -> None:
@@ -371,6 +372,14 @@ def test_resets_then_the_next_link_scenario_still_crosses_the_link(harness):
 def test_scenarios_on_the_link_are_the_ones_that_need_remote_placements():
     assert {s.name for s in MATRIX if s.on_link} == {"rtt20", "rtt50", "rtt100", "bw1g", "bw100m", "resets", "blackhole",
                                                      "prefill_kill"}
+
+
+def test_a_row_says_whether_its_link_scenario_crossed_the_link():
+    from common.lab.chaos.report import make_row
+
+    sc = BY_NAME["bw100m"]
+    assert make_row(sc, "proxy", [], [], [], [], 0, 1.0, {}).exercised
+    assert not make_row(sc, "proxy", [], [], [], [], 0, 1.0, {}, exercised=False).exercised
 
 
 def test_blackhole(harness):

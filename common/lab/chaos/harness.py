@@ -97,7 +97,8 @@ class Harness:
                   for k in ("remote", "local")}  # a restarted router counts from zero
         ctx.notes.append(f"placements remote={routes['remote']} local={routes['local']}; "
                          f"{(system.link.delivered_bytes('kv:') - kv0) / 2**20:.1f} MiB of KVCache over the link")
-        if sc.on_link and not routes["remote"]:
+        exercised = not (sc.on_link and not routes["remote"])
+        if not exercised:
             ctx.notes.append(f"{NOT_EXERCISED}: no request was placed on the PrfaaS cluster, so nothing crossed the link")
         stages = Counter(r.spec.disconnect for r in results if r.outcome == "abandoned")
         if stages:
@@ -106,7 +107,7 @@ class Harness:
         after = await system.drain(opts.drain_s)
         leaked = sum(max(0, n - base_held.get(d, 0)) for d, n in after.held_blocks.items())
         row = make_row(sc, where, results, ctx.window, ctx.notes, after.residual, leaked, duration,
-                       system.log_since(marks))
+                       system.log_since(marks), exercised)
         if sc.name == "baseline":
             self.baseline = row
         return row

@@ -34,6 +34,7 @@ class Row:
     failures: Counter
     log_causes: Counter
     results: list[Result] = field(repr=False, default_factory=list)
+    exercised: bool = True  # False: a link scenario whose requests all stayed local (it tested nothing)
 
     @property
     def requests(self) -> int:
@@ -130,10 +131,11 @@ def summary_line(rows: list[Row]) -> str:
 
 
 def make_row(sc: Scenario, where: str, results: list[Result], window: list[float], notes: list[str], residual: list[str],
-             leaked: int, duration: float, logs: dict[str, str]) -> Row:
+             leaked: int, duration: float, logs: dict[str, str], exercised: bool = True) -> Row:
     """A scenario's row from its results: marks each result ``exposed`` (it overlapped the fault's
     ``window`` [start, end] monotonic s, plus 1 s of grace, or was a planned disconnect or overload),
-    counts outcomes, keeps TTFTs of correct streams and counts kinds of failures and log lines."""
+    counts outcomes, keeps TTFTs of correct streams and counts kinds of failures and log lines.
+    ``exercised``: False for a link scenario none of whose requests crossed the link."""
     w = window
     grace = 1.0  # the router's view of the workers lags by up to its refresh interval
     for r in results:
@@ -153,5 +155,5 @@ def make_row(sc: Scenario, where: str, results: list[Result], window: list[float
         errors=Counter(f"{_how(r)} {_norm(r.detail)}" for r in results if r.outcome == "error"),
         failures=Counter(f"{r.outcome}{' (exposed)' if r.exposed else ''}: {_how(r)} {_norm(r.detail)}" for r in results
                          if r.outcome in ("lost", "hang", "wrong") or (r.outcome == "error" and not r.exposed)),
-        log_causes=log_causes(logs), results=results,
+        log_causes=log_causes(logs), results=results, exercised=exercised,
     )
