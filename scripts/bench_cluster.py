@@ -431,25 +431,37 @@ def plots(t6: dict, sw: dict | None, out: Path) -> list[str]:
     ax.set_xscale("log")
     finish(fig, ax, f"TTFT (s) at {t6['common_rate']:.2f} req/s", "CDF", "ttft_cdf.png")
     if sw:
-        fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-        for mode, run in sw["runs"].items():
-            tl = run["timeline"]
-            a1.plot([x["t"] for x in tl], [x["egress_gbps"] for x in tl], label=mode)
-            a2.plot([x["t"] for x in tl], [x["threshold"] for x in tl], label=mode)
-        at = 0.0
-        for _name, gbps, dur in sw["phases"]:
-            a1.hlines(gbps, at, at + dur, colors="k", linestyles="dashed")
-            at += dur
-        a1.set_ylabel("PrfaaS egress (Gbps)")
-        a2.set_ylabel("threshold t (tokens)")
-        a2.set_xlabel("time (emulated s)")
-        a1.legend()
-        a2.legend()
-        p = out / "swing_timeline.png"
-        fig.savefig(p, dpi=120, bbox_inches="tight")
-        paths.append(str(p))
+        paths.append(plot_swing(sw, out))
     plt.close("all")
     return paths
+
+
+def plot_swing(sw: dict, out: Path) -> str:
+    """``swing_timeline.png`` in ``out``: each run's PrfaaS egress (the phases' capacities dashed) and
+    threshold over emulated time (the first repeat's runs). Returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for mode, run in sw["runs"].items():
+        tl = run["timeline"]
+        a1.plot([x["t"] for x in tl], [x["egress_gbps"] for x in tl], label=mode)
+        a2.plot([x["t"] for x in tl], [x["threshold"] for x in tl], label=mode)
+    at = 0.0
+    for _name, gbps, dur in sw["phases"]:
+        a1.hlines(gbps, at, at + dur, colors="k", linestyles="dashed")
+        at += dur
+    a1.set_ylabel("PrfaaS egress (Gbps)")
+    a2.set_ylabel("threshold t (tokens)")
+    a2.set_xlabel("time (emulated s)")
+    a1.legend()
+    a2.legend()
+    p = out / "swing_timeline.png"
+    fig.savefig(p, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return str(p)
 
 
 def plot_shift(res: dict, out: Path) -> str:
@@ -539,6 +551,7 @@ async def amain(args) -> int:
         (out / "swing.json").write_text(json.dumps(sw))
         lines = render_swing(sw, {}) + repeat_lines([{"swing": x} for x in sws])
         print("\n".join(lines))
+        print(f"plot: {plot_swing(sw, out)}; raw: {out / 'swing.json'}")
         return 0
     if args.scenario == "multi":
         from common.lab import multi_bench

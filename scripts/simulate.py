@@ -113,9 +113,11 @@ def emulated_results(path: Path) -> tuple[dict, str]:
         age = (time.time() - path.stat().st_mtime) / 60
         emu, where = json.loads(path.read_text()), f"emulated results read from {path} (written {age:.0f} min ago)"
         swing = path.with_name("swing.json")  # bench_cluster.py --scenario swing --out <same folder>: a newer swing
-        if swing.exists() and swing.stat().st_mtime > path.stat().st_mtime:
+        if swing.exists() and swing.stat().st_mtime >= path.stat().st_mtime:  # (a copy and a touch can share a tick)
             emu["swing"], emu["swing_replaced"] = json.loads(swing.read_text()), True
-            where += f"; swing from {swing} (newer, written {(time.time() - swing.stat().st_mtime) / 60:.0f} min ago)"
+            where += f"; swing from {swing} (not older, written {(time.time() - swing.stat().st_mtime) / 60:.0f} min ago)"
+        elif swing.exists():
+            where += f"; {swing} is older than the results and is not used (touch it to use it)"
         return emu, where
     out = path.parent
     # three repeats: one emulated run of the dynamic swing moves by +-16 % in its low-phase P90 (see validate)
