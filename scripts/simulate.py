@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -164,13 +165,6 @@ def emulated_runs(emu: dict) -> tuple[list[dict], list[dict]]:
     return [r["table6"] for r in reps], swings
 
 
-def median(xs: list[float]) -> float:
-    """The median of ``xs`` (at least one number)."""
-    ys = sorted(xs)
-    n = len(ys)
-    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
-
-
 def spread(xs: list[float], fmt: str) -> str:
     """`` [lo-hi]`` of several numbers in format ``fmt``; empty for one."""
     return f" [{min(xs):{fmt}}-{max(xs):{fmt}}]" if len(xs) > 1 else ""
@@ -220,7 +214,7 @@ def validate(emu: dict, out: Path, host_overhead_s: float = EMULATED_HOST_OVERHE
                     per[name].append(v)
                 res["table6"].setdefault(key, {"runs": []})["runs"].append({"capacity": cap, "note": note, "points": pts,
                                                                              "at_common": common})
-            m = {k: median(v) for k, v in per.items()}
+            m = {k: statistics.median(v) for k, v in per.items()}
             res["table6"][key].update({"median": m, "emulated": per})
             lam_err.append(rel(m["s_cap"], m["e_cap"]))
             p90_err.append(rel(m["s_p90"], m["e_p90"]))
@@ -246,7 +240,7 @@ def validate(emu: dict, out: Path, host_overhead_s: float = EMULATED_HOST_OVERHE
                 for name, _g, _d in sw0["phases"]:
                     eg = [x["runs"][mode]["phases"][name]["goodput"] for x in sw_runs]
                     ep = [x["runs"][mode]["phases"][name]["ttft_p90"] for x in sw_runs]
-                    e, m = {"goodput": median(eg), "ttft_p90": median(ep)}, s["phases"][name]
+                    e, m = {"goodput": statistics.median(eg), "ttft_p90": statistics.median(ep)}, s["phases"][name]
                     le, pe = rel(m["goodput"], e["goodput"]), rel(m["ttft_p90"], e["ttft_p90"])
                     (ref_err if mode == "oracle" else lam_err).append(le)
                     (ref_p90 if mode == "oracle" else p90_err).append(pe)

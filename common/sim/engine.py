@@ -140,7 +140,7 @@ class Simulation:
                                 fail_after_s=max(cfg.ping_timeout_s, cfg.stall_timeout_s))
         self._kv_fixed = self.prfaas_hw.kv_affine()[0]  # bytes of a transfer sent as fixed-size state
         self._conn_bytes = cfg.link_buffer_bytes / cfg.kv_connections  # one connection's share of a path's buffers
-        self._held = ConnQueues(cfg.kv_connections, self._conn_bytes)  # each path's bytes per connection
+        self._held = ConnQueues(self._conn_bytes)  # each path's bytes per connection
         self._pinned: dict[int, float] = {}  # flow -> the fraction of its bytes produced before its KV_ADMIT came back
         self._goodput = Ewma(half_life_s=5.0)
         self._capacity = WindowedMax(30.0)

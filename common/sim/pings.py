@@ -43,6 +43,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from common.transfer.connection import LATE_PONG_CAP
 from common.transfer.estimators import Ewma, WindowedMin, rtt_with_pings_out
+from services.router.bandwidth import water_fill
 
 _GOLDEN = 0.6180339887498949
 
@@ -124,17 +125,12 @@ def _capped(held: list[float], conn_bytes: float) -> list[float]:
 
 def drain_in_turn(held: list[float], nbytes: float) -> None:
     """Take ``nbytes`` (>= 0) out of connections holding ``held`` bytes (changed in place), serving them in
-    turn: equal amounts from each connection that is not empty (water-filling, so the emptiest runs dry
-    first), at most what they hold in all."""
-    left = nbytes
-    while left > 1e-9:
-        live = [k for k, b in enumerate(held) if b > 0]
-        if not live:
-            return
-        step = min(left / len(live), min(held[k] for k in live))
-        for k in live:
-            held[k] = max(0.0, held[k] - step)
-        left -= step * len(live)
+    turn: equal amounts from each connection that is not empty, the max-min fair split of
+    :func:`services.router.bandwidth.water_fill` (so the emptiest runs dry first), at most what they hold
+    in all."""
+    taken = water_fill(nbytes, dict(enumerate(held)), {})
+    for k, x in taken.items():
+        held[k] = max(0.0, held[k] - x)
 
 
 class ConnQueues:
@@ -145,10 +141,10 @@ class ConnQueues:
     writer piece by piece, ``common/lab/link_proxy.py``). So a connection given fewer of the bytes runs
     dry first, and a ping on it is through at once while the path's other connection is still loaded:
     the RTT floor (the lowest ping of a few seconds) then stays near the base on a saturated link until
-    every connection stays loaded. ``connections`` >= 1, ``conn_bytes`` > 0 (bytes)."""
+    every connection stays loaded. ``conn_bytes`` > 0: the most one connection holds (bytes)."""
 
-    def __init__(self, connections: int, conn_bytes: float = math.inf):
-        self.connections, self.conn_bytes = connections, conn_bytes
+    def __init__(self, conn_bytes: float = math.inf):
+        self.conn_bytes = conn_bytes
         self.paths: dict[Hashable, tuple[list[float], float]] = {}  # key -> (bytes per connection, delivered then)
 
     def update(self, key: Hashable, nbytes: float, delivered: float, shares: Sequence[float]) -> list[float]:
