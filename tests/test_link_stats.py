@@ -1029,3 +1029,32 @@ def test_pings_still_out_bound_the_rtt_and_the_floor():
     ls.on_rtt(5.0)  # a pong: not every connection waits any more
     s = ls.snapshot()
     assert s["rtt_floor_ms"] == pytest.approx(5000.0) and s["rtt_ms"] < 5000.0
+
+
+def test_rtt_floor_is_the_worst_connections():
+    """Per connection, the lowest pong of the window (or its waiting ping's age without one); the
+    largest over the connections. A path that serves its connections in turn drains the one holding
+    few bytes first: its quick pongs must not hide the seconds of KV queued behind the others."""
+    clk = FakeClock()
+    ls = LinkStats("decode-0", rtt_floor_window_s=3.0, clock=clk)
+    for _ in range(4):  # connection 0 runs dry and answers at once; connection 1 waits 2 s behind its bytes
+        ls.on_rtt(0.001, conn=0)
+        ls.on_rtt(2.0, conn=1)
+        clk.t += 1.0
+    assert ls.snapshot()["rtt_floor_ms"] == pytest.approx(2000.0)
+    assert ls.rtt_floor() == pytest.approx(2.0)
+    clk.t += 2.5  # connection 1's pongs left the window; its ping of an earlier round has waited 4 s
+    ls.on_rtt(0.001, conn=0)
+    ls.note_pings_out(None, {1: clk.t - 4.0})
+    assert ls.snapshot()["rtt_floor_ms"] == pytest.approx(4000.0)
+    ls.on_rtt(4.2, conn=1)  # its pong: a sample again, the ping no longer out
+    assert ls.rtt_floor() == pytest.approx(4.2)
+    clk.t += 10.0  # every sample aged out and no ping out: no floor, and the connections are forgotten
+    assert ls.rtt_floor() is None and ls.snapshot()["rtt_floor_ms"] is None
+    assert not ls._conn_floor
+    # through one FIFO queue every connection waits alike: the worst connection's floor (0.30 s) is within
+    # the pings' spread of the lowest of them all (0.29 s)
+    fifo = LinkStats("decode-1", rtt_floor_window_s=3.0, clock=clk)
+    for k, rtt in enumerate((0.30, 0.31, 0.29, 0.30)):
+        fifo.on_rtt(rtt, conn=k % 2)
+    assert fifo.rtt_floor() == pytest.approx(0.30)

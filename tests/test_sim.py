@@ -339,7 +339,11 @@ def test_path_pings_come_back_after_the_queue_and_idle_connections_answer_at_onc
         rtt, floor = pings.tick(now, {"p": (9.0, 0.0)}, delivered, 1.0)
     assert floor == pytest.approx(9001.0) and 1.0 < rtt < 9001.0  # at +9.5 s: the idle answer at +5 s left the 3 s window
     now = first + 10.0
-    assert pings.tick(now, {"p": (9.0, 0.0)}, delivered, 1.0)[1] == 1.0  # the round at +10 s: an idle answer again
+    # the round at +10 s: an idle answer again, but the floor is the worst connection's (LinkStats.rtt_floor):
+    # the loaded one's pong at +9 s is in the window
+    assert pings.tick(now, {"p": (9.0, 0.0)}, delivered, 1.0)[1] == pytest.approx(9001.0)
+    now = first + 12.5  # that pong left the window, and the loaded connection's new ping (+10 s) has waited 2.5 s
+    assert pings.tick(now, {"p": (9.0, 0.0)}, delivered, 1.0)[1] == pytest.approx(2501.0)
     for k in range(200):  # queue gone: idle answers bring the EWMA back, then the path leaves
         now = first + 20.0 + 5 * k
         pings.tick(now, {}, delivered, 1.0)
@@ -404,7 +408,8 @@ def test_every_loaded_connections_ping_waits_behind_its_own_bytes_sent_in_turn()
     assert connection_ahead(10.0, [1.0, 0.0], conn_bytes=6.0) == [10.0, 8.0]  # the first is full: 4 B spill over
     assert connection_ahead(0.0, [0.5, 0.5]) == [0.0, 0.0]
 
-    # the floor, the lowest ping of its window, stays at the base RTT only while a connection is idle
+    # the floor is the worst connection's (the lowest ping of its window, per connection): an idle or
+    # lightly loaded neighbour does not hide the loaded connection's queue
     def floor_after(split: list[float]) -> float:
         pings = PathPings(interval_s=1.0, connections=2, floor_window_s=3.0)
         ahead = connection_ahead(100.0, split)  # 100 B buffered, drained at 1000 B/s: 100 ms / 60 ms behind the queue
@@ -413,8 +418,9 @@ def test_every_loaded_connections_ping_waits_behind_its_own_bytes_sent_in_turn()
             floor = pings.tick(0.25 * k, {"p": ahead}, lambda key, k=k: (250.0 * k, 1000.0), 1.0)[1]
         return floor
 
-    assert floor_after([1.0, 0.0]) == 1.0
-    assert floor_after([0.7, 0.3]) == pytest.approx(61.0)
+    assert floor_after([1.0, 0.0]) == pytest.approx(101.0)
+    assert floor_after([0.7, 0.3]) == pytest.approx(101.0)
+    assert floor_after([0.0, 0.0]) == 1.0
 
 
 def test_connections_served_in_turn_run_dry_smallest_first_and_its_ping_comes_back_at_once():
@@ -618,3 +624,21 @@ def test_validation_takes_every_emulated_repeat_and_a_newer_swing_replaces_their
     assert emulated_runs({**reps, "swing": newer, "swing_replaced": True}) == (["A", "B"], newer["repeats"])
     assert emulated_runs({**one, "swing": {"rate": 2.0}, "swing_replaced": True}) == (["A"], [{"rate": 2.0}])
     assert spread([1.0], ".1f") == "" and spread([2.0, 1.0, 1.5], ".1f") == " [1.0-2.0]"
+
+
+def test_a_joining_path_keeps_its_idle_floor_and_a_ping_on_an_emptied_connection_is_through():
+    from common.sim.pings import PathPings
+
+    # The real link pinged its idle connections before the bytes came: a path that joins loaded reads
+    # the base floor until the window has passed, then its waiting ping's age.
+    pings = PathPings(interval_s=1.0, connections=1, floor_window_s=3.0)
+    stuck = lambda key: (0.0, 0.0)  # noqa: E731  (nothing delivered)
+    assert pings.tick(0.0, {"p": (100.0,)}, stuck, 1.0)[1] == 1.0
+    first = pings.paths["p"].next
+    pings.tick(first, {"p": (100.0,)}, stuck, 1.0)  # its ping goes out behind 100 B
+    assert pings.tick(first + 2.0, {"p": (100.0,)}, stuck, 1.0)[1] == 1.0  # the idle pong at 0 s is in the window
+    assert pings.tick(first + 3.5, {"p": (100.0,)}, stuck, 1.0)[1] == pytest.approx(3501.0)  # then the ping's wait
+    # Its connection holds nothing any more (the bytes it waited behind were delivered, though fewer than
+    # its mark): the ping is through by now, not left out until the path carries bytes again.
+    pings.tick(first + 4.0, {}, lambda key: (50.0, 0.0), 1.0)
+    assert pings.paths["p"].out == [None]

@@ -326,8 +326,9 @@ class Simulation:
         counts a byte as sent once the buffers take it, only what exceeds their room stays queued in
         the sender (backlogged), and a ping waits behind the bytes buffered on its own connection of
         the path (a transfer's chunks spread over the connections as ``KvLink.send`` places them,
-        :meth:`_shares`, and leave them in turn, ``pings.ConnQueues``), so the RTT and, once every
-        connection of a path stays loaded, its floor grow by the worst path's queueing delay."""
+        :meth:`_shares`, and leave them in turn, ``pings.ConnQueues``), so the RTT and, once a
+        connection of a path stays loaded for the floor's window, its floor (the worst connection's,
+        ``LinkStats.rtt_floor``) grow by the worst path's queueing delay."""
         link = self.link
         b, queued, queues = link.sender_view(link.buffer_bytes)
         held, progress = self._held, link.path_progress

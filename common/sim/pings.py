@@ -2,8 +2,11 @@
 prefill worker's connections to one decode worker), as ``common/transfer/sender.py`` pings.
 
 The real sender pings each connection every ``ping_interval`` seconds, one ping outstanding per
-connection, and folds every round trip into its link's smoothed RTT (``Ewma``, alpha 0.125) and RTT
-floor (the lowest of the last few seconds, ``WindowedMin``). A ping waits behind the bytes buffered on
+connection, and folds every round trip into its link's smoothed RTT (``Ewma``, alpha 0.125) and its
+connection's RTT floor (the lowest of the last few seconds, ``WindowedMin``; without a pong there, the
+age of its ping still out); the link's floor is the worst connection's (``LinkStats.rtt_floor``). The
+real link pings its idle connections too, so a path that joins starts with a pong at the base on
+each connection. A ping waits behind the bytes buffered on
 its own connection, so what it measures depends on where the sender put them (:func:`send_shares`,
 :func:`connection_ahead`): ``KvLink.send`` places each chunk of one layer's ``send`` on the live
 connection with the fewest queued bytes (ties to the first), and a connection's queued count covers
@@ -139,9 +142,10 @@ class ConnQueues:
     transfer's shares (:func:`transfer_shares`; none above ``conn_bytes``), and the bytes it delivered
     leave them served in turn (:func:`drain_in_turn`: the link's token bucket meters every connection's
     writer piece by piece, ``common/lab/link_proxy.py``). So a connection given fewer of the bytes runs
-    dry first, and a ping on it is through at once while the path's other connection is still loaded:
-    the RTT floor (the lowest ping of a few seconds) then stays near the base on a saturated link until
-    every connection stays loaded. ``conn_bytes`` > 0: the most one connection holds (bytes)."""
+    dry first, and a ping on it is through at once while the path's other connection is still loaded
+    (its quick pongs lower that connection's floor, not the loaded one's). A ping on a connection that
+    holds nothing any more is through by then. ``conn_bytes`` > 0: the most one connection holds
+    (bytes)."""
 
     def __init__(self, conn_bytes: float = math.inf):
         self.conn_bytes = conn_bytes
@@ -188,7 +192,7 @@ class _Path:
 
     def __init__(self, first_at: float, floor_window_s: float, connections: int, now: float, progress: tuple[float, float]):
         self.rtt = Ewma(alpha=0.125)
-        self.floor = WindowedMin(floor_window_s)
+        self.floor = [WindowedMin(floor_window_s) for _ in range(connections)]  # per connection
         self.next = first_at  # s: the next ping round
         self.out: list[tuple[float, float] | None] = [None] * connections  # per connection: (sent s, through at delivered bytes)
         self.seen = (now, *progress)  # the previous tick: (s, the path's delivered bytes, its rate in bytes/s)
@@ -225,8 +229,10 @@ class PathPings:
         for key in ahead:
             if key not in self.paths:
                 self._joined += 1
-                self.paths[key] = _Path(now + (self._joined * _GOLDEN % 1.0) * self.interval_s, self.floor_window_s, n,
-                                        now, progress(key))
+                p = self.paths[key] = _Path(now + (self._joined * _GOLDEN % 1.0) * self.interval_s, self.floor_window_s, n,
+                                            now, progress(key))
+                for f in p.floor:  # the real link pinged its idle connections all along: their last pongs, at the base
+                    f.update(base_ms, now)
         worst_rtt, worst_floor, quiet = base_ms, base_ms, []
         self.failed = []
         idle = self._idle
@@ -246,17 +252,21 @@ class PathPings:
             still = now - p.moved[0]  # seconds its bytes have not moved (while a ping was out)
             t0, d0, r0 = p.seen
             d_sent = None
+            waiting: list[float | None] = [None] * n  # per connection: when its ping of an earlier round went out
             # the latest send time of the pings still out from earlier rounds; None once a connection has none
             youngest: float | None = -math.inf
             for c in range(n):
                 o = outs[c]
                 if o is not None:
-                    if d_now >= o[1]:  # through: when the delivered bytes passed its mark
+                    # through: when the delivered bytes passed its mark, or by now if its connection holds
+                    # nothing any more (the bytes it waited behind are delivered; the mark, set by the
+                    # path's bytes served in turn, can lie beyond what the path carries before it idles)
+                    if d_now >= o[1] or a[c] <= 0:
                         youngest = None
                         back = min(now, t0 + max(0.0, o[1] - d0) / r0) if r0 > 0 else now
                         sample = base_ms + 1e3 * max(0.0, back - o[0])
                         p.rtt.update(sample, now)
-                        p.floor.update(sample, now)
+                        p.floor[c].update(sample, now)
                         outs[c] = None
                         if back > last_round:  # still out at the latest round: that round skipped it
                             continue
@@ -267,15 +277,17 @@ class PathPings:
                             self.failed.append((key, c))
                             outs[c] = None
                             youngest = None  # redialled without a ping out
-                        elif youngest is not None:
-                            youngest = max(youngest, o[0])
+                        else:
+                            waiting[c] = o[0]
+                            if youngest is not None:
+                                youngest = max(youngest, o[0])
                         continue
                 youngest = None  # this connection has no ping out
                 if not due:
                     continue
                 if a[c] <= 0:  # nothing ahead of it: back at the base RTT
                     p.rtt.update(base_ms, now)
-                    p.floor.update(base_ms, now)
+                    p.floor[c].update(base_ms, now)
                 else:
                     if d_sent is None:
                         d_sent = progress(key)[0]
@@ -284,7 +296,14 @@ class PathPings:
                     outs[c] = (now, d_sent + a[c])
             p.seen = (now, *progress(key)) if any(outs) else (now, 0.0, 0.0)
             waited = None if youngest is None else base_ms + 1e3 * (now - youngest)
-            rtt, floor = rtt_with_pings_out(p.rtt.value, p.floor.value(now), waited)
+            rtt, _ = rtt_with_pings_out(p.rtt.value, None, waited)
+            floor = None  # the worst connection's (LinkStats.rtt_floor): its lowest pong of the window, else its ping's wait
+            for c in range(n):
+                v = p.floor[c].value(now)
+                if v is None and waiting[c] is not None:
+                    v = base_ms + 1e3 * (now - waiting[c])
+                if v is not None and (floor is None or v > floor):
+                    floor = v
             if rtt is not None:
                 worst_rtt = max(worst_rtt, rtt)
             if floor is not None:

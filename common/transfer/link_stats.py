@@ -178,7 +178,12 @@ class LinkStats:
         self._rtt = Ewma(rtt_alpha, clock=clock)  # seconds
         self._rtt_last_s: float | None = None
         self._rtt_min_s: float | None = None
-        self._rtt_floor = WindowedMin(rtt_floor_window_s)  # seconds: the lowest ping of the last few seconds
+        self._floor_window_s = check_finite("rtt_floor_window_s", rtt_floor_window_s)
+        if not self._floor_window_s > 0.0:
+            raise ValueError(f"rtt_floor_window_s must be a positive finite number of seconds, got {rtt_floor_window_s!r}")
+        # per connection (its id; None for samples that name none): the lowest ping of the last few seconds
+        self._conn_floor: dict[Any, WindowedMin] = {}
+        self._conn_ping_out: dict[Any, float] = {}  # per connection: when its ping of an earlier round went out
         self._pings_out_since: float | None = None  # when the youngest ping went out, while every connection has one out
         self._win_start: float | None = None
         self._win_bytes = 0
@@ -241,25 +246,66 @@ class LinkStats:
         self._win_bytes += n
         self.bytes_sent_total += n
 
-    def on_rtt(self, seconds: float, now: float | None = None) -> None:
-        """Fold in one application-level ping/pong round-trip time, in seconds.
+    def on_rtt(self, seconds: float, now: float | None = None, conn: Any = None) -> None:
+        """Fold in one application-level ping/pong round-trip time, in seconds, of connection ``conn``
+        (any hashable id; None when the caller names none).
 
         Raises ValueError if ``seconds`` is negative or not finite.
         """
         s = check_finite("rtt", seconds)
         if s < 0.0:
             raise ValueError(f"rtt must be >= 0 seconds, got {seconds!r}")
-        self._rtt.update(s, self._now(now))
+        t = self._now(now)
+        self._rtt.update(s, t)
         self._rtt_last_s = s
         self._rtt_min_s = s if self._rtt_min_s is None else min(self._rtt_min_s, s)
-        self._rtt_floor.update(s, self._now(now))
+        floor = self._conn_floor.get(conn)
+        if floor is None:
+            floor = self._conn_floor[conn] = WindowedMin(self._floor_window_s)
+        floor.update(s, t)
+        self._conn_ping_out.pop(conn, None)
         self._pings_out_since = None  # a pong: not every connection waits any more (the next ping round says)
 
-    def note_pings_out(self, youngest_sent: float | None) -> None:
-        """When the youngest ping awaiting a pong went out (this clock's seconds), given while every
-        live connection has one out; None when some connection has none. The snapshot's ``rtt_ms`` and
-        ``rtt_floor_ms`` then count those pings as taking at least that long (``rtt_with_pings_out``)."""
+    def note_pings_out(self, youngest_sent: float | None, by_conn: dict[Any, float] | None = None) -> None:
+        """The pings still awaiting a pong, before a new round goes out (this clock's seconds).
+        ``youngest_sent``: when the youngest went out, given while every live connection has one out;
+        None when some connection has none (the snapshot's ``rtt_ms`` then counts those pings as
+        taking at least that long, ``rtt_with_pings_out``). ``by_conn``: connection id -> when its
+        ping went out, for the connections with one out; None means ``{None: youngest_sent}`` (a
+        caller that names no connections). A connection without a pong in the floor's window reads
+        its waiting ping's age as its floor (see :meth:`rtt_floor`)."""
         self._pings_out_since = youngest_sent
+        if by_conn is None:
+            by_conn = {} if youngest_sent is None else {None: youngest_sent}
+        self._conn_ping_out = dict(by_conn)
+
+    def rtt_floor(self, now: float | None = None) -> float | None:
+        """The path's standing queueing delay as the worst connection sees it (seconds; None without
+        a sample or a ping out): per connection, the lowest RTT of its pongs in the last
+        ``rtt_floor_window_s`` seconds (CoDel's test: a queue that never drained in that window), or,
+        when it had none there, how long its ping still out has waited (a lower bound of that
+        ping's RTT); the largest over the connections. Not the lowest over all of them: a path that
+        serves its connections in turn (fair queueing at a bottleneck, a proxy's per-connection
+        buffers) drains the one holding few bytes first, and its quick pongs said nothing of the
+        seconds of KV waiting behind the others (in the emulated bandwidth swing that dip read as a
+        healthy link mid-way through a saturated phase). Through one FIFO queue every connection
+        waits alike, and the two agree. Connections with neither are forgotten here."""
+        t = self._now(now)
+        worst = None
+        for key in list(self._conn_floor):
+            v = self._conn_floor[key].value(t)
+            if v is None:
+                sent = self._conn_ping_out.get(key)
+                if sent is None:
+                    del self._conn_floor[key]  # aged out, nothing waiting: forget the connection
+                    continue
+                v = max(0.0, t - sent)
+            worst = v if worst is None else max(worst, v)
+        for key, sent in self._conn_ping_out.items():
+            if key not in self._conn_floor:  # no pong yet at all: its ping's age
+                v = max(0.0, t - sent)
+                worst = v if worst is None else max(worst, v)
+        return worst
 
     def on_stall(self, conn_id: Any) -> None:
         """Count one stall (a connection that made no progress within the engine's deadline)."""
@@ -409,10 +455,11 @@ class LinkStats:
         None before two samples), ``bytes_sent`` (bytes, cumulative), ``bytes_queued`` (bytes),
         ``rtt_ms`` / ``rtt_last_ms`` / ``rtt_min_ms`` (application RTT, ms, None before a sample),
         ``backlogged_s`` (seconds the engine's queue has stayed non-empty without a break, 0.0 when
-        empty), ``rtt_floor_ms`` (the lowest application RTT of the last ``rtt_floor_window_s``, ms, None
-        without a sample there: a floor above ``rtt_min_ms`` is a queue that did not drain once in
-        that window, where our own bursts of KV only raise the smoothed and the last RTT; both count
-        the pings still out when every connection has one, :meth:`note_pings_out`),
+        empty), ``rtt_floor_ms`` (ms, :meth:`rtt_floor`: the worst connection's lowest application RTT
+        of the last ``rtt_floor_window_s``, None without a sample there or a ping out: a floor above
+        ``rtt_min_ms`` is a queue that did not drain once in that window, where our own bursts of KV
+        only raise the smoothed and the last RTT; ``rtt_ms`` counts the pings still out when every
+        connection has one, :meth:`note_pings_out`),
         ``tcp_srtt_ms`` / ``tcp_srtt_max_ms`` (ms, None when no socket was read),
         ``tcp_lost`` / ``tcp_unacked`` / ``tcp_snd_cwnd`` (segments, summed over connections),
         ``tcp_notsent_bytes`` (bytes or None), ``retransmits`` (segments, cumulative),
@@ -424,7 +471,8 @@ class LinkStats:
         self._advance(t)
         tcp_gp = self._tcp_goodput.value
         since = self._pings_out_since
-        rtt, floor = rtt_with_pings_out(self._rtt.value, self._rtt_floor.value(t), None if since is None else max(0.0, t - since))
+        rtt, _ = rtt_with_pings_out(self._rtt.value, None, None if since is None else max(0.0, t - since))
+        floor = self.rtt_floor(t)
         cap = self.capacity_bytes_per_s(t)
         return {
             "peer": self.peer,

@@ -190,8 +190,10 @@ class KvLink(ChunkWriting):
             await asyncio.sleep(self.ping_interval)
             now = time.monotonic()
             infos = {c.cid: read_tcp_info(c.sock) for c in self._live()}  # read once: progress and link stats
-            out = [c.ping_sent for c in self._live()]  # before this round's pings: those of earlier rounds still out
-            self.stats.note_pings_out(max(out) if out and None not in out else None)
+            out = {c.cid: c.ping_sent for c in self._live()}  # before this round's pings: those of earlier rounds still out
+            sent = list(out.values())
+            self.stats.note_pings_out(max(sent) if sent and None not in sent else None,
+                                      {cid: t for cid, t in out.items() if t is not None})
             for c in self._live():
                 c.note_progress(infos[c.cid], now)
                 why = c.overdue(now, self.ping_timeout, self.stall_timeout)
@@ -249,7 +251,7 @@ class KvLink(ChunkWriting):
         if frame.kind is Kind.PONG:
             rtt = c.on_pong()
             if rtt is not None:
-                self.stats.on_rtt(rtt)
+                self.stats.on_rtt(rtt, conn=c.cid)
             return
         if frame.kind is Kind.KV_PROGRESS:
             c.on_peer_progress(h["rx"], time.monotonic())

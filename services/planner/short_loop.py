@@ -16,8 +16,8 @@ plentiful" flag the router's prefix rule reads.
 * Offload pressure (egress utilisation above ``util_enter``, congestion, or a PrfaaS queue surge
   while PD-P is not surging) held for ``enter_ticks`` consecutive ticks raises ``t`` to
   ``max(anchor, t * f)``, ``f`` a bounded multiplicative factor from utilisation / queue pressure.
-* Congestion from a queueing delay alone (a standing queue: the RTT floor of the last few seconds
-  ``rtt_excess_standing_ms`` above the base while a send queue has not emptied for
+* Congestion from a queueing delay alone (a standing queue: the RTT floor of the last few seconds,
+  the worst connection's (``LinkStats.rtt_floor``), ``rtt_excess_standing_ms`` above the base while a send queue has not emptied for
   ``standing_backlog_s``, whatever the utilisation reads; or an inflated RTT at
   a utilisation of at least ``util_exit``): the link bound is the most the link delivered in the
   episode; once ``t`` is at or above the anchor, ``t`` rises again only while the queue still grows
