@@ -1058,3 +1058,12 @@ def test_rtt_floor_is_the_worst_connections():
     for k, rtt in enumerate((0.30, 0.31, 0.29, 0.30)):
         fifo.on_rtt(rtt, conn=k % 2)
     assert fifo.rtt_floor() == pytest.approx(0.30)
+
+
+def test_worst_connection_floor_reads_each_connections_window_else_its_ping():
+    from common.transfer.estimators import worst_connection_floor
+
+    assert worst_connection_floor([]) is None
+    assert worst_connection_floor([(None, None)]) is None
+    assert worst_connection_floor([(0.001, None), (2.0, None)]) == 2.0  # the loaded one, not the dry one
+    assert worst_connection_floor([(0.001, 9.0), (None, 4.0)]) == 4.0  # a pong in the window outranks its ping out

@@ -45,7 +45,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 
 from common.transfer.connection import LATE_PONG_CAP
-from common.transfer.estimators import Ewma, WindowedMin, rtt_with_pings_out
+from common.transfer.estimators import Ewma, WindowedMin, rtt_with_pings_out, worst_connection_floor
 from services.router.bandwidth import water_fill
 
 _GOLDEN = 0.6180339887498949
@@ -297,13 +297,8 @@ class PathPings:
             p.seen = (now, *progress(key)) if any(outs) else (now, 0.0, 0.0)
             waited = None if youngest is None else base_ms + 1e3 * (now - youngest)
             rtt, _ = rtt_with_pings_out(p.rtt.value, None, waited)
-            floor = None  # the worst connection's (LinkStats.rtt_floor): its lowest pong of the window, else its ping's wait
-            for c in range(n):
-                v = p.floor[c].value(now)
-                if v is None and waiting[c] is not None:
-                    v = base_ms + 1e3 * (now - waiting[c])
-                if v is not None and (floor is None or v > floor):
-                    floor = v
+            floor = worst_connection_floor((p.floor[c].value(now), None if waiting[c] is None else base_ms + 1e3 * (now - waiting[c]))
+                                           for c in range(n))
             if rtt is not None:
                 worst_rtt = max(worst_rtt, rtt)
             if floor is not None:

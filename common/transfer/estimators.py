@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 __all__ = ["Clock", "Ewma", "WindowedMax", "WindowedMin", "check_finite"]
 
@@ -188,6 +188,24 @@ class WindowedMin:
 
     def reset(self) -> None:
         self._max.reset()
+
+
+def worst_connection_floor(per_conn: Iterable[tuple[float | None, float | None]]) -> float | None:
+    """A path's RTT floor from its connections' (any one unit, e.g. seconds): each pair is a
+    connection's lowest RTT of the window (None without a pong there) and how long its ping still out
+    has waited (None without one). A connection reads its window's lowest RTT, or, without a pong
+    there, its waiting ping's age (a lower bound of that ping's RTT); the path reads the largest over
+    its connections, None when none reads anything. Not the lowest over all of them: a path that serves
+    its connections in turn (fair queueing at a bottleneck, a proxy's per-connection buffers) drains the
+    one holding few bytes first, and its quick pongs say nothing of the queue behind the others. Through
+    one FIFO queue every connection waits alike, and the two agree. The KV senders' link stats and the
+    simulator's pings both read it (``LinkStats.rtt_floor``, ``common/sim/pings.py``)."""
+    worst = None
+    for floor, waited in per_conn:
+        v = floor if floor is not None else waited
+        if v is not None and (worst is None or v > worst):
+            worst = v
+    return worst
 
 
 def rtt_with_pings_out(smoothed: float | None, floor: float | None, waited: float | None) -> tuple[float | None, float | None]:

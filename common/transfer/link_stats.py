@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.transfer.estimators import Clock, Ewma, WindowedMax, WindowedMin, check_finite, rtt_with_pings_out
+from common.transfer.estimators import Clock, Ewma, WindowedMax, WindowedMin, check_finite, rtt_with_pings_out, worst_connection_floor
 from common.transfer.tcp_info import TcpInfo, as_socket, read_tcp_info
 
 __all__ = ["LinkStats"]
@@ -283,29 +283,21 @@ class LinkStats:
         """The path's standing queueing delay as the worst connection sees it (seconds; None without
         a sample or a ping out): per connection, the lowest RTT of its pongs in the last
         ``rtt_floor_window_s`` seconds (CoDel's test: a queue that never drained in that window), or,
-        when it had none there, how long its ping still out has waited (a lower bound of that
-        ping's RTT); the largest over the connections. Not the lowest over all of them: a path that
-        serves its connections in turn (fair queueing at a bottleneck, a proxy's per-connection
-        buffers) drains the one holding few bytes first, and its quick pongs said nothing of the
-        seconds of KV waiting behind the others (in the emulated bandwidth swing that dip read as a
-        healthy link mid-way through a saturated phase). Through one FIFO queue every connection
-        waits alike, and the two agree. Connections with neither are forgotten here."""
+        without one there, how long its ping still out has waited; the largest over the connections
+        (:func:`~common.transfer.estimators.worst_connection_floor` says why not the lowest). In the
+        emulated bandwidth swing the lowest read as a healthy link mid-way through a saturated phase.
+        Connections with neither are forgotten here."""
         t = self._now(now)
-        worst = None
-        for key in list(self._conn_floor):
-            v = self._conn_floor[key].value(t)
-            if v is None:
-                sent = self._conn_ping_out.get(key)
-                if sent is None:
-                    del self._conn_floor[key]  # aged out, nothing waiting: forget the connection
-                    continue
-                v = max(0.0, t - sent)
-            worst = v if worst is None else max(worst, v)
-        for key, sent in self._conn_ping_out.items():
-            if key not in self._conn_floor:  # no pong yet at all: its ping's age
-                v = max(0.0, t - sent)
-                worst = v if worst is None else max(worst, v)
-        return worst
+        per_conn = []
+        for key in set(self._conn_floor) | set(self._conn_ping_out):
+            floor = self._conn_floor.get(key)
+            v = None if floor is None else floor.value(t)
+            sent = self._conn_ping_out.get(key)
+            if v is None and sent is None:
+                del self._conn_floor[key]  # aged out, nothing waiting: forget the connection
+                continue
+            per_conn.append((v, None if sent is None else max(0.0, t - sent)))
+        return worst_connection_floor(per_conn)
 
     def on_stall(self, conn_id: Any) -> None:
         """Count one stall (a connection that made no progress within the engine's deadline)."""
