@@ -33,7 +33,7 @@ def dense_checkpoint(tmp_path_factory) -> str:
 
 def _start(model: str, tmp_path_factory, name: str) -> Cluster:
     logs = tmp_path_factory.mktemp(f"logs-{name}")
-    return Cluster(model=model, env={"PRFAAS_FAULT_INJECTION": "1"}, log_dir=logs).start()
+    return Cluster(model=model, env={"PRFAAS_FAULT_INJECTION": "1", "PRFAAS_LOG_REQUESTS": "1"}, log_dir=logs).start()
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ workers registered with a real planner."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 
 import pytest
@@ -317,6 +318,25 @@ async def test_place_routes_by_the_cached_prefix(env):
     stats = (await env.call("stats", {}))["prefix"]
     assert stats["requests"] == 5 and stats["prompt_tokens"] == 5 * 64
     assert stats["hit_tokens"] == {"pd": 64, "prfaas": 56} and stats["moves"] == 1
+
+
+async def test_placement_lines_are_logged_only_with_log_requests(env, caplog):
+    """``PRFAAS_LOG_REQUESTS`` (``common.obs.logctx.log_requests``): off, a placement writes no log line
+    (the default, as vLLM and SGLang log no line per request); on, one INFO line with the route."""
+    from common.obs import logctx
+
+    await register_cluster(env)
+    was = logctx.log_requests()
+    try:
+        with caplog.at_level(logging.INFO, logger="prfaas.router"):
+            logctx.set_log_requests(False)
+            await env.place(tokens(8, 64))
+            assert not [r for r in caplog.records if "route=" in r.getMessage()]
+            logctx.set_log_requests(True)
+            await env.place(tokens(8, 64))
+        assert [r.getMessage() for r in caplog.records if "route=" in r.getMessage()][0].startswith("route=remote ")
+    finally:
+        logctx.set_log_requests(was)
 
 
 async def test_load_guard_spreads_a_flood_of_one_prefix(env):

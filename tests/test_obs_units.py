@@ -8,6 +8,8 @@ import argparse
 import importlib
 import logging
 import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -99,6 +101,20 @@ def test_log_lines_carry_the_request_id_in_text_and_json():
     assert "request_id" not in orjson.loads(JsonFormatter().format(_record()))
     with pytest.raises(ValueError, match="PRFAAS_LOG_FORMAT"):
         formatter("xml")
+
+
+@pytest.mark.parametrize("value,on", [(None, False), ("0", False), ("1", True), ("yes", None)])
+def test_request_lines_flag(value, on):
+    """``PRFAAS_LOG_REQUESTS``: unset or 0 off, 1 on, anything else exits naming the variable (in a child
+    process: the set-up replaces the root logger's handlers)."""
+    env = {k: v for k, v in os.environ.items() if k != "PRFAAS_LOG_REQUESTS"} | ({"PRFAAS_LOG_REQUESTS": value} if value else {})
+    code = ("from common.runtime.service import setup_logging; from common.obs.logctx import log_requests; "
+            "setup_logging('t'); print(log_requests())")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    if on is None:
+        assert proc.returncode != 0 and "PRFAAS_LOG_REQUESTS must be 0 or 1, got 'yes'" in proc.stderr
+    else:
+        assert proc.returncode == 0 and proc.stdout.strip() == str(on), proc.stderr
 
 
 @pytest.mark.parametrize("value,ok", [("abc-123", True), ("a" * 128, True), ("a" * 129, False), ("", False),

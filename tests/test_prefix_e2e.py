@@ -84,7 +84,7 @@ def plentiful(tmp_path_factory):
     """A hybrid cluster whose router treats cross-cluster bandwidth as plentiful."""
     from common.lab.cluster import Cluster
 
-    c = Cluster(model="tiny-hybrid", log_dir=tmp_path_factory.mktemp("logs-plentiful"),
+    c = Cluster(model="tiny-hybrid", log_dir=tmp_path_factory.mktemp("logs-plentiful"), env={"PRFAAS_LOG_REQUESTS": "1"},
                 router_args=("--bandwidth-plentiful",)).start()
     yield c
     c.stop()

@@ -81,7 +81,7 @@ def start_observed(model: str, workdir: Path) -> Observed:
     logs = workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     ports = {s: free_port() for s in SERVICES}
-    cluster = Cluster(model=model, threshold=THRESHOLD, log_dir=logs, pd_local=True,
+    cluster = Cluster(model=model, threshold=THRESHOLD, log_dir=logs, pd_local=True, env={"PRFAAS_LOG_REQUESTS": "1"},
                       extra_args={s: ("--metrics-port", str(p)) for s, p in ports.items()})
     cluster.start()
     metrics = {s: f"127.0.0.1:{p}" for s, p in ports.items()}

@@ -7,6 +7,11 @@ the task of every call whose arguments carry a ``req_id``. Tasks and threads sta
 (``asyncio.create_task``, ``asyncio.to_thread``) copy the context, so each log line about the
 request carries its id without any call site passing it.
 
+Per-request lines (``PRFAAS_LOG_REQUESTS``, default off, as vLLM's ``--enable-log-requests`` and
+SGLang's ``--log-requests``): the router's placement, the decode worker's admission and the prefill
+worker's KVCache hand-off each log one INFO line per request only when it is ``1``
+(:func:`log_requests`). The gateway's line per finished request (the access log) is always written.
+
 Formats (``PRFAAS_LOG_FORMAT``): ``text`` (default), ``<time> <level> <logger>: [<id>] <message>``
 (the ``[<id>]`` only when a request is in context); ``json``, one object per line with ``ts``
 (ISO 8601, UTC), ``level``, ``logger``, ``msg``, ``request_id`` (when set) and ``exc`` (a traceback).
@@ -25,6 +30,18 @@ from common.obs.reqctx import REQUEST_ID, detached  # noqa: F401 - re-exported: 
 # What an X-Request-Id (or a wire req_id logged) may be: printable, no spaces, bounded.
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:/@+=-]{1,128}")
 LOG_FORMATS = ("text", "json")
+_log_requests = False  # set once per process by common.runtime.service.setup_logging
+
+
+def log_requests() -> bool:
+    """Whether this process logs a line per request in its services' hot paths (``PRFAAS_LOG_REQUESTS``)."""
+    return _log_requests
+
+
+def set_log_requests(on: bool) -> None:
+    """Turn the per-request lines of :func:`log_requests` on or off (the service's set-up does)."""
+    global _log_requests
+    _log_requests = bool(on)
 
 
 def valid_request_id(value: object) -> bool:

@@ -62,14 +62,23 @@ def add_insecure_flag(p: argparse.ArgumentParser) -> None:
 def setup_logging(name: str) -> logging.Logger:
     """Line-oriented logs on stderr (honcho prefixes each line with the process name), each line about
     a request tagged with its id; ``PRFAAS_LOG_FORMAT=json`` writes one JSON object per line instead
-    (see :mod:`common.obs.logctx`; an unknown format exits naming the variable)."""
-    from common.obs.logctx import formatter
+    (see :mod:`common.obs.logctx`; an unknown format exits naming the variable). ``PRFAAS_LOG_REQUESTS=1``
+    adds a line per request from the router and the workers (:func:`common.obs.logctx.log_requests`).
+    A record carries no thread, process or caller fields (the formats print none of them): the
+    logging HOWTO's "Optimization" settings, which save their look-ups on every line."""
+    from common.obs.logctx import formatter, set_log_requests
 
     level = env_default("PRFAAS_LOG_LEVEL", "INFO")
     try:
         fmt = formatter(env_default("PRFAAS_LOG_FORMAT", "text"))
     except ValueError as e:
         sys.exit(f"error: {e}")
+    flag = env_default("PRFAAS_LOG_REQUESTS", "0")
+    if flag not in ("0", "1"):
+        sys.exit(f"error: PRFAAS_LOG_REQUESTS must be 0 or 1, got {flag!r}")
+    set_log_requests(flag == "1")
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    logging._srcfile = None  # no caller look-up per record (the HOWTO's documented switch)
     handler = logging.StreamHandler()
     handler.setFormatter(fmt)
     logging.basicConfig(level=level, handlers=[handler], force=True)

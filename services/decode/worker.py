@@ -79,6 +79,7 @@ from common.model.logits import TokenLogprob
 from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, check_wire_sampling, shifted_seed
 from common.obs.histograms import DecodeHistograms, process_histograms
+from common.obs.logctx import log_requests
 from common.rpc.errors import RpcError
 from common.rpc.handshake import parse_addr
 from common.rpc.schema import takes
@@ -344,8 +345,9 @@ class DecodeWorker:
             hashes = block_hashes(input_ids, self.store.block_size) if self.prefix_cache is not None else []
             seqs = await self._admit(req_id, input_ids, hashes, n, args.priority)  # 1. pre-allocate (every branch's table)
             queued_s = time.monotonic() - arrived
-            log.info("admitted %d prompt tokens after %.3fs queued (%d cached here); route=%s prefill on %s",
-                     len(input_ids), queued_s, seqs[0].cached_tokens, args.route or "local", prefill_addr)
+            if log_requests():
+                log.info("admitted %d prompt tokens after %.3fs queued (%d cached here); route=%s prefill on %s",
+                         len(input_ids), queued_s, seqs[0].cached_tokens, args.route or "local", prefill_addr)
             for r, seq in zip(reqs, seqs):
                 r.seq, r.admitted_at, r.no_early = seq, time.monotonic(), n > 1  # a branch forks from a landed prompt
                 r.priority = args.priority

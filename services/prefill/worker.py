@@ -48,6 +48,7 @@ from common.model.logits import MAX_PROMPT_LOGPROB_BYTES, PromptLogprobs, prompt
 from common.model.prompt import validate_prompt
 from common.model.sampling import SamplingParams, check_wire_sampling, sample_token
 from common.obs.histograms import PrefillHistograms, process_histograms
+from common.obs.logctx import log_requests
 from common.rpc.client import ClientPool
 from common.rpc.errors import RpcError
 from common.rpc.schema import takes
@@ -422,8 +423,9 @@ class PrefillWorker:
                     if self.prefix is not None:
                         self.prefix.store_prompt(hit, final_kv, checkpoints)
             timings["acked_at"] = time.monotonic()
-            log.info("prefilled %d tokens (%d from the prefix cache, %d already at the receiver) in %.3fs; KVCache to %s",
-                     n_in, hit.tokens, kv_from, timings["prefill_s"], link.addr)
+            if log_requests():
+                log.info("prefilled %d tokens (%d from the prefix cache, %d already at the receiver) in %.3fs; KVCache to %s",
+                         n_in, hit.tokens, kv_from, timings["prefill_s"], link.addr)
             result = {"first_token": first, "prompt_len": n_in, "timings": timings}
             if k is not None:
                 result["prompt_logprobs"] = PromptLogprobs.cat(prompt_lps, k).to_wire()

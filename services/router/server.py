@@ -35,6 +35,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.obs.logctx import log_requests
 from common.rpc.client import RpcClient
 from common.rpc.errors import RpcError
 from common.rpc.schema import NoArgs, takes
@@ -325,8 +326,9 @@ class Router:
             self.leases.place(args.req_id, p.prefill["name"], p.decode["name"], work, now)
             for n in (p.prefill["name"], p.decode["name"]):
                 self.breakers.get(n).placed(now)
-        log.info("route=%s req=%s priority=%d prefill=%s decode=%s %s", p.route, args.req_id, args.priority, p.prefill["name"],
-                 p.decode["name"], p.reason)
+        if log_requests():
+            log.info("route=%s req=%s priority=%d prefill=%s decode=%s %s", p.route, args.req_id, args.priority, p.prefill["name"],
+                     p.decode["name"], p.reason)
         return {
             "route": p.route,
             "incremental_len": p.incremental_len,
