@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -74,6 +75,40 @@ def test_an_idle_class_banks_no_credit():
     # high starts at the virtual time (999, the start tag of the last low grant), not at 0: 4 : 1 at
     # once (one extra high grant while it catches up to low's next tag), not 1000 high grants in a row
     assert "".join(order[:10]) == "hhhhhlhhhh" and order.count("h") == 41 and order.count("l") == 9
+
+
+def _tags(q: FairQueue) -> tuple:
+    sfqs = [q.classes, *q.flows.values()]
+    return (q.granted, q.class_of, len(q), [(f.v, f.start, f.finish, f.order) for f in sfqs])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_grant_on_an_empty_queue_is_push_then_pop(seed):
+    """The gate's fast path (``FairQueue.grant``, a chunk that goes at once) leaves the same tags and
+    counts as queueing the chunk and taking it: random runs of pushes, pops, grants and forgets on
+    two queues, one of which only ever pushes and pops, then the same grant order afterwards."""
+    rng = random.Random(seed)
+    fast, slow = FairQueue(), FairQueue()
+    tids = {f"t{i}": rng.choice([HIGH, NORMAL, LOW]) for i in range(6)}
+    grants = 0
+    for _ in range(600):
+        op, tid, n = rng.random(), rng.choice(list(tids)), rng.randint(0, 5000)
+        if len(fast) == 0 and op < 0.6:
+            fast.grant(tid, tids[tid], n)
+            slow.push(tid, tids[tid], n)
+            assert slow.pop()[:2] == (tid, n)
+            grants += 1
+        elif len(fast) == 0 or op < 0.35:
+            fast.push(tid, tids[tid], n, "x")
+            slow.push(tid, tids[tid], n, "x")
+        elif op < 0.95:
+            assert fast.pop() == slow.pop()
+        else:
+            assert fast.forget(tid) == slow.forget(tid)
+        assert _tags(fast) == _tags(slow)
+    assert grants > 100
+    with pytest.raises(ValueError):
+        (fast.push("t0", 0, 1), fast.grant("t1", 0, 1))  # only while nothing waits
 
 
 def test_forget_drops_a_transfer_and_inputs_are_checked():

@@ -31,7 +31,7 @@ class Backoff:
             raise ValueError(f"bad backoff: first={first} cap={cap} factor={factor} jitter={jitter}")
         self.first, self.cap, self.factor, self.jitter = first, cap, factor, jitter
         self.deadline, self.clock = deadline, clock
-        self._rng = rng or random.Random()
+        self._rng = rng  # made at the first jittered delay (seeding one from the OS costs ~10 us; most never wait)
         self._next = first
         self.attempts = 0  # delays handed out since the last reset
 
@@ -45,7 +45,11 @@ class Backoff:
 
     def next_delay(self) -> float | None:
         """The delay before the next try (seconds), or ``None`` if it would end past the deadline."""
-        delay = self._next * (1 + self.jitter * self._rng.random())
+        delay = self._next
+        if self.jitter:
+            if self._rng is None:
+                self._rng = random.Random()
+            delay *= 1 + self.jitter * self._rng.random()
         left = self.remaining()
         if left is not None and delay > left:
             return None

@@ -68,6 +68,13 @@ class _Sfq:
             return None
         return min(keys, key=lambda k: (self.start[k], (rank or {}).get(k, 0), self.order[k]))
 
+    def grant(self, key: Any, nbytes: int, weight: float) -> None:
+        """A chunk of ``nbytes`` for ``key`` granted as it arrives at an empty queue: the tags of
+        :meth:`push` then :meth:`charge`, with no queue entry (the caller knows every flow is empty)."""
+        self.order.setdefault(key, next(self._seq))
+        self.start[key] = max(self.finish.get(key, 0.0), self.v)
+        self.charge(key, nbytes, weight)
+
     def charge(self, key: Any, nbytes: int, weight: float) -> None:
         """The head of ``key`` (``nbytes``) was granted: advance the tags."""
         s = self.start[key]
@@ -97,9 +104,10 @@ class FairQueue:
         self.class_of: dict[str, str] = {}
         self.granted = {c: 0 for c in CLASSES}
         self._rank = {c: i for i, c in enumerate(CLASSES)}
+        self.waiting = 0  # chunks queued
 
     def __len__(self) -> int:
-        return sum(len(q) for s in self.flows.values() for q in s.queues.values())
+        return self.waiting
 
     def push(self, tid: str, priority: int, nbytes: int, item: Any = None) -> None:
         if nbytes < 0:
@@ -107,6 +115,18 @@ class FairQueue:
         c = self.class_of.setdefault(tid, class_of(priority))
         self.flows[c].push(tid, nbytes, item)
         self.classes.push(c, 0, None)  # the class level holds one marker per waiting chunk
+        self.waiting += 1
+
+    def grant(self, tid: str, priority: int, nbytes: int) -> None:
+        """:meth:`push` then :meth:`pop` of one chunk while nothing waits (the same tags and counts,
+        without queueing it): the gate's path for a chunk that goes at once. Raises ``ValueError``
+        for a negative size or when chunks are waiting."""
+        if nbytes < 0 or self.waiting:
+            raise ValueError(f"grant takes a chunk of >= 0 bytes while none waits, got {nbytes} with {self.waiting} waiting")
+        c = self.class_of.setdefault(tid, class_of(priority))
+        self.flows[c].grant(tid, nbytes, 1.0)
+        self.classes.grant(c, nbytes, self.weights[c])
+        self.granted[c] += nbytes
 
     def waiting_bytes(self) -> dict[str, int]:
         """Bytes of the chunks waiting, per class."""
@@ -131,6 +151,7 @@ class FairQueue:
         tid = fl.head()
         nbytes, item = fl.queues[tid].popleft()
         self.classes.queues[c].popleft()
+        self.waiting -= 1
         if charge:
             fl.charge(tid, nbytes, 1.0)
             self.classes.charge(c, nbytes, self.weights[c])
@@ -146,6 +167,7 @@ class FairQueue:
         items = [item for _, item in q]
         for _ in items:
             self.classes.queues[c].popleft()
+        self.waiting -= len(items)
         self.flows[c].forget(tid)
         return items
 
@@ -274,6 +296,8 @@ class ShareGate:
         self._dispatch()
 
     def _dispatch(self) -> None:
+        if not self.queue.waiting:
+            return
         now = asyncio.get_running_loop().time()
         pace = self.pace_rate(now)
         granted = self.class_rates(now)
@@ -307,7 +331,35 @@ class ShareGate:
         if wake is not None:  # the earliest of: a class's tokens, a grant's lapse
             self._arm(min(wake, min(exp for _, exp in self.grants.values()) - now))
 
+    def _grant_now(self, tid: str, priority: int, n: int) -> bool:
+        """With nothing waiting, grant ``n`` bytes at once when :meth:`_dispatch` would grant a chunk
+        just queued (room in the window, the pace's and the class's tokens), with the same effects
+        and no future; False (nothing taken) when the chunk must queue."""
+        if self.inflight and self.inflight + n > self.budget:
+            return False
+        now = asyncio.get_running_loop().time()
+        pace = self.pace_rate(now)
+        if pace is not None:
+            self._pace.rate = pace
+            if self._pace.wait(n, now) > 0:
+                return False
+        granted = self.class_rates(now)
+        if granted is not None:
+            c = self.queue.class_of.get(tid) or class_of(priority)  # a transfer keeps its first class
+            bucket = self._class_pace[c]
+            bucket.rate = granted[c]
+            if bucket.wait(n, now) > 0:
+                return False
+            bucket.take(n)
+        if pace is not None:
+            self._pace.take(n)
+        self.queue.grant(tid, priority, n)
+        self.inflight += n
+        return True
+
     async def acquire(self, tid: str, priority: int, n: int) -> None:
+        if not self.queue.waiting and self._grant_now(tid, priority, n):
+            return  # (no await: a chunk that goes at once costs no loop turn, as an awaited done future does not)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self.queue.push(tid, priority, n, fut)
         self._dispatch()
