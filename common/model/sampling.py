@@ -9,9 +9,10 @@ original seed draws at that position.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers.generation.logits_process import (
@@ -71,9 +72,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @functools.cached_property
     def processing(self) -> Processing:
-        """The logits processing these settings ask for (:func:`common.model.logits.process_logits`)."""
+        """The logits processing these settings ask for (:func:`common.model.logits.process_logits`);
+        made once per settings object (read for every row of every decode step)."""
         return Processing(self.min_tokens, self.stop_token_ids, self.logit_bias, self.presence_penalty,
                           self.frequency_penalty, self.repetition_penalty)
 
@@ -181,9 +183,10 @@ def _warpers(params: SamplingParams) -> LogitsProcessorList:
     return procs
 
 
-@dataclass(frozen=True)
-class Sampled:
-    """One drawn token and, when the request asked for them, its logprobs (:class:`TokenLogprob`)."""
+class Sampled(NamedTuple):
+    """One drawn token and, when the request asked for them, its logprobs (:class:`TokenLogprob`).
+    Immutable; a named tuple, not a frozen dataclass, since a decode step makes one per running row
+    (a frozen dataclass's ``__init__`` costs several times as much)."""
 
     token: int
     logprobs: TokenLogprob | None = None
