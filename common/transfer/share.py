@@ -295,6 +295,28 @@ class ShareGate:
         self._timer = None
         self._dispatch()
 
+    def _take(self, c: str, n: int, now: float, pace: float | None, granted: dict[str, float] | None) -> tuple[str | None, float]:
+        """Let a chunk of ``n`` bytes of class ``c`` go at ``now`` if it may: ``(None, 0.0)`` once its
+        bytes are in flight and its pace and class tokens taken; else what holds it, ``"window"`` (the
+        window is full; ``0.0``), ``"pace"`` or ``"class"`` (that bucket's tokens come in the seconds
+        returned), with nothing taken. ``pace``: :meth:`pace_rate`; ``granted``: :meth:`class_rates`."""
+        if self.inflight and self.inflight + n > self.budget:
+            return "window", 0.0
+        if pace is not None:
+            self._pace.rate = pace
+            if (w := self._pace.wait(n, now)) > 0:
+                return "pace", w
+        if granted is not None:
+            bucket = self._class_pace[c]
+            bucket.rate = granted[c]
+            if (w := bucket.wait(n, now)) > 0:
+                return "class", w
+            bucket.take(n)
+        if pace is not None:
+            self._pace.take(n)
+        self.inflight += n
+        return None, 0.0
+
     def _dispatch(self) -> None:
         if not self.queue.waiting:
             return
@@ -308,53 +330,31 @@ class ShareGate:
             if fut.done():  # cancelled: drop it without charging
                 self.queue.pop(charge=False, skip=skip)
                 continue
-            if self.inflight and self.inflight + n > self.budget:
-                return
-            if pace is not None:
-                self._pace.rate = pace
-                if (w := self._pace.wait(n, now)) > 0:
-                    self._arm(w)
-                    return
             c = self.queue.class_of[tid]
-            if granted is not None:
-                self._class_pace[c].rate = granted[c]
-                if (w := self._class_pace[c].wait(n, now)) > 0:  # this class is at its rate: the others may go
-                    skip.add(c)
-                    wake = w if wake is None else min(wake, w)
-                    continue
-                self._class_pace[c].take(n)
-            if pace is not None:
-                self._pace.take(n)
+            held, w = self._take(c, n, now, pace, granted)
+            if held == "window":
+                return
+            if held == "pace":
+                self._arm(w)
+                return
+            if held == "class":  # this class is at its rate: the others may go
+                skip.add(c)
+                wake = w if wake is None else min(wake, w)
+                continue
             self.queue.pop(skip=skip)
-            self.inflight += n
             fut.set_result(None)
         if wake is not None:  # the earliest of: a class's tokens, a grant's lapse
             self._arm(min(wake, min(exp for _, exp in self.grants.values()) - now))
 
     def _grant_now(self, tid: str, priority: int, n: int) -> bool:
         """With nothing waiting, grant ``n`` bytes at once when :meth:`_dispatch` would grant a chunk
-        just queued (room in the window, the pace's and the class's tokens), with the same effects
-        and no future; False (nothing taken) when the chunk must queue."""
-        if self.inflight and self.inflight + n > self.budget:
-            return False
+        just queued (:meth:`_take`, the same rule), with the same effects and no future; False (nothing
+        taken) when the chunk must queue."""
         now = asyncio.get_running_loop().time()
-        pace = self.pace_rate(now)
-        if pace is not None:
-            self._pace.rate = pace
-            if self._pace.wait(n, now) > 0:
-                return False
-        granted = self.class_rates(now)
-        if granted is not None:
-            c = self.queue.class_of.get(tid) or class_of(priority)  # a transfer keeps its first class
-            bucket = self._class_pace[c]
-            bucket.rate = granted[c]
-            if bucket.wait(n, now) > 0:
-                return False
-            bucket.take(n)
-        if pace is not None:
-            self._pace.take(n)
+        c = self.queue.class_of.get(tid) or class_of(priority)  # a transfer keeps its first class
+        if self._take(c, n, now, self.pace_rate(now), self.class_rates(now))[0] is not None:
+            return False
         self.queue.grant(tid, priority, n)
-        self.inflight += n
         return True
 
     async def acquire(self, tid: str, priority: int, n: int) -> None:
